@@ -1,0 +1,1 @@
+"""Dataset formats, readers and generators."""

@@ -1,0 +1,1 @@
+"""Algorithms of dlrmflow. Nothing in here imports Prefect."""

@@ -1,0 +1,143 @@
+"""The deterministic batch stream shared by the planner and the trainers.
+
+Batches are cut from a preprocessed dataset in file order (``meta.files``): batch ``t``
+holds rows ``start_row + t*B .. start_row + (t+1)*B - 1``. The planner and the trainer
+build the same :class:`BatchStream` from the same arguments, so they see identical
+batches; that equality is what makes a lookahead plan valid for a training run.
+
+Global embedding ids: table ``k``'s row ``r`` is ``offsets[k] + r``
+(``offsets = meta.table_offsets``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dlrmflow.datasets.meta import DatasetMeta, read_meta
+
+
+@dataclass(frozen=True)
+class Batch:
+    index: int
+    dense: np.ndarray  # float32 [B, n_dense]
+    sparse: np.ndarray  # int64 [B, n_tables], table-local ids
+    labels: np.ndarray  # float32 [B]
+
+
+def global_ids(sparse: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Table-local ids [B, T] -> global ids [B, T] (int64)."""
+    return sparse.astype(np.int64, copy=False) + np.asarray(offsets, dtype=np.int64)[None, :]
+
+
+def read_rows(
+    dataset_dir: str | os.PathLike,
+    meta: DatasetMeta,
+    start: int,
+    stop: int,
+    columns: list[str],
+) -> pa.Table:
+    """Rows ``[start, stop)`` of the dataset (in file order), only ``columns``."""
+    if not 0 <= start <= stop <= meta.rows:
+        raise ValueError(f"row range [{start}, {stop}) outside the dataset's {meta.rows} rows")
+    ends = np.cumsum([f.rows for f in meta.files]).tolist()
+    pieces = []
+    i = bisect.bisect_right(ends, start)
+    pos = start
+    while pos < stop:
+        file_start = ends[i] - meta.files[i].rows
+        lo, hi = pos - file_start, min(stop, ends[i]) - file_start
+        table = pq.read_table(Path(dataset_dir) / meta.files[i].name, columns=columns)
+        pieces.append(table.slice(lo, hi - lo))
+        pos = file_start + hi
+        i += 1
+    if not pieces:
+        schema = pq.read_schema(Path(dataset_dir) / meta.files[0].name)
+        return pa.table({c: pa.array([], type=schema.field(c).type) for c in columns})
+    return pa.concat_tables(pieces)
+
+
+def _matrix(table: pa.Table, columns: list[str], dtype: type) -> np.ndarray:
+    if not columns:
+        return np.zeros((table.num_rows, 0), dtype=dtype)
+    return np.stack([table.column(c).to_numpy() for c in columns], axis=1).astype(dtype, copy=False)
+
+
+class BatchStream:
+    """Batches of ``batch_size`` rows over ``[start_row, stop_row)`` of a dataset.
+
+    ``drop_last`` drops a final partial batch; otherwise it is kept (smaller).
+    ``sparse_only`` skips reading dense features and labels (the planner needs ids only).
+    """
+
+    def __init__(
+        self,
+        dataset_dir: str | os.PathLike,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        start_row: int = 0,
+        stop_row: int | None = None,
+        sparse_only: bool = False,
+        read_rows_at_once: int = 1 << 20,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset_dir = Path(dataset_dir)
+        self.meta = read_meta(dataset_dir)
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.start_row = start_row
+        self.stop_row = self.meta.rows if stop_row is None else stop_row
+        if not 0 <= self.start_row <= self.stop_row <= self.meta.rows:
+            raise ValueError(
+                f"rows [{self.start_row}, {self.stop_row}) outside the dataset's {self.meta.rows} rows"
+            )
+        self.sparse_only = sparse_only
+        self.offsets = np.asarray(self.meta.table_offsets, dtype=np.int64)
+        # Read whole blocks of batches at a time: parquet reads are cheap per row, costly per call.
+        self._rows_at_once = max(batch_size, (read_rows_at_once // batch_size) * batch_size)
+
+    def __len__(self) -> int:
+        n = self.stop_row - self.start_row
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def batch_rows(self, t: int) -> tuple[int, int]:
+        """Dataset row range of batch ``t``."""
+        lo = self.start_row + t * self.batch_size
+        return lo, min(lo + self.batch_size, self.stop_row)
+
+    def iter_range(self, first: int, last: int) -> Iterator[Batch]:
+        """Batches ``first .. last-1`` (clipped to the stream)."""
+        last = min(last, len(self))
+        meta = self.meta
+        columns = list(meta.sparse_columns)
+        if not self.sparse_only:
+            columns = [meta.label_column, *meta.dense_columns, *columns]
+        t = max(first, 0)
+        while t < last:
+            t_end = min(last, t + self._rows_at_once // self.batch_size)
+            lo, _ = self.batch_rows(t)
+            _, hi = self.batch_rows(t_end - 1)
+            table = read_rows(self.dataset_dir, meta, lo, hi, columns)
+            sparse = _matrix(table, meta.sparse_columns, np.int64)
+            if self.sparse_only:
+                dense = np.zeros((table.num_rows, 0), np.float32)
+                labels = np.zeros(table.num_rows, np.float32)
+            else:
+                dense = _matrix(table, meta.dense_columns, np.float32)
+                labels = table.column(meta.label_column).to_numpy().astype(np.float32)
+            for u in range(t, t_end):
+                a, b = (x - lo for x in self.batch_rows(u))
+                yield Batch(u, dense[a:b], sparse[a:b], labels[a:b])
+            t = t_end
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_range(0, len(self))

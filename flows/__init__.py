@@ -1,0 +1,1 @@
+"""Prefect flows: thin orchestration over ``dlrmflow.engine`` and ``dlrmflow.datasets``."""

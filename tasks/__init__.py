@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over engine functions."""
