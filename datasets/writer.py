@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from dlrmflow.datasets.meta import DatasetMeta, PartFile, write_meta
 
 
@@ -47,7 +46,7 @@ def write_array_dataset(
     """Write ``labels`` [N], ``dense`` [N, D] float32, ``sparse`` [N, T] ids as a dataset."""
     n = len(labels)
     if dense.shape[0] != n or sparse.shape[0] != n:
-        raise ValueError(f"labels, dense and sparse disagree on the row count: {n}, {dense.shape[0]}, {sparse.shape[0]}")
+        raise ValueError(f"row counts differ: labels {n}, dense {dense.shape[0]}, sparse {sparse.shape[0]}")
     if sparse.shape[1] != len(cardinalities):
         raise ValueError(f"{sparse.shape[1]} categorical columns but {len(cardinalities)} cardinalities")
     if n and ((sparse.min(axis=0) < 0).any() or (sparse.max(axis=0) >= np.asarray(cardinalities)).any()):

@@ -2,12 +2,17 @@
 
 The address comes from the caller (``--dask-address``/flow parameter) or the environment
 variable ``DLRMFLOW_DASK_ADDRESS``. A LocalCluster is sized for the machine: one
-single-threaded worker process per core (at most ``max_workers``), because the heavy steps
-(Arrow parsing, NumPy) hold one core each and processes avoid GIL contention.
+single-threaded worker process per core (at most 4), because the heavy steps (Arrow parsing,
+NumPy) hold one core each and processes avoid GIL contention.
+
+Flows hold one cluster for their whole run (:func:`dask_scheduler`) and hand its address to
+their tasks, which connect with :func:`dask_client`; so a pipeline starts one LocalCluster,
+not one per step.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,30 +26,42 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
 
 
-@contextmanager
-def dask_client(
-    address: str | None = None,
-    *,
-    n_workers: int | None = None,
-    memory_limit: str = "auto",
-) -> Iterator[Client]:
-    """Yield a Client: connected to ``address`` (or $DLRMFLOW_DASK_ADDRESS), else a LocalCluster."""
-    address = resolve_address(address)
-    if address:
-        try:
-            client = Client(address, timeout="20s")
-        except OSError as exc:
-            raise ConnectionError(f"cannot reach the Dask scheduler at {address!r}: {exc}") from exc
-        with client:
-            yield client
-        return
+def local_cluster(n_workers: int | None = None, memory_limit: str = "auto") -> LocalCluster:
     workers = n_workers or max(1, min(os.cpu_count() or 1, 4))
-    with LocalCluster(
+    return LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
         dashboard_address=None,
         memory_limit=memory_limit,
-        silence_logs="error",
-    ) as cluster, Client(cluster) as client:
+        silence_logs=logging.ERROR,
+    )
+
+
+@contextmanager
+def dask_scheduler(address: str | None = None, *, n_workers: int | None = None) -> Iterator[str]:
+    """Yield a scheduler address: ``address`` (or $DLRMFLOW_DASK_ADDRESS), else a new LocalCluster's."""
+    address = resolve_address(address)
+    if address:
+        yield address
+        return
+    with local_cluster(n_workers) as cluster:
+        yield cluster.scheduler_address
+
+
+@contextmanager
+def dask_client(address: str | None = None, *, n_workers: int | None = None) -> Iterator[Client]:
+    """Yield a Client connected to ``address`` (or $DLRMFLOW_DASK_ADDRESS), else to a new LocalCluster."""
+    address = resolve_address(address)
+    if not address:
+        with local_cluster(n_workers) as cluster, Client(cluster) as client:
+            yield client
+        return
+    try:
+        client = Client(address, timeout="20s")
+    except OSError as exc:
+        from dlrmflow.errors import UserInputError
+
+        raise UserInputError(f"cannot reach the Dask scheduler at {address!r}: {exc}") from exc
+    with client:
         yield client
