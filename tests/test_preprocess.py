@@ -1,0 +1,297 @@
+"""Preprocessing: exact transform vs a brute-force reference, shuffle, rejects, idempotence, kills."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from dlrmflow.datasets.meta import DatasetError, read_meta
+from dlrmflow.datasets.preprocess import preprocess
+from dlrmflow.errors import UserInputError
+
+
+def _read_dataset(path: Path) -> tuple[dict[str, np.ndarray], object]:
+    meta = read_meta(path)
+    tables = [pq.read_table(path / f.name) for f in meta.files]
+    cols = {c: np.concatenate([t[c].to_numpy() for t in tables]) for c in tables[0].column_names}
+    return cols, meta
+
+
+def _row_multiset(cols: dict[str, np.ndarray]) -> Counter:
+    names = sorted(cols)
+    return Counter(zip(*[cols[n].view(np.uint32) if cols[n].dtype == np.float32 else cols[n] for n in names],
+                       strict=True))
+
+
+def _brute_force_criteo_csv(path: Path) -> tuple[dict[str, np.ndarray], list[int]]:
+    """The whole transform in plain Python: log1p dense, ids by (count desc, value asc)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    cols: dict[str, np.ndarray] = {"label": np.array([int(r["label"]) for r in rows], np.int8)}
+    for j in range(1, 14):
+        cols[f"I{j}"] = np.array(
+            [0.0 if r[f"I{j}"] == "" else math.log1p(max(float(r[f"I{j}"]), 0.0)) for r in rows], np.float32)
+    cards = []
+    for k in range(1, 27):
+        values = [int(r[f"C{k}"], 16) if r[f"C{k}"] else None for r in rows]
+        counts = Counter(v for v in values if v is not None)
+        ranked = sorted(counts, key=lambda v: (-counts[v], v))
+        ids = {v: i + 1 for i, v in enumerate(ranked)}
+        cols[f"C{k}"] = np.array([0 if v is None else ids[v] for v in values], np.int32)
+        cards.append(len(ranked) + 1)
+    return cols, cards
+
+
+def test_real_criteo_sample_matches_brute_force(data_dir, tmp_path):
+    src = data_dir / "criteo_kaggle_sample.csv"
+    summary = preprocess([src], tmp_path / "ds", fmt="criteo-csv")
+    cols, meta = _read_dataset(tmp_path / "ds")
+    want, cards = _brute_force_criteo_csv(src)
+    assert summary["rows"] == meta.rows == 200 and meta.rejected_rows == 0
+    assert meta.cardinalities == cards
+    assert _row_multiset(cols) == _row_multiset(want)
+    # Schema: int8 label, float32 dense, int32 ids.
+    schema = pq.read_schema(tmp_path / "ds" / meta.files[0].name)
+    assert str(schema.field("label").type) == "int8"
+    assert all(str(schema.field(f"I{j}").type) == "float" for j in range(1, 14))
+    assert all(str(schema.field(f"C{k}").type) == "int32" for k in range(1, 27))
+    assert meta.dense_columns == [f"I{j}" for j in range(1, 14)]
+    assert meta.transform["seed"] == 0 and len(meta.fingerprint) == 64
+
+
+def test_real_avazu_sample_cardinalities_match_brute_force(data_dir, tmp_path):
+    src = data_dir / "avazu_sample.csv"
+    preprocess([src], tmp_path / "ds", fmt="avazu")
+    cols, meta = _read_dataset(tmp_path / "ds")
+    with open(src, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert meta.rows == len(rows) == 100
+    assert meta.label_column == "label" and meta.dense_columns == []
+    for name, card in zip(meta.sparse_columns[:-2], meta.cardinalities, strict=False):
+        assert card == len({r[name] for r in rows}) + 1, name
+    assert meta.cardinalities[-2] == len({r["hour"][6:] for r in rows}) + 1  # hours of day seen
+    assert sorted(Counter(cols["label"]).items()) == sorted(Counter(int(r["click"]) for r in rows).items())
+    # The most frequent value of each column gets id 1.
+    for name in meta.sparse_columns[:-2]:
+        top = Counter(r[name] for r in rows).most_common(1)[0][1]
+        assert np.count_nonzero(cols[name] == 1) == top, name
+
+
+def _write_criteo_tsv(path: Path, n: int, seed: int, bad: dict[int, str] | None = None) -> list[str]:
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n):
+        dense = [str(x) if x >= 0 else "" for x in rng.integers(-1, 50, 13)]
+        cats = [f"{x:08x}" for x in rng.integers(0, 40, 26) * 2654435761 % (1 << 32)]
+        lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
+    for i, text in (bad or {}).items():
+        lines[i] = text
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def test_shuffle_is_deterministic_by_seed_and_preserves_rows(tmp_path):
+    src = tmp_path / "day_0"
+    _write_criteo_tsv(src, 3000, seed=1)
+    kw = dict(fmt="criteo", block_bytes=16 << 10)  # many blocks and output parts
+    preprocess([src], tmp_path / "a", seed=5, **kw)
+    preprocess([src], tmp_path / "b", seed=5, **kw)
+    preprocess([src], tmp_path / "c", seed=6, **kw)
+    a, meta_a = _read_dataset(tmp_path / "a")
+    b, _ = _read_dataset(tmp_path / "b")
+    c, meta_c = _read_dataset(tmp_path / "c")
+    assert len(meta_a.files) > 1
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["C1"], c["C1"])  # another order ...
+    assert _row_multiset(a) == _row_multiset(c)  # ... of the same rows
+    assert meta_a.fingerprint != meta_c.fingerprint
+    # Not the input order: even with one block and one part, the rows are permuted.
+    single = preprocess([src], tmp_path / "d", seed=5, fmt="criteo", block_bytes=1 << 30)
+    d, _ = _read_dataset(tmp_path / "d")
+    in_file_order = np.array([np.log1p(float(x)) if x else 0.0 for x in
+                              (line.split("\t")[1] for line in src.read_text().splitlines())], np.float32)
+    assert single["files"] == 1
+    assert not np.array_equal(d["I1"], in_file_order)
+    assert np.array_equal(np.sort(d["I1"]), np.sort(in_file_order))
+
+
+def test_several_files_and_gzip_give_the_same_rows(tmp_path):
+    _write_criteo_tsv(tmp_path / "day_0", 700, seed=2)
+    _write_criteo_tsv(tmp_path / "day_1", 500, seed=3)
+    with open(tmp_path / "day_1", "rb") as f, gzip.open(tmp_path / "day_1.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    preprocess([tmp_path / "day_0", tmp_path / "day_1"], tmp_path / "plain", block_bytes=8 << 10)
+    preprocess([tmp_path / "day_0", tmp_path / "day_1.gz"], tmp_path / "gz", block_bytes=8 << 10)
+    plain, meta_p = _read_dataset(tmp_path / "plain")
+    gz, meta_g = _read_dataset(tmp_path / "gz")
+    assert meta_p.rows == meta_g.rows == 1200
+    assert meta_p.cardinalities == meta_g.cardinalities
+    assert _row_multiset(plain) == _row_multiset(gz)
+
+
+def test_rejected_rows_are_quarantined_with_file_line_and_reason(tmp_path):
+    src = tmp_path / "day_0"
+    bad = {5: "0\t1\t2", 777: "1\t" + "\t".join(["zz"] * 39), 1500: "\t".join(["0"] * 14 + ["xyz"] * 26),
+           2999: ""}
+    lines = _write_criteo_tsv(src, 3000, seed=4, bad=bad)
+    summary = preprocess([src], tmp_path / "ds", block_bytes=16 << 10)  # bad lines fall in different blocks
+    meta = read_meta(tmp_path / "ds")
+    assert summary["rows"] == meta.rows == 2996 and meta.rejected_rows == 4
+    assert meta.rejected_by_reason == {
+        "C1: not an 8-digit hex hash": 1, "I1: non-integer dense value": 1,
+        "empty line": 1, "expected 40 fields, got 3": 1,
+    }
+    with open(tmp_path / "ds" / "rejected" / "rejected.csv", newline="") as f:
+        rejected = list(csv.DictReader(f))
+    assert [(int(r["line"]), r["text"]) for r in rejected] == [(i + 1, lines[i]) for i in sorted(bad)]
+    assert all(r["file"] == str(src) for r in rejected)
+
+
+def test_too_many_rejects_fail_with_a_clear_message_and_keep_the_evidence(tmp_path):
+    src = tmp_path / "day_0"
+    _write_criteo_tsv(src, 200, seed=5, bad={i: "garbage" for i in range(0, 200, 50)})  # 2%
+    with pytest.raises(UserInputError, match=r"4 of 200 input rows \(2.00%\) were rejected, above "
+                                             r"--max-reject-fraction 1%"):
+        preprocess([src], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+    kept = tmp_path / "ds.rejected.csv"
+    assert len(kept.read_text().strip().splitlines()) == 1 + 4
+    assert not list(tmp_path.glob(".ds.partial*"))
+    # The same input passes with a looser threshold.
+    assert preprocess([src], tmp_path / "ds", max_reject_fraction=0.05)["rejected_rows"] == 4
+
+
+def test_wrong_format_hints_at_the_format(data_dir, tmp_path):
+    with pytest.raises(UserInputError, match="is --format 'criteo' right"):
+        preprocess([data_dir / "criteo_kaggle_sample.csv"], tmp_path / "ds", fmt="criteo")
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty", "header", "header-only", "directory"])
+def test_bad_input_files_are_clear_errors(problem, data_dir, tmp_path):
+    path = tmp_path / "input.csv"
+    fmt = "criteo-csv"
+    if problem == "empty":
+        path.write_text("")
+    elif problem == "header":
+        path.write_text("a,b,c\n1,2,3\n")
+    elif problem == "header-only":
+        path.write_text((data_dir / "criteo_kaggle_sample.csv").read_text().splitlines()[0] + "\n")
+    elif problem == "directory":
+        path.mkdir()
+    message = {"missing": "does not exist", "empty": "is empty", "header": "header does not match",
+               "header-only": "no data rows", "directory": "is not a file"}[problem]
+    with pytest.raises(UserInputError, match=message):
+        preprocess([path], tmp_path / "ds", fmt=fmt)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(fmt="parquet"), "unknown format"),
+    (dict(min_frequency=0), "--min-frequency"),
+    (dict(max_rows_per_table=1), "--max-rows-per-table"),
+    (dict(max_reject_fraction=1.5), "--max-reject-fraction"),
+])
+def test_bad_parameters_are_clear_errors(kwargs, message, data_dir, tmp_path):
+    with pytest.raises(UserInputError, match=message):
+        preprocess([data_dir / "criteo_kaggle_sample.csv"], tmp_path / "ds", **kwargs)
+
+
+def test_min_frequency_and_hash_cap(data_dir, tmp_path):
+    src = data_dir / "criteo_kaggle_sample.csv"
+    full, _ = _brute_force_criteo_csv(src)
+    preprocess([src], tmp_path / "minf", fmt="criteo-csv", min_frequency=3)
+    cols, meta = _read_dataset(tmp_path / "minf")
+    with open(src, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for k in range(1, 27):
+        counts = Counter(r[f"C{k}"] for r in rows if r[f"C{k}"])
+        frequent = sum(1 for c in counts.values() if c >= 3)
+        assert meta.cardinalities[k - 1] == frequent + 1
+        rare_or_missing = sum(c for c in counts.values() if c < 3) + sum(1 for r in rows if not r[f"C{k}"])
+        assert np.count_nonzero(cols[f"C{k}"] == 0) == rare_or_missing
+    preprocess([src], tmp_path / "cap", fmt="criteo-csv", max_rows_per_table=8)
+    cols, meta = _read_dataset(tmp_path / "cap")
+    assert max(meta.cardinalities) <= 8
+    for k in range(1, 27):
+        folded = {int(r[f"C{k}"], 16) % 7 for r in rows if r[f"C{k}"]}
+        assert meta.cardinalities[k - 1] == len(folded) + 1
+        assert cols[f"C{k}"].max() < 8
+
+
+def test_rerun_with_unchanged_inputs_skips_and_changes_redo(data_dir, tmp_path):
+    src = tmp_path / "sample.csv"
+    shutil.copyfile(data_dir / "criteo_kaggle_sample.csv", src)
+    first = preprocess([src], tmp_path / "ds", fmt="criteo-csv")
+    part = tmp_path / "ds" / read_meta(tmp_path / "ds").files[0].name
+    stamp = part.stat().st_mtime_ns
+    again = preprocess([src], tmp_path / "ds", fmt="criteo-csv")
+    assert not first["skipped"] and again["skipped"] and part.stat().st_mtime_ns == stamp
+    assert again["fingerprint"] == first["fingerprint"]
+    # Another seed is another dataset; so is a touched input.
+    reseeded = preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1)
+    assert not reseeded["skipped"] and reseeded["fingerprint"] != first["fingerprint"]
+    os.utime(src, ns=(time.time_ns(), time.time_ns()))
+    assert not preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1)["skipped"]
+    assert preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1, force=True)["skipped"] is False
+
+
+def test_refuses_to_overwrite_what_is_not_a_dataset(data_dir, tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(UserInputError, match="not a dlrmflow dataset; refusing to overwrite"):
+        preprocess([data_dir / "criteo_kaggle_sample.csv"], tmp_path / "precious", fmt="criteo-csv")
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def test_incomplete_dataset_is_refused_by_readers(data_dir, tmp_path):
+    preprocess([data_dir / "criteo_kaggle_sample.csv"], tmp_path / "ds", fmt="criteo-csv")
+    meta = read_meta(tmp_path / "ds")
+    (tmp_path / "ds" / meta.files[0].name).unlink()
+    with pytest.raises(DatasetError, match="incomplete"):
+        read_meta(tmp_path / "ds")
+    with pytest.raises(DatasetError, match="meta.json is missing"):
+        read_meta(tmp_path)
+
+
+KILL_SCRIPT = """
+import sys
+from dlrmflow.datasets.preprocess import preprocess
+preprocess([sys.argv[1]], sys.argv[2], block_bytes=1 << 20)
+"""
+
+
+@pytest.mark.slow
+def test_killed_run_leaves_nothing_that_looks_complete(tmp_path):
+    from dlrmflow.datasets.synthetic import generate
+
+    src = tmp_path / "day_0"
+    generate(src, 120_000, seed=3, scale=0.01)
+    out = tmp_path / "ds"
+    partial = tmp_path / ".ds.partial"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(src), str(out)])
+    deadline = time.monotonic() + 60
+    while not list(partial.glob("_work/*.arrow")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make the input larger"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    with pytest.raises(DatasetError):
+        read_meta(out)
+    # The next run cleans up the leftovers and completes.
+    summary = preprocess([src], out, block_bytes=1 << 20)
+    assert summary["rows"] == 120_000 and not partial.exists()
+    assert json.loads((out / "meta.json").read_text())["rows"] == 120_000
