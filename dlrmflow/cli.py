@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from types import ModuleType
 
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The local Prefect API would otherwise try to phone home and log an error on every run
+    # on machines without internet access; a user's own setting wins.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     module: ModuleType = args._module
     if args.json:

@@ -32,7 +32,7 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto") -> L
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",  # a free port: never collides with another cluster's 8787
         memory_limit=memory_limit,
         silence_logs=logging.ERROR,
     )
