@@ -32,8 +32,8 @@ from dlrmflow.engine.cluster import local_cluster
 
 def pandas_preprocess(src: Path, out: Path, seed: int = 0) -> int:
     names = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
-    df = pd.read_csv(src, sep="\t", header=None, names=names,
-                     dtype={"label": "int8", **{c: "float64" for c in CRITEO_DENSE}, **{c: "string" for c in CRITEO_SPARSE}})
+    dtype = {"label": "int8", **{c: "float64" for c in CRITEO_DENSE}, **{c: "string" for c in CRITEO_SPARSE}}
+    df = pd.read_csv(src, sep="\t", header=None, names=names, dtype=dtype)
     for c in CRITEO_DENSE:
         df[c] = np.log1p(df[c].fillna(0).clip(lower=0)).astype("float32")
     for c in CRITEO_SPARSE:

@@ -43,9 +43,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
+
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
 from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, read_meta, write_meta
-
 from dlrmflow.errors import UserInputError
 
 DEFAULT_BLOCK_BYTES = 64 << 20

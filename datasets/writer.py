@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from dlrmflow.datasets.meta import DatasetMeta, PartFile, write_meta
 
 

@@ -19,7 +19,7 @@ from types import ModuleType
 from dlrmflow import __version__
 from dlrmflow.errors import UserInputError
 
-COMMANDS = ["demo", "generate", "preprocess", "profile"]
+COMMANDS = ["demo", "generate", "preprocess", "profile", "train", "plan", "compare-caches"]
 
 
 def _modules() -> list[ModuleType]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 
 PROFILE_FILE = "profile.json"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect import flow, get_run_logger
+
 from dlrmflow.datasets.preprocess import DEFAULT_BLOCK_BYTES
 from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.tasks.dataset import generate_task, preprocess_task, profile_task, publish_profile_task
-from prefect import flow, get_run_logger
 
 
 @flow(name="generate")

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from prefect import flow, get_run_logger
+
 from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
-from prefect import flow, get_run_logger
 
 DEMO_ROWS = 500_000
 DEMO_SCALE = 0.05

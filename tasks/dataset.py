@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prefect import get_run_logger, task
+
 from dlrmflow.datasets import synthetic
 from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.engine import profile as skew
 from dlrmflow.engine.cluster import dask_client
 from dlrmflow.tasks.reporting import FlowProgress, publish_plot, publish_table
-from prefect import get_run_logger, task
 
 
 def _sidecar(output: str) -> Path:

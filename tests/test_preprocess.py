@@ -94,7 +94,7 @@ def test_real_avazu_sample_cardinalities_match_brute_force(data_dir, tmp_path):
 def _write_criteo_tsv(path: Path, n: int, seed: int, bad: dict[int, str] | None = None) -> list[str]:
     rng = np.random.default_rng(seed)
     lines = []
-    for i in range(n):
+    for _ in range(n):
         dense = [str(x) if x >= 0 else "" for x in rng.integers(-1, 50, 13)]
         cats = [f"{x:08x}" for x in rng.integers(0, 40, 26) * 2654435761 % (1 << 32)]
         lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
