@@ -470,8 +470,9 @@ def preprocess(
     started = time.perf_counter()
     params = PreprocessParams(fmt, seed, min_frequency, max_rows_per_table, max_reject_fraction, block_bytes)
     raw_format = params.validate()
-    output = Path(output)
-    paths = check_inputs(inputs, raw_format)
+    # Absolute paths: the work may run on Dask workers started in another directory.
+    output = Path(output).resolve()
+    paths = [p.resolve() for p in check_inputs(inputs, raw_format)]
     identity = input_identity(paths)
     fp = fingerprint(identity, params)
 

@@ -115,7 +115,7 @@ def profile_dataset(
     progress=None,
 ) -> tuple[dict[str, Any], list[np.ndarray]]:
     """Count every table's accesses (on Dask when ``client`` is given); return (profile, counts)."""
-    dataset_dir = str(dataset_dir)
+    dataset_dir = str(Path(dataset_dir).resolve())  # workers may run in another directory
     meta = read_meta(dataset_dir)
     files = [f.name for f in meta.files]
     jobs = list(zip(meta.sparse_columns, meta.cardinalities, strict=True))

@@ -1,0 +1,179 @@
+"""The dataset commands on an existing Dask cluster: a scheduler and two workers started as separate processes.
+
+A user points dlrmflow at a running cluster with ``--dask-address`` or ``DLRMFLOW_DASK_ADDRESS``. The
+work must run on that cluster's workers (not on a LocalCluster started on the side) and give exactly
+the bytes a LocalCluster run gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from dask.utils import key_split
+from distributed import Client
+
+from dlrmflow.cli import main
+from dlrmflow.datasets.meta import read_meta
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+
+DASK = Path(sys.executable).parent / "dask"
+START_TIMEOUT_S = 120
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group (and every descendant, wherever its group), then SIGKILL what is left."""
+    victims: list[psutil.Process] = []
+    for proc in procs:
+        try:
+            victims += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    _, alive = psutil.wait_procs(victims, timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    for proc in procs:
+        proc.wait(timeout=10)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+@pytest.fixture(scope="module")
+def external_cluster(tmp_path_factory):
+    """``dask scheduler`` + 2 x ``dask worker --nthreads 1``, each its own OS process on loopback."""
+    home = tmp_path_factory.mktemp("dask-cluster")
+    scheduler_file = home / "scheduler.json"
+    env = {k: v for k, v in os.environ.items() if k != "DLRMFLOW_DASK_ADDRESS"}
+    # The tests read which tasks each worker executed from its transition log (1000 entries by default).
+    env["DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH"] = "1000000"
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+
+    def start(name: str, argv: list[str]) -> None:
+        log = home / f"{name}.log"
+        logs.append(log)
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(argv, cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+
+    try:
+        # --idle-timeout: should this test process die without its teardown, the cluster goes away by itself.
+        start("scheduler", [str(DASK), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                            "--scheduler-file", str(scheduler_file), "--idle-timeout", "900s"])
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not scheduler_file.is_file():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                pytest.fail(f"dask scheduler did not start:\n{_tail(logs[0])}")
+            time.sleep(0.5)
+        for i in range(2):
+            start(f"worker{i}", [str(DASK), "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1",
+                                 "--nworkers", "1", "--host", "127.0.0.1", "--no-dashboard", "--name", f"w{i}",
+                                 "--local-directory", str(home / f"w{i}"), "--death-timeout", "120"])
+        client = Client(scheduler_file=str(scheduler_file), timeout="60s")
+        try:
+            try:
+                client.wait_for_workers(2, timeout=START_TIMEOUT_S)
+            except TimeoutError:
+                pytest.fail("dask workers did not join:\n" + "\n".join(_tail(log) for log in logs))
+            yield client
+        finally:
+            client.close()
+    finally:
+        _stop(procs)
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, f"stdout must be one JSON line, got {out!r}"
+    return json.loads(out[0])
+
+
+def _executed_prefixes(client: Client) -> dict[str, set[str]]:
+    """Per worker (by name), the task prefixes it executed, from the worker's own transition log."""
+
+    def executed(dask_worker) -> list[str]:
+        return sorted({key_split(ev[0]) for ev in dask_worker.state.log if len(ev) > 2 and ev[2] == "executing"})
+
+    names = {addr: w["name"] for addr, w in client.scheduler_info()["workers"].items()}
+    return {names[addr]: set(prefixes) for addr, prefixes in client.run(executed).items()}
+
+
+def _without_paths(profile: dict) -> dict:
+    return {k: v for k, v in profile.items() if k not in ("dataset", "plot")}
+
+
+def test_dataset_commands_run_on_the_external_workers_and_match_a_local_cluster(
+        external_cluster, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+    address = external_cluster.scheduler.address
+    on_cluster = ["--dask-address", address]
+    raws = [tmp_path / "day_0.tsv", tmp_path / "day_1.tsv"]
+    for seed, raw in enumerate(raws):
+        _json(capsys, ["generate", "--rows", "8000", "--scale", "0.01", "--seed", str(seed + 1),
+                       "--output", str(raw), *on_cluster])
+    ext, local = tmp_path / "ds-external", tmp_path / "ds-local"
+    prep = _json(capsys, ["preprocess", *map(str, raws), "--output", str(ext), *on_cluster])
+    prof = _json(capsys, ["profile", str(ext), *on_cluster])
+    assert prep["rows"] == 16000 and not prep["skipped"] and prof["samples"] == 16000
+
+    # The work ran on the two worker processes started above: their own logs show the tasks.
+    executed = _executed_prefixes(external_cluster)
+    assert set(executed) == {"w0", "w1"}
+    ran = set().union(*executed.values())
+    assert {"chunk_payload", "parse_piece", "build_vocabulary", "write_part", "count_table"} <= ran, ran
+
+    # The same commands on the default LocalCluster give the same raw bytes, dataset and profile.
+    local_raw = tmp_path / "local_day_0.tsv"
+    _json(capsys, ["generate", "--rows", "8000", "--scale", "0.01", "--seed", "1", "--output", str(local_raw)])
+    assert local_raw.read_bytes() == raws[0].read_bytes()
+    _json(capsys, ["preprocess", *map(str, raws), "--output", str(local)])
+    local_prof = _json(capsys, ["profile", str(local)])
+    meta_ext, meta_local = read_meta(ext), read_meta(local)
+    assert meta_ext.fingerprint == meta_local.fingerprint
+    assert meta_ext == meta_local
+    for part in meta_ext.files:
+        assert (ext / part.name).read_bytes() == (local / part.name).read_bytes(), part.name
+    assert _without_paths(prof) == _without_paths(local_prof)
+
+
+def test_the_environment_variable_selects_the_cluster(external_cluster, tmp_path, capsys, monkeypatch, data_dir):
+    """DLRMFLOW_DASK_ADDRESS, without --dask-address, sends the work to the external cluster too."""
+    external_cluster.run(lambda dask_worker: dask_worker.state.log.clear())
+    monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", external_cluster.scheduler.address)
+    _json(capsys, ["preprocess", str(data_dir / "avazu_sample.csv"), "--format", "avazu", "--output",
+                   str(tmp_path / "ds")])
+    ran = set().union(*_executed_prefixes(external_cluster).values())
+    assert {"parse_piece", "write_part"} <= ran, ran
+
+
+def test_relative_paths_work_when_the_workers_run_elsewhere(external_cluster, tmp_path, capsys, monkeypatch, data_dir):
+    """The workers' working directory is not the user's: a relative path must mean the user's directory."""
+    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    shutil.copyfile(data_dir / "avazu_sample.csv", tmp_path / "day.csv")
+    on_cluster = ["--dask-address", external_cluster.scheduler.address]
+    prep = _json(capsys, ["preprocess", "day.csv", "--format", "avazu", "--output", "ds", *on_cluster])
+    prof = _json(capsys, ["profile", "ds", *on_cluster])
+    assert read_meta(tmp_path / "ds").rows == prep["rows"] == prof["samples"] > 0

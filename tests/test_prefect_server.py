@@ -1,0 +1,230 @@
+"""The deployments of prefect.yaml on a real Prefect server, run by a process worker, as a user runs them.
+
+The test starts ``prefect server start`` on a free loopback port with its own PREFECT_HOME (so it
+never touches ~/.prefect, nor the session's ``prefect_harness`` server), creates the ``dlrmflow``
+process work pool, runs ``prefect deploy --all`` from the project root, starts ``prefect worker start
+--pool dlrmflow``, triggers the nightly pipeline deployment with small parameters through
+``prefect deployment run``, and then checks through the Prefect API what a user sees in the UI.
+Every setting goes to the child processes through their environment; this process's settings change
+only inside ``temporary_settings`` while it reads the API.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = Path(sys.executable).parent / "prefect"
+POOL = "dlrmflow"
+START_TIMEOUT_S = 180  # a cold server start migrates a fresh SQLite database; 2 busy cores are slow
+RUN_TIMEOUT_S = 420
+PIPELINE_SUBFLOWS = {"generate", "preprocess", "profile"}  # at least these; later steps may add more
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+def _stop(proc: subprocess.Popen, first_signal: int = signal.SIGTERM, grace_s: float = 20) -> None:
+    """Signal the process group, wait, then SIGKILL every survivor, descendants in other groups included.
+
+    The worker starts each flow run in a process group of its own, with the run's Dask LocalCluster
+    under it; so the descendants are collected before anything is signalled.
+    """
+    try:
+        victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        victims = []
+    try:
+        os.killpg(proc.pid, first_signal)
+    except ProcessLookupError:
+        pass
+    _, alive = psutil.wait_procs(victims, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    proc.wait(timeout=10)
+
+
+@dataclass
+class PrefectServer:
+    api_url: str
+    env: dict[str, str]  # for child processes: this server, an isolated PREFECT_HOME
+    log_dir: Path
+
+    def cli(self, *args: str, timeout: float = 300) -> str:
+        """Run ``prefect ARGS`` from the project root like a user would; fail with its output if it fails."""
+        done = subprocess.run([str(PREFECT), "--no-prompt", *args], cwd=REPO, env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+        if done.returncode != 0:
+            pytest.fail(f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        return done.stdout + done.stderr
+
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([str(PREFECT), *args], cwd=REPO, env={**self.env, **(env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, log
+
+
+def _child_env(home: Path) -> dict[str, str]:
+    # No PREFECT_* setting of this process (the test harness, the user's profile) leaks into the children;
+    # no DLRMFLOW_DASK_ADDRESS either: the flow runs start their own LocalCluster.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "DLRMFLOW_DASK_ADDRESS"}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_COLORS="false")
+    return env
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    base = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = _child_env(base / "home")
+    server = PrefectServer(api_url, {**env, "PREFECT_API_URL": api_url}, base)
+    log = base / "server.log"
+    with open(log, "wb") as out:
+        # --no-scheduler: the nightly schedule must not create runs on the test server (one at 02:00 UTC
+        # would start the full-size pipeline in the project directory).
+        proc = subprocess.Popen([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                                 "--no-ui", "--analytics-off", "--no-scheduler"],
+                                cwd=base, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{api_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"prefect server did not become healthy at {api_url}:\n{_tail(log)}")
+            time.sleep(1)
+        yield server
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def worker(prefect_server) -> Iterator[Path]:
+    """The pool, every deployment of prefect.yaml, and a process worker polling the pool; yields its log."""
+    prefect_server.cli("work-pool", "create", POOL, "--type", "process")
+    prefect_server.cli("deploy", "--all")
+    # Poll every 2 s instead of 10 s: the test waits for the run.
+    proc, log = prefect_server.start("worker", "worker", "start", "--pool", POOL,
+                                     env={"PREFECT_WORKER_QUERY_SECONDS": "2"})
+    try:
+        yield log
+    finally:
+        # The worker turns SIGTERM into SIGINT and stops its flow runs; a hung one gets SIGKILL.
+        _stop(proc, signal.SIGINT)
+
+
+def _declared_deployments() -> set[tuple[str, str]]:
+    """(entrypoint, name) of every deployment prefect.yaml declares."""
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    return {(d["entrypoint"], d["name"]) for d in spec["deployments"]}
+
+
+@contextmanager
+def _api(url: str):
+    """A client of the test server; this process's own Prefect settings are back as they were afterwards."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        yield client
+
+
+def _wait_for_final_state(url: str, run_id: str, worker_log: Path):
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    with _api(url) as client:
+        while True:
+            run = client.read_flow_run(run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            if time.monotonic() > deadline:
+                pytest.fail(f"flow run {run_id} still {run.state_name} after {RUN_TIMEOUT_S} s; worker log:\n"
+                            f"{_tail(worker_log)}")
+            time.sleep(2)
+
+
+def test_every_deployment_is_created_from_prefect_yaml(prefect_server, worker):
+    with _api(prefect_server.api_url) as client:
+        deployments = client.read_deployments()
+        nightly = client.read_deployment_by_name("pipeline/nightly")
+    assert {(d.entrypoint, d.name) for d in deployments} == _declared_deployments()
+    assert {d.work_pool_name for d in deployments} == {POOL}
+    # Every run starts in the project root, whatever directory the worker runs in.
+    for d in deployments:
+        assert d.pull_steps == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+        ], d.name
+    [schedule] = nightly.schedules
+    assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("0 2 * * *", "UTC", True)
+
+
+def test_the_pipeline_deployment_runs_on_the_worker(prefect_server, worker, tmp_path):
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    from dlrmflow.datasets.meta import read_meta
+
+    work_dir = tmp_path / "nightly"
+    out = prefect_server.cli("deployment", "run", "pipeline/nightly", "--param", "rows=20000",
+                             "--param", "scale=0.01", "--param", f"work_dir={work_dir}")
+    found = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert found, out
+    run = _wait_for_final_state(prefect_server.api_url, found.group(1), worker)
+    assert run.state.type == StateType.COMPLETED, f"{run.state!r}\nworker log:\n{_tail(worker)}"
+    assert run.parameters == {"rows": 20000, "scale": 0.01, "work_dir": str(work_dir)}
+
+    with _api(prefect_server.api_url) as client:
+        assert run.deployment_id == client.read_deployment_by_name("pipeline/nightly").id
+        subflows = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        names = {s.id: client.read_flow(s.flow_id).name for s in subflows}
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=list(names))))
+    assert PIPELINE_SUBFLOWS <= set(names.values()), names
+    assert all(s.state.type == StateType.COMPLETED for s in subflows), {names[s.id]: s.state for s in subflows}
+    [profile_run] = [i for i, n in names.items() if n == "profile"]
+    by_key = {a.key: a for a in artifacts if a.key}
+    assert by_key["skew-profile"].type == "table" and by_key["skew-profile"].flow_run_id == profile_run
+    assert by_key["skew-coverage"].type == "markdown" and by_key["skew-coverage"].flow_run_id == profile_run
+    # The run wrote where its parameters said: the dataset of 20,000 rows and its skew report.
+    assert read_meta(work_dir / "dataset").rows == 20000
+    assert (work_dir / "dataset" / "profile.json").is_file() and (work_dir / "dataset" / "coverage.png").is_file()
