@@ -1,0 +1,322 @@
+"""Cache policies compared on one batch stream: how many embedding rows each one fetches.
+
+The model, the same for every policy: iteration ``t`` needs its unique rows ``U_t`` in a cache of
+``C`` rows while it computes; a row that is not there is fetched; every fetched row is written
+back exactly once, when it leaves the cache or after the last iteration (training updates every
+row it uses). The policies:
+
+- ``none``: no cache; every iteration fetches and writes back all of ``U_t``.
+- ``lru``: before ``t`` the least recently used rows outside ``U_t`` make room (ties: larger id first).
+- ``static``: FAE-style hot set: the ``k`` most accessed rows (access counts over the stream) stay
+  pinned, the other rows of ``U_t`` pass through the cache for their iteration only; ``k`` is the
+  largest with ``k + max_t |U_t minus hot| <= C``.
+- ``oracle``: the lookahead plan (window ``L``, prefetch distance ``P``) bounded to ``C`` rows.
+- ``belady``: Belady's MIN, unlimited lookahead and fetch on demand: the fewest fetches any
+  policy can achieve in this model (a lower bound for the others).
+
+A policy that cannot run at ``C`` (``C < max_t |U_t|``; for the oracle, fewer rows than ``P + 1``
+consecutive iterations use) is reported infeasible (``rows_fetched`` is None) with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.lookahead import coverage, decide_range, farthest_first_drops, iter_id_batches, occupancy
+from dlrmflow.errors import UserInputError
+
+POLICIES = ("none", "lru", "static", "oracle", "belady")
+BYTES_PER_VALUE = 4  # float32 embedding rows
+MARKERS = {"lru": "o", "static": "s", "oracle": "^", "belady": "v"}
+
+
+@dataclass
+class Trace:
+    """The unique rows of every iteration of a batch stream, and per-row access counts."""
+
+    batches: list[np.ndarray]  # int64 global ids, sorted, unique per iteration
+    num_rows: int  # total embedding rows (ids lie in 0 .. num_rows-1)
+    access_counts: np.ndarray  # int64 [num_rows]: occurrences over the stream (the static hot set's profile)
+
+    @property
+    def uses(self) -> int:
+        return int(sum(len(b) for b in self.batches))
+
+    @property
+    def max_batch_rows(self) -> int:
+        return max((len(b) for b in self.batches), default=0)
+
+
+def build_trace(dataset_dir: str | os.PathLike, batch_size: int, *, drop_last: bool = False) -> Trace:
+    stream = BatchStream(dataset_dir, batch_size, drop_last=drop_last, sparse_only=True)
+    num_rows = stream.meta.total_embedding_rows
+    counts = np.zeros(num_rows, dtype=np.int64)
+    batches = []
+    for _, ids in iter_id_batches(stream, 0, len(stream)):
+        unique, n = np.unique(ids, return_counts=True)
+        counts[unique] += n
+        batches.append(unique.astype(np.int64, copy=False))
+    return Trace(batches, num_rows, counts)
+
+
+def trace_from_batches(batches: Iterable[Iterable[int]], num_rows: int) -> Trace:
+    """A trace from raw id lists (ids may repeat within a batch: they count as accesses)."""
+    counts = np.zeros(num_rows, dtype=np.int64)
+    unique_batches = []
+    for b in batches:
+        ids = np.asarray(list(b), dtype=np.int64)
+        unique, n = np.unique(ids, return_counts=True)
+        counts[unique] += n
+        unique_batches.append(unique)
+    return Trace(unique_batches, num_rows, counts)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    capacity: int | None
+    uses: int  # sum over iterations of |U_t|
+    rows_fetched: int | None  # None: the policy cannot run at this capacity
+    rows_written_back: int | None
+    note: str = ""
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.rows_fetched is None:
+            return None
+        return 1.0 - self.rows_fetched / self.uses if self.uses else 0.0
+
+    def row(self, embedding_dim: int) -> dict[str, Any]:
+        fetched = self.rows_fetched
+        return {
+            "policy": self.policy,
+            "capacity": self.capacity,
+            "rows_fetched": fetched,
+            "bytes_fetched": None if fetched is None else fetched * embedding_dim * BYTES_PER_VALUE,
+            "rows_written_back": self.rows_written_back,
+            "hit_rate": self.hit_rate,
+            "note": self.note,
+        }
+
+
+def _infeasible(policy: str, trace: Trace, capacity: int, why: str) -> PolicyResult:
+    return PolicyResult(policy, capacity, trace.uses, None, None, why)
+
+
+def _batch_too_big(policy: str, trace: Trace, capacity: int) -> PolicyResult | None:
+    for t, batch in enumerate(trace.batches):
+        if len(batch) > capacity:
+            return _infeasible(policy, trace, capacity, f"iteration {t} uses {len(batch)} rows > capacity {capacity}")
+    return None
+
+
+def simulate_none(trace: Trace) -> PolicyResult:
+    return PolicyResult("none", None, trace.uses, trace.uses, trace.uses)
+
+
+def simulate_lru(trace: Trace, capacity: int) -> PolicyResult:
+    if (too_big := _batch_too_big("lru", trace, capacity)) is not None:
+        return too_big
+    cached = np.zeros(trace.num_rows, dtype=bool)
+    last_use = np.zeros(trace.num_rows, dtype=np.int64)  # t + 1 of the latest use, 0 = never
+    size = fetched = written = 0
+    oldest = 0  # iterations before it hold no cached row as their latest use
+    for t, ids in enumerate(trace.batches):
+        misses = ids[~cached[ids]]
+        last_use[ids] = t + 1  # rows of U_t are now the most recent: never victims below
+        need = size + len(misses) - capacity
+        while need > 0:
+            old = trace.batches[oldest]
+            victims = old[(last_use[old] == oldest + 1) & cached[old]]
+            if len(victims) <= need:
+                oldest += 1
+            else:
+                victims = victims[len(victims) - need :]  # larger ids leave first
+            cached[victims] = False
+            size -= len(victims)
+            written += len(victims)
+            need -= len(victims)
+        cached[misses] = True
+        size += len(misses)
+        fetched += len(misses)
+    return PolicyResult("lru", capacity, trace.uses, fetched, written + size)
+
+
+def simulate_static(trace: Trace, capacity: int) -> PolicyResult:
+    if (too_big := _batch_too_big("static", trace, capacity)) is not None:
+        return too_big
+    used = np.flatnonzero(trace.access_counts)
+    hot_order = used[np.lexsort((used, -trace.access_counts[used]))]  # most accessed first, then by id
+    rank = np.full(trace.num_rows, len(used), dtype=np.int64)
+    rank[hot_order] = np.arange(len(used))
+    ranks = rank[np.concatenate(trace.batches)] if trace.batches else np.zeros(0, np.int64)
+    batch_of = np.repeat(np.arange(len(trace.batches)), [len(b) for b in trace.batches])
+
+    def cold_per_batch(k: int) -> np.ndarray:
+        return np.bincount(batch_of[ranks >= k], minlength=len(trace.batches))
+
+    # k + max cold rows of a batch never decreases with k (pinning one more row frees at most one
+    # row per batch), so the largest feasible k is found by bisection.
+    lo, hi = 0, min(len(used), capacity)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid + int(cold_per_batch(mid).max(initial=0)) <= capacity:
+            lo = mid
+        else:
+            hi = mid - 1
+    cold = int(cold_per_batch(lo).sum())
+    return PolicyResult("static", capacity, trace.uses, lo + cold, lo + cold, f"{lo} rows pinned")
+
+
+def windowed_fetches(trace: Trace, capacity: int, window: int, distance: int) -> tuple[int, int] | str:
+    """(rows fetched, rows written back) of the lookahead policy, or why ``capacity`` is too small."""
+    n = len(trace.batches)
+    d = decide_range(
+        enumerate(trace.batches), first=0, stop=n, num_iterations=n, window=window,
+        distance=distance, candidates=True, num_rows=trace.num_rows,
+    )
+    if not n:
+        return 0, 0
+    occ = occupancy(d.prefetch_counts, d.evict_counts, distance)
+    base = occ - coverage(d.cand_start, d.cand_end, n)
+    if base.max() > capacity:
+        u = int(np.argmax(base > capacity))
+        span = f"iterations {u}..{min(u + distance, n - 1)} use" if distance else f"iteration {u} uses"
+        return f"{span} {int(base[u])} rows > capacity {capacity}"
+    dropped = int(farthest_first_drops(occ - capacity, d.cand_start, d.cand_end, d.cand_ids).sum())
+    return len(d.prefetch_ids) + dropped, len(d.evict_ids) + dropped
+
+
+def simulate_oracle(trace: Trace, capacity: int, window: int, distance: int) -> PolicyResult:
+    result = windowed_fetches(trace, capacity, window, distance)
+    if isinstance(result, str):
+        return _infeasible("oracle", trace, capacity, result)
+    return PolicyResult("oracle", capacity, trace.uses, *result, f"L={window}, P={distance}")
+
+
+def simulate_belady(trace: Trace, capacity: int) -> PolicyResult:
+    # MIN is the window policy with an unlimited window and fetches issued on demand (P = 0).
+    result = windowed_fetches(trace, capacity, max(len(trace.batches), 1), 0)
+    if isinstance(result, str):
+        return _infeasible("belady", trace, capacity, result)
+    return PolicyResult("belady", capacity, trace.uses, *result)
+
+
+def parse_capacity(text: str | int, total_rows: int) -> int:
+    """``"123456"`` rows, or ``"1%"`` of all embedding rows."""
+    value = str(text).strip()
+    try:
+        rows = round(float(value[:-1]) / 100 * total_rows) if value.endswith("%") else int(value)
+    except ValueError:
+        raise UserInputError(f"capacity {value!r} is neither a row count nor a percentage like 1%") from None
+    if rows < 1:
+        raise UserInputError(f"capacity {value!r} is {rows} rows; it must be at least 1 row")
+    return rows
+
+
+def compare_policies(
+    trace: Trace,
+    capacities: list[int],
+    *,
+    window: int,
+    distance: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[PolicyResult]:
+    """Every policy at every capacity (``none`` once), in table order."""
+    steps = [(c, p) for c in sorted(set(capacities)) for p in POLICIES if p != "none"]
+    results = [simulate_none(trace)]
+    for i, (capacity, policy) in enumerate(steps, start=1):
+        if policy == "lru":
+            results.append(simulate_lru(trace, capacity))
+        elif policy == "static":
+            results.append(simulate_static(trace, capacity))
+        elif policy == "oracle":
+            results.append(simulate_oracle(trace, capacity, window, distance))
+        else:
+            results.append(simulate_belady(trace, capacity))
+        if progress:
+            progress(i, len(steps))
+    return results
+
+
+def plot_comparison(results: list[PolicyResult], path: str | os.PathLike, *, title: str = "") -> Path:
+    """PNG: rows fetched vs cache capacity, one line per policy (no cache as a flat line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    capacities = sorted({r.capacity for r in results if r.capacity is not None})
+    for policy in POLICIES:
+        rows = [r for r in results if r.policy == policy]
+        if policy == "none" and rows and capacities:
+            ax.plot(capacities, [rows[0].rows_fetched] * len(capacities), "k--", label="no cache")
+            continue
+        points = [(r.capacity, r.rows_fetched) for r in rows if r.rows_fetched is not None]
+        if points:  # distinct markers: policies often land on the same point
+            ax.plot(*zip(*points, strict=True), marker=MARKERS[policy], fillstyle="none", label=policy)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("cache capacity (rows)")
+    ax.set_ylabel("rows fetched (missing point: capacity too small for the policy)")
+    ax.set_title(title or "Embedding rows fetched by cache policy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def compare_dataset(
+    dataset_dir: str | os.PathLike,
+    batch_size: int,
+    capacities: list[str | int],
+    *,
+    window: int,
+    distance: int,
+    embedding_dim: int,
+    drop_last: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Every policy on the batch stream of ``dataset_dir``: a JSON-able report (``rows`` is the table)."""
+    from dlrmflow.engine.planner import PlanConfig  # validates B, L, P like a plan would
+
+    PlanConfig(batch_size, window, distance, drop_last=drop_last)
+    if embedding_dim < 1:
+        raise UserInputError(f"embedding dim must be >= 1, got {embedding_dim}")
+    stream = BatchStream(dataset_dir, batch_size, drop_last=drop_last, sparse_only=True)
+    total_rows = stream.meta.total_embedding_rows
+    rows = [parse_capacity(c, total_rows) for c in capacities]
+    if not rows:
+        raise UserInputError("give at least one cache capacity")
+    trace = build_trace(dataset_dir, batch_size, drop_last=drop_last)
+    results = compare_policies(trace, rows, window=window, distance=distance, progress=progress)
+    return {
+        "dataset": str(dataset_dir),
+        "batch_size": batch_size,
+        "lookahead": window,
+        "prefetch_distance": distance,
+        "embedding_dim": embedding_dim,
+        "iterations": len(trace.batches),
+        "total_rows": total_rows,
+        "uses": trace.uses,
+        "max_batch_rows": trace.max_batch_rows,
+        "capacities": sorted(set(rows)),
+        "rows": [r.row(embedding_dim) for r in results],
+    }
+
+
+def results_from_rows(rows: list[dict[str, Any]], uses: int) -> list[PolicyResult]:
+    """Back from a report's table to results (for plotting a saved report)."""
+    return [PolicyResult(r["policy"], r["capacity"], uses, r["rows_fetched"], r["rows_written_back"], r["note"])
+            for r in rows]

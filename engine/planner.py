@@ -1,0 +1,464 @@
+"""The oracle cacher: a lookahead plan of prefetches, evictions and cache slots for a batch stream.
+
+For ``BatchStream(dataset_dir, batch_size, drop_last=...)`` and a window ``L`` the plan says, per
+iteration ``t``, which rows to prefetch for ``t`` (with the cache slot each goes to) and which to
+write back after ``t`` (see :mod:`dlrmflow.engine.lookahead` for the rules and the capacity bound).
+
+Two implementations that must agree exactly (the tests check it):
+
+- :func:`plan_sequential`: the reference, one forward pass over the whole stream;
+- :func:`plan_chunked`: the Dask job; tasks are (chunk of iterations) x (group of tables), each
+  reading an ``L``-iteration halo before and after its chunk. Tables are independent (a row
+  belongs to one table), so splitting by tables needs no halo at all.
+
+Both end with the same cheap sequential passes on the driver: the capacity bound (Belady within the
+window) and slot assignment, which replays the trainer's timing and rejects any stale read.
+A plan directory holds Parquet files of consecutive iterations plus ``plan.json``; it is written
+to a temporary directory and renamed, so an interrupted run never leaves a plan that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dlrmflow.datasets.meta import read_meta
+from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.lookahead import (
+    RangeDecisions,
+    assign_slots,
+    coverage,
+    decide_range,
+    farthest_first_drops,
+    iter_id_batches,
+    occupancy,
+)
+from dlrmflow.errors import UserInputError
+
+PLAN_FILE = "plan.json"
+PLAN_FORMAT_VERSION = 1
+ITERATIONS_PER_FILE = 512
+# Ids are sorted within an iteration and slots come off a FIFO queue in runs: delta encoding
+# stores both in a quarter of the plain size, faster than any general-purpose compression.
+DELTA_ENCODED = {
+    f"{c}.list.element": "DELTA_BINARY_PACKED" for c in ("prefetch_ids", "prefetch_slots", "evict_ids")
+}
+
+Progress = Callable[[int, int], None]
+
+
+class PlanError(UserInputError):
+    """A plan configuration or plan directory is invalid."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan was made for another dataset, batch size or window."""
+
+
+class CapacityError(PlanError):
+    """The cache capacity cannot hold what one iteration (plus its prefetches in flight) needs."""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    batch_size: int
+    lookahead: int = 200  # L
+    prefetch_distance: int = 1  # P, 1 <= P <= L
+    capacity: int | None = None  # cache rows; None = unbounded (keep every row reused within L)
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise PlanError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.lookahead < 1:
+            raise PlanError(f"lookahead window L must be >= 1 iteration, got {self.lookahead}")
+        if not 1 <= self.prefetch_distance <= self.lookahead:
+            raise PlanError(
+                f"prefetch distance P={self.prefetch_distance} must lie in 1..L (L={self.lookahead}): "
+                "a row evicted after iteration t can be needed again at t+L+1, and that fetch is issued "
+                "when iteration t+L+1-P starts; with P > L that is before t's write-back (a stale read)"
+            )
+        if self.capacity is not None and self.capacity < 1:
+            raise PlanError(f"capacity must be >= 1 row (or unset for unbounded), got {self.capacity}")
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    t: int
+    prefetch_ids: np.ndarray  # int64 global ids to fetch for iteration t (sorted ascending)
+    prefetch_slots: np.ndarray  # int64 cache slot of each prefetched id (same order)
+    evict_ids: np.ndarray  # int64 global ids to write back after iteration t computed (sorted)
+
+
+@dataclass
+class PlanArrays:
+    """A whole plan in memory (what :func:`write_plan` stores): CSR arrays over iterations."""
+
+    config: PlanConfig
+    dataset_fingerprint: str
+    num_iterations: int
+    num_rows: int  # total embedding rows of the dataset
+    num_slots: int
+    peak_occupancy: int
+    ids_read: int  # ids in the stream (rows x tables): the throughput unit
+    prefetch_offsets: np.ndarray
+    prefetch_ids: np.ndarray
+    prefetch_slots: np.ndarray
+    evict_offsets: np.ndarray
+    evict_ids: np.ndarray
+
+    def iteration(self, t: int) -> IterationPlan:
+        a, b = self.prefetch_offsets[t], self.prefetch_offsets[t + 1]
+        c, d = self.evict_offsets[t], self.evict_offsets[t + 1]
+        return IterationPlan(t, self.prefetch_ids[a:b], self.prefetch_slots[a:b], self.evict_ids[c:d])
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "dataset_fingerprint": self.dataset_fingerprint,
+            **asdict(self.config),
+            "num_iterations": self.num_iterations,
+            "num_rows": self.num_rows,
+            "num_slots": self.num_slots,
+            "counts": {
+                "ids": self.ids_read,
+                "prefetched_rows": len(self.prefetch_ids),
+                "evicted_rows": len(self.evict_ids),
+                "peak_occupancy": self.peak_occupancy,
+            },
+        }
+
+
+# ---- computing a plan ---------------------------------------------------------------------
+
+
+def open_stream(dataset_dir: str | os.PathLike, config: PlanConfig) -> BatchStream:
+    return BatchStream(dataset_dir, config.batch_size, drop_last=config.drop_last, sparse_only=True)
+
+
+def decide_chunk(
+    dataset_dir: str, config: PlanConfig, first: int, stop: int, table_lo: int, table_hi: int
+) -> RangeDecisions:
+    """One task: the decisions for iterations ``first..stop-1`` of tables ``table_lo..table_hi-1``."""
+    stream = open_stream(dataset_dir, config)
+    n, window, num_rows = len(stream), config.lookahead, stream.meta.total_embedding_rows
+    batches = iter_id_batches(stream, max(0, first - window), min(n, stop + window), range(table_lo, table_hi),
+                              reuse_buffer=True)  # decide_range keeps no batch past its turn
+    bounds = [*stream.meta.table_offsets, num_rows]
+    return decide_range(
+        batches, first=first, stop=stop, num_iterations=n, window=window,
+        distance=config.prefetch_distance, candidates=config.capacity is not None,
+        num_rows=num_rows, id_range=(bounds[table_lo], bounds[table_hi]),
+    )
+
+
+def plan_sequential(dataset_dir: str | os.PathLike, config: PlanConfig) -> PlanArrays:
+    """The reference: one pass over every iteration and table, then the driver passes."""
+    stream = open_stream(dataset_dir, config)
+    n_tables = len(stream.meta.sparse_columns)
+    return assemble_plan(stream, config, decide_chunk(str(dataset_dir), config, 0, len(stream), 0, n_tables))
+
+
+def default_chunk_iterations(config: PlanConfig) -> int:
+    # A chunk reads 2L halo iterations besides its own: keep that a small share (<= 1/8) of its
+    # work. Table groups already give every worker a task, so chunks are only for long streams.
+    return max(16 * config.lookahead, 1024)
+
+
+def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
+    """``total`` items in ``parts`` contiguous, nearly equal ranges (no empty one)."""
+    parts = max(1, min(parts, total))
+    cuts = [round(i * total / parts) for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+def plan_chunked(
+    dataset_dir: str | os.PathLike,
+    config: PlanConfig,
+    *,
+    client: Any = None,
+    chunk_iterations: int | None = None,
+    table_groups: int | None = None,
+    progress: Progress | None = None,
+) -> PlanArrays:
+    """The plan as a Dask job over (iteration chunk, table group) tasks; in-process without a client."""
+    stream = open_stream(dataset_dir, config)
+    n, n_tables = len(stream), len(stream.meta.sparse_columns)
+    chunk = chunk_iterations or default_chunk_iterations(config)
+    if chunk < 1:
+        raise PlanError(f"chunk_iterations must be >= 1, got {chunk}")
+    if table_groups is None:
+        table_groups = len(client.scheduler_info()["workers"]) if client is not None else 1
+    chunks = split_ranges(n, -(-n // chunk)) or [(0, 0)]  # equal chunks of at most ``chunk`` iterations
+    groups = split_ranges(n_tables, table_groups)
+    tasks = [(c, g) for c in chunks for g in groups]
+    where = str(Path(dataset_dir).resolve())  # workers of an existing cluster may run elsewhere
+    args = [(where, config, c[0], c[1], g[0], g[1]) for c, g in tasks]
+    results: list[RangeDecisions] = []
+    if client is None:
+        for i, a in enumerate(args):
+            results.append(decide_chunk(*a))
+            if progress:
+                progress(i + 1, len(args))
+    else:
+        from distributed import as_completed
+
+        futures = [client.submit(decide_chunk, *a, pure=False) for a in args]
+        position = {future.key: i for i, future in enumerate(futures)}
+        results = [None] * len(futures)
+        try:
+            for done, future in enumerate(as_completed(futures), start=1):
+                results[position[future.key]] = future.result()  # a task's error is re-raised here
+                if progress:
+                    progress(done, len(futures))
+        finally:
+            client.cancel(futures)
+    per_chunk = [merge_table_groups(results[i : i + len(groups)]) for i in range(0, len(results), len(groups))]
+    return assemble_plan(stream, config, concat_chunks(per_chunk))
+
+
+def _interleave(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-iteration concatenation of CSR lists (each part's ids for t follow the previous part's)."""
+    counts = np.sum([c for c, _ in parts], axis=0)
+    out = np.empty(int(counts.sum()), dtype=np.int64)
+    dest_start = np.cumsum(counts) - counts
+    for part_counts, ids in parts:
+        src_start = np.cumsum(part_counts) - part_counts
+        out[np.repeat(dest_start - src_start, part_counts) + np.arange(len(ids))] = ids
+        dest_start = dest_start + part_counts
+    return counts, out
+
+
+def merge_table_groups(parts: list[RangeDecisions]) -> RangeDecisions:
+    """One chunk's decisions from its table groups (ascending tables, so ids stay sorted)."""
+    if len(parts) == 1:
+        return parts[0]
+    pf_counts, pf_ids = _interleave([(p.prefetch_counts, p.prefetch_ids) for p in parts])
+    ev_counts, ev_ids = _interleave([(p.evict_counts, p.evict_ids) for p in parts])
+    return RangeDecisions(
+        parts[0].first, parts[0].stop, pf_counts, pf_ids, ev_counts, ev_ids,
+        *(np.concatenate([getattr(p, f) for p in parts]) for f in ("cand_ids", "cand_start", "cand_end")),
+    )
+
+
+def concat_chunks(chunks: list[RangeDecisions]) -> RangeDecisions:
+    def cat(field: str) -> np.ndarray:
+        return np.concatenate([getattr(c, field) for c in chunks])
+
+    fields = ("prefetch_counts", "prefetch_ids", "evict_counts", "evict_ids", "cand_ids", "cand_start", "cand_end")
+    return RangeDecisions(chunks[0].first, chunks[-1].stop, *(cat(f) for f in fields))
+
+
+def _add_events(counts: np.ndarray, ids: np.ndarray, times: np.ndarray, new_ids: np.ndarray):
+    all_t = np.concatenate([np.repeat(np.arange(len(counts)), counts), times])
+    all_ids = np.concatenate([ids, new_ids])
+    order = np.lexsort((all_ids, all_t))
+    return np.bincount(all_t, minlength=len(counts)).astype(np.int64), all_ids[order]
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def assemble_plan(stream: BatchStream, config: PlanConfig, d: RangeDecisions) -> PlanArrays:
+    """Driver passes: capacity bound (Belady within the window), then slots, then the plan."""
+    n, distance, capacity = len(stream), config.prefetch_distance, config.capacity
+    pf_counts, pf_ids, ev_counts, ev_ids = d.prefetch_counts, d.prefetch_ids, d.evict_counts, d.evict_ids
+    num_rows = stream.meta.total_embedding_rows
+    if capacity is not None and n:
+        occ = occupancy(pf_counts, ev_counts, distance)
+        base = occ - coverage(d.cand_start, d.cand_end, n)  # what no choice of evictions can lower
+        if base.max() > capacity:
+            raise capacity_error(stream, config, base)
+        drop = farthest_first_drops(occ - capacity, d.cand_start, d.cand_end, d.cand_ids)
+        if drop.any():  # give up the kept gap (p, t): evict after p, prefetch again for t
+            pf_counts, pf_ids = _add_events(pf_counts, pf_ids, d.cand_end[drop] + distance + 1, d.cand_ids[drop])
+            ev_counts, ev_ids = _add_events(ev_counts, ev_ids, d.cand_start[drop] - 1, d.cand_ids[drop])
+    peak = int(occupancy(pf_counts, ev_counts, distance).max()) if n else 0
+    num_slots = capacity if capacity is not None else peak
+    pf_offsets, ev_offsets = _offsets(pf_counts), _offsets(ev_counts)
+    slots, replay_peak = assign_slots(
+        pf_offsets, pf_ids, ev_offsets, ev_ids, distance=distance, num_slots=num_slots, num_rows=num_rows
+    )
+    if replay_peak != peak:
+        raise RuntimeError(f"slot replay peaks at {replay_peak} rows, the occupancy count at {peak}")
+    rows = stream.stop_row - stream.start_row if not config.drop_last else n * config.batch_size
+    return PlanArrays(
+        config, stream.meta.fingerprint, n, num_rows, num_slots, peak, rows * len(stream.meta.sparse_columns),
+        pf_offsets, pf_ids, slots, ev_offsets, ev_ids,
+    )
+
+
+def capacity_error(stream: BatchStream, config: PlanConfig, base: np.ndarray) -> CapacityError:
+    """Name the first iteration that alone overflows the cache, else the first window that does."""
+    capacity, distance = config.capacity, config.prefetch_distance
+    need = f"the smallest capacity this stream allows with P={distance} is {int(base.max())} rows"
+    for t, ids in iter_id_batches(stream, 0, len(stream)):  # only on this error path: a full pass
+        own = len(np.unique(ids))
+        if own > capacity:
+            return CapacityError(
+                f"capacity {capacity} rows is too small: iteration {t} alone uses {own} unique rows "
+                f"(batch size {config.batch_size}); {need}"
+            )
+    u = int(np.argmax(base > capacity))
+    last = min(u + distance, len(stream) - 1)
+    return CapacityError(
+        f"capacity {capacity} rows is too small: while iteration {u} computes, its rows and those of "
+        f"iterations {u + 1}..{last} (prefetch distance {distance}) must all be cached, {int(base[u])} rows; "
+        f"{need}, or lower the prefetch distance"
+    )
+
+
+# ---- plan directories ---------------------------------------------------------------------------
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets - offsets[0], pa.int64()), pa.array(values, pa.int64()))
+
+
+def write_plan(
+    plan: PlanArrays, output_dir: str | os.PathLike, *, iterations_per_file: int | None = None
+) -> dict[str, Any]:
+    """Write ``plan`` as a plan directory (atomically); return the ``plan.json`` contents."""
+    iterations_per_file = iterations_per_file or ITERATIONS_PER_FILE
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"plan output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / PLAN_FILE).is_file():
+        raise PlanError(f"refusing to overwrite {str(out)!r}: it is not empty and holds no {PLAN_FILE}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = []
+        for first in range(0, plan.num_iterations, iterations_per_file):
+            stop = min(first + iterations_per_file, plan.num_iterations)
+            pf = plan.prefetch_offsets[first : stop + 1]
+            ev = plan.evict_offsets[first : stop + 1]
+            table = pa.table({
+                "t": pa.array(np.arange(first, stop), pa.int64()),
+                "prefetch_ids": _list_array(pf, plan.prefetch_ids[pf[0] : pf[-1]]),
+                "prefetch_slots": _list_array(pf, plan.prefetch_slots[pf[0] : pf[-1]]),
+                "evict_ids": _list_array(ev, plan.evict_ids[ev[0] : ev[-1]]),
+            })
+            name = f"iterations-{first:08d}-{stop:08d}.parquet"
+            pq.write_table(table, tmp / name, use_dictionary=False, compression="none",
+                           column_encoding=DELTA_ENCODED)
+            files.append({"name": name, "first": first, "stop": stop})
+        summary = {**plan.summary(), "files": files}
+        (tmp / PLAN_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def make_plan(
+    dataset_dir: str | os.PathLike,
+    config: PlanConfig,
+    output_dir: str | os.PathLike,
+    *,
+    client: Any = None,
+    chunk_iterations: int | None = None,
+    table_groups: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Plan ``dataset_dir`` (a Dask job when ``client`` is given) into ``output_dir``; the plan.json contents."""
+    plan = plan_chunked(
+        dataset_dir, config, client=client, chunk_iterations=chunk_iterations,
+        table_groups=table_groups, progress=progress,
+    )
+    return write_plan(plan, output_dir)
+
+
+class Plan:
+    """A loaded plan directory; :meth:`iterations` streams it file by file."""
+
+    def __init__(self, directory: Path, info: dict[str, Any]) -> None:
+        self.directory = directory
+        self.info = info
+        self.config = PlanConfig(
+            batch_size=info["batch_size"], lookahead=info["lookahead"],
+            prefetch_distance=info["prefetch_distance"], capacity=info["capacity"], drop_last=info["drop_last"],
+        )
+        self.dataset_fingerprint: str = info["dataset_fingerprint"]
+        self.num_iterations: int = info["num_iterations"]
+        self.num_slots: int = info["num_slots"]
+        self.counts: dict[str, int] = info["counts"]
+
+    def iterations(self, first: int = 0) -> Iterator[IterationPlan]:
+        for f in self.info["files"]:
+            if f["stop"] <= first:
+                continue
+            table = pq.read_table(self.directory / f["name"])
+            ts = table.column("t").to_numpy()
+            lists = [table.column(c).combine_chunks() for c in ("prefetch_ids", "prefetch_slots", "evict_ids")]
+            offsets = [a.offsets.to_numpy() for a in lists]
+            values = [a.values.to_numpy() for a in lists]
+            for i, t in enumerate(ts.tolist()):
+                if t >= first:
+                    yield IterationPlan(t, *(v[o[i] : o[i + 1]] for v, o in zip(values, offsets, strict=True)))
+
+    def __repr__(self) -> str:
+        return f"Plan({str(self.directory)!r}, {self.config}, iterations={self.num_iterations}, slots={self.num_slots})"
+
+
+def load_plan(
+    plan_dir: str | os.PathLike,
+    *,
+    dataset_dir: str | os.PathLike | None = None,
+    batch_size: int | None = None,
+    lookahead: int | None = None,
+    prefetch_distance: int | None = None,
+) -> Plan:
+    """Open a plan directory; refuse it (PlanMismatchError) if made for another dataset or setting."""
+    directory = Path(plan_dir)
+    if not directory.is_dir():
+        raise PlanError(f"plan directory {str(directory)!r} does not exist (make one with `dlrmflow plan`)")
+    path = directory / PLAN_FILE
+    if not path.is_file():
+        raise PlanError(
+            f"{str(directory)!r} is not a complete plan: {PLAN_FILE} is missing "
+            "(an interrupted `dlrmflow plan` leaves none; run it again)"
+        )
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{path} is not valid JSON: {exc}") from exc
+    if info.get("format_version") != PLAN_FORMAT_VERSION:
+        raise PlanError(f"{path} has format_version {info.get('format_version')!r}; expected {PLAN_FORMAT_VERSION}")
+    missing = [f["name"] for f in info.get("files", []) if not (directory / f["name"]).is_file()]
+    if missing:
+        raise PlanError(f"plan {str(directory)!r} is incomplete: missing {', '.join(missing)}")
+    plan = Plan(directory, info)
+    if dataset_dir is not None:
+        meta = read_meta(dataset_dir)
+        if meta.fingerprint != plan.dataset_fingerprint:
+            raise PlanMismatchError(
+                f"plan {str(directory)!r} was made for another dataset (fingerprint "
+                f"{plan.dataset_fingerprint[:12]}…, {str(dataset_dir)!r} has {meta.fingerprint[:12]}…); "
+                "make a new plan for this dataset"
+            )
+    for name, wanted, have in (
+        ("batch size", batch_size, plan.config.batch_size),
+        ("lookahead window", lookahead, plan.config.lookahead),
+        ("prefetch distance", prefetch_distance, plan.config.prefetch_distance),
+    ):
+        if wanted is not None and wanted != have:
+            raise PlanMismatchError(f"plan {str(directory)!r} was made for {name} {have}, not {wanted}")
+    return plan
