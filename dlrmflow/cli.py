@@ -19,7 +19,7 @@ from types import ModuleType
 from dlrmflow import __version__
 from dlrmflow.errors import UserInputError
 
-COMMANDS = ["demo", "generate", "preprocess", "profile", "train", "plan", "compare-caches"]
+COMMANDS = ["demo", "generate", "preprocess", "profile", "train", "plan", "compare-caches", "verify"]
 
 
 def _modules() -> list[ModuleType]:
@@ -41,12 +41,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hide_user_error_tracebacks() -> None:
+    """Bad input is reported as one line; keep Prefect from logging its traceback first.
+
+    Prefect logs every exception that ends a task or flow run with its traceback. For a
+    UserInputError that traceback is noise (the message says everything), so records carrying
+    one lose their exc_info; any other exception keeps its traceback.
+    """
+    make_record = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        if record.exc_info and isinstance(record.exc_info[1], UserInputError):
+            record.exc_info = None
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
 def main(argv: list[str] | None = None) -> int:
     # The local Prefect API would otherwise try to phone home and log an error on every run
     # on machines without internet access; a user's own setting wins.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     module: ModuleType = args._module
+    _hide_user_error_tracebacks()
     if args.json:
         # stdout carries the JSON object only; Prefect's own console output stays on stderr.
         logging.getLogger("prefect").setLevel(logging.WARNING)

@@ -28,6 +28,9 @@ def resolve_address(address: str | None) -> str | None:
 
 def local_cluster(n_workers: int | None = None, memory_limit: str = "auto") -> LocalCluster:
     workers = n_workers or max(1, min(os.cpu_count() or 1, 4))
+    # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
+    # drown the flow's own progress lines in the terminal and the Prefect logs.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     return LocalCluster(
         n_workers=workers,
         threads_per_worker=1,

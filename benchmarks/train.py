@@ -1,0 +1,225 @@
+"""Training speed of the four modes, side by side, on the same data in one run.
+
+    local    all rows in the trainer (the reference: the speed to match)
+    remote   parameter-server baseline: every iteration fetches its rows and writes them back
+    lru      on-demand LRU cache with the oracle's cache size, write-back on eviction
+    oracle   the lookahead plan: background prefetch P iterations ahead, write-back of evictions
+
+Two configurations (26 tables, Criteo Kaggle's sizes scaled down; (a) uses the synthetic Criteo
+rows of ``dlrmflow.datasets.synthetic``, skewed like the real data):
+
+    a  Criteo Kaggle architecture: dim 16, bottom 13-512-256-64-16, top 367-512-256-1, batch 4096
+    b  embedding-bound: dim 64, bottom 13-64-64, top 415-64-1, batch 16384, ids with a milder skew
+       (Zipf 0.9 per table), so embedding traffic, not the MLPs, dominates the iteration
+
+Every mode runs ``--repeats`` times, in rotated order. Per mode the table shows: the mean
+iteration time (the train step: gather, compute, update, scatter; median over rounds), the median
+and 10th percentile of all iterations of all rounds (on a shared machine the p10 is the least
+disturbed estimate), their ratio to local, the stall fraction (time compute waited for embedding
+traffic / iteration time), bytes fetched and written back, eval AUC, and whether the final
+state's SHA-256 equals local's (it must: bit-identical training). The embedding servers are Dask
+actors on a LocalCluster of 2 worker processes on the same machine as the trainer.
+
+    .venv/bin/python benchmarks/train.py [--configs a,b] [--iterations N] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from distributed import Client
+
+from dlrmflow.datasets import synthetic
+from dlrmflow.datasets.meta import read_meta
+from dlrmflow.datasets.writer import write_array_dataset
+from dlrmflow.engine.cluster import local_cluster
+from dlrmflow.engine.planner import PlanConfig, load_plan, make_plan
+from dlrmflow.engine.trainer import TrainConfig, train
+
+CONFIGS = {
+    "a": dict(name="criteo-arch", scale=0.05, batch=4096, dim=16, bottom=(512, 256, 64, 16), top=(512, 256, 1),
+              iterations=40),
+    "b": dict(name="embedding-bound", scale=0.1, batch=16384, dim=64, bottom=(64, 64), top=(64, 1),
+              iterations=30, zipf=0.9),
+}
+MODES = ("local", "remote", "lru", "oracle")
+EVAL_BATCHES = 2
+
+
+def synthetic_dataset(path: Path, rows: int, scale: float, seed: int = 0) -> Path:
+    """Synthetic Criteo rows in the preprocessed layout: id 0 = missing, ids by popularity rank,
+    dense log(max(x, 0) + 1) with missing -> 0 (what `dlrmflow preprocess` writes)."""
+    params = {"rows": rows, "scale": scale, "seed": seed}
+    stamp = path / "bench-params.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == params:
+        return path
+    arrays = synthetic.generate_arrays(0, rows, seed=seed, scale=scale)
+    dense = np.log1p(np.maximum(arrays["dense"], 0)).astype(np.float32)
+    dense[arrays["dense_missing"]] = 0.0
+    sparse = np.where(arrays["cat_missing"], 0, arrays["ranks"]).astype(np.int32)
+    cards = [c + 1 for c in synthetic.table_cardinalities(scale)]
+    write_array_dataset(path, arrays["labels"].astype(np.int8), dense, sparse, cards)
+    stamp.write_text(json.dumps(params))
+    return path
+
+
+def zipf_dataset(path: Path, rows: int, scale: float, exponent: float, seed: int = 0) -> Path:
+    """Ids of each table (Criteo Kaggle sizes x ``scale``) drawn with P(r) ~ (r + 1)^-exponent: a
+    milder skew than the synthetic Criteo rows, so a batch touches many distinct rows. Dense
+    features are standard normal; the label depends on the first one (a learnable signal)."""
+    params = {"rows": rows, "scale": scale, "exponent": exponent, "seed": seed}
+    stamp = path / "bench-params.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == params:
+        return path
+    rng = np.random.default_rng(seed)
+    cards = synthetic.table_cardinalities(scale)
+    sparse = np.empty((rows, len(cards)), dtype=np.int32)
+    for k, card in enumerate(cards):
+        cdf = np.cumsum(np.arange(1, card + 1, dtype=np.float64) ** -exponent)
+        sparse[:, k] = np.minimum(np.searchsorted(cdf / cdf[-1], rng.random(rows), side="right"), card - 1)
+    dense = rng.standard_normal((rows, synthetic.N_DENSE)).astype(np.float32)
+    labels = (dense[:, 0] + rng.standard_normal(rows) > 1.0).astype(np.int8)
+    write_array_dataset(path, labels, dense, sparse, cards)
+    stamp.write_text(json.dumps(params))
+    return path
+
+
+def run_config(key: str, args, client: Client, work: Path) -> list[dict]:
+    cfg = CONFIGS[key]
+    iterations = args.iterations or cfg["iterations"]
+    rows = cfg["batch"] * (iterations + EVAL_BATCHES)
+    start = time.perf_counter()
+    if "zipf" in cfg:
+        dataset = zipf_dataset(work / f"data-{key}", rows, cfg["scale"], cfg["zipf"])
+    else:
+        dataset = synthetic_dataset(work / f"data-{key}", rows, cfg["scale"])
+    meta = read_meta(dataset)
+    print(f"\n[{key}] {cfg['name']}: {rows:,} rows, {meta.total_embedding_rows:,} embedding rows of dim "
+          f"{cfg['dim']}, batch {cfg['batch']}, {iterations} iterations "
+          f"(data ready in {time.perf_counter() - start:.1f} s)", flush=True)
+    plan_dir = work / f"plan-{key}"
+    start = time.perf_counter()
+    make_plan(dataset, PlanConfig(cfg["batch"], lookahead=args.lookahead, prefetch_distance=args.distance),
+              plan_dir, client=client)
+    plan = load_plan(plan_dir)
+    print(f"[{key}] plan L={args.lookahead} P={args.distance}: {plan.num_slots:,} cache slots "
+          f"({100 * plan.num_slots / meta.total_embedding_rows:.1f}% of rows), made in "
+          f"{time.perf_counter() - start:.1f} s (offline, not in the times below)", flush=True)
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for round_ in range(args.repeats):
+        # Rotate the order each round so that no mode always runs first (cold caches, load drift).
+        order = MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]
+        for mode in order:
+            runs[mode].append(train_once(key, mode, cfg, iterations, dataset, plan_dir, plan, args, client, work))
+    return [combine(key, mode, runs[mode]) for mode in MODES]
+
+
+def train_once(key, mode, cfg, iterations, dataset, plan_dir, plan, args, client, work) -> dict:
+    config = TrainConfig(
+        dataset_dir=str(dataset), mode=mode, output_dir=str(work / f"run-{key}-{mode}"),
+        batch_size=cfg["batch"], iterations=iterations, num_shards=args.shards,
+        capacity=plan.num_slots if mode == "lru" else None,
+        plan_dir=str(plan_dir) if mode == "oracle" else None, device=args.device,
+        embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom"], top_mlp=cfg["top"],
+        eval_fraction=EVAL_BATCHES / (iterations + EVAL_BATCHES), metrics_every=iterations,
+        save_state=False,
+    )
+    start = time.perf_counter()
+    summary = train(config, client=client)
+    wall = time.perf_counter() - start
+    per_it = np.loadtxt(Path(config.output_dir) / "iterations.csv", delimiter=",", skiprows=1, ndmin=2)
+    steady = per_it[len(per_it) // 2 :]
+    summary.update(config=key, wall_seconds=wall, steady_iteration_ms=float(steady[:, 2].mean()),
+                   steady_stall_fraction=float(steady[:, 3].sum() / steady[:, 2].sum()),
+                   iteration_ms=per_it[:, 2].tolist(), stall_ms=per_it[:, 3].tolist())
+    print(f"[{key}] {mode:<7} {summary['mean_iteration_ms']:9.1f} ms/iteration "
+          f"(median {summary['median_iteration_ms']:.1f}, steady {summary['steady_iteration_ms']:.1f}), "
+          f"stall {100 * summary['stall_fraction']:.1f}%, run {wall:.1f} s", flush=True)
+    return summary
+
+
+def combine(key: str, mode: str, runs: list[dict]) -> dict:
+    """One row per mode: medians over the rounds of the timing numbers; traffic and hashes are
+    deterministic (checked equal across rounds)."""
+    out = dict(runs[0])
+    for field in ("mean_iteration_ms", "median_iteration_ms", "steady_iteration_ms", "stall_fraction",
+                  "steady_stall_fraction", "wall_seconds"):
+        out[field] = float(np.median([r[field] for r in runs]))
+    out["rounds"] = len(runs)
+    out["mean_iteration_ms_each_round"] = [r["mean_iteration_ms"] for r in runs]
+    # Pooled over every iteration of every round: the median, and the 10th percentile (the
+    # iterations least disturbed by other work on a shared machine).
+    pooled = np.concatenate([r["iteration_ms"] for r in runs])
+    out["pooled_median_ms"] = float(np.median(pooled))
+    out["pooled_p10_ms"] = float(np.percentile(pooled, 10))
+    out["pooled_stall_fraction"] = float(sum(sum(r["stall_ms"]) for r in runs) / pooled.sum())
+    for r in runs:
+        r.pop("iteration_ms"), r.pop("stall_ms")
+    out.pop("iteration_ms", None), out.pop("stall_ms", None)
+    for field in ("bytes_fetched", "bytes_written_back", "state_sha256"):
+        if len({r[field] for r in runs}) != 1:
+            raise RuntimeError(f"[{key}] {mode}: {field} differs between rounds")
+    return out
+
+
+def print_table(results: list[dict]) -> None:
+    local = {r["config"]: r for r in results if r["mode"] == "local"}
+    header = (f"{'cfg':<4}{'mode':<8}{'mean ms':>9}{'median':>9}{'p10':>9}{'x local':>9}{'(p10)':>7}"
+              f"{'stall %':>9}{'fetched MB':>12}{'written MB':>12}{'eval AUC':>10}  same bits as local")
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in results:
+        ref = local[r["config"]]
+        auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
+        print(f"{r['config']:<4}{r['mode']:<8}{r['mean_iteration_ms']:9.1f}{r['pooled_median_ms']:9.1f}"
+              f"{r['pooled_p10_ms']:9.1f}{r['pooled_median_ms'] / ref['pooled_median_ms']:9.2f}"
+              f"{r['pooled_p10_ms'] / ref['pooled_p10_ms']:7.2f}{100 * r['pooled_stall_fraction']:9.1f}"
+              f"{r['bytes_fetched'] / 1e6:12.1f}{r['bytes_written_back'] / 1e6:12.1f}{auc:>10}  "
+              f"{'yes' if r['state_sha256'] == ref['state_sha256'] else 'NO'}")
+    print("mean ms: median over rounds of each run's mean; median / p10: over every iteration of every round;\n"
+          "x local: median (and p10) ratio to local; stall %: time compute waited for embeddings / iteration time")
+    for key in local:
+        m = {r["mode"]: r for r in results if r["config"] == key}
+        for stat in ("pooled_median_ms", "pooled_p10_ms"):
+            o = m["oracle"][stat]
+            print(f"[{key}] {stat.split('_')[1]:>6}: oracle {m['remote'][stat] / o:.2f}x faster than remote, "
+                  f"{m['lru'][stat] / o:.2f}x faster than lru, {o / m['local'][stat]:.2f}x local's time")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="a,b", help="comma-separated: a (Criteo arch), b (embedding-bound)")
+    parser.add_argument("--iterations", type=int, help="override the per-config iteration count")
+    parser.add_argument("--lookahead", type=int, default=20, help="L (default 20)")
+    parser.add_argument("--distance", type=int, default=2, help="P (default 2)")
+    parser.add_argument("--shards", type=int, default=2, help="embedding servers (default 2)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all modes; medians reported (default 3)")
+    parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-train")
+    parser.add_argument("--json-out", help="also write every summary to this JSON file")
+    args = parser.parse_args()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "none"
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__} ({torch.get_num_threads()} threads), device {args.device}, GPU {gpu}")
+    print("note: the embedding servers share this machine's CPUs with the trainer; numbers are noisy "
+          f"when other work runs (load average now {os.getloadavg()[0]:.1f})")
+    results = []
+    with local_cluster(n_workers=2) as cluster, Client(cluster) as client:
+        for key in args.configs.split(","):
+            results += run_config(key.strip(), args, client, work)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
+    print_table(results)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

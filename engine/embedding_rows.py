@@ -1,0 +1,137 @@
+"""Embedding rows: their layout, their initial values, and their optimizer updates.
+
+Row layout. Every embedding row travels as one contiguous float32 buffer of ``width`` values:
+``dim`` weights followed by the row's optimizer state (``state_width`` values: none for SGD,
+one accumulator for row-wise Adagrad). A block of ``n`` rows is a ``[n, width]`` array. The
+local table, the embedding servers and the trainer caches all store exactly this layout, so
+a row moves between them by copying bytes, never by converting values.
+
+Initial values. Row ``id`` (a global id) is a pure function of ``(seed, id)`` and the table
+layout (which table ``id`` belongs to, fixed by the dataset): weight ``c`` is a counter-based
+hash of ``(seed, id, c)`` mapped to a uniform float in ``[-b, b)`` with ``b = sqrt(1 / n_k)`` for
+a row of table ``k`` with ``n_k`` rows (the facebookresearch/dlrm initialisation). Any process
+can therefore create or check any shard, in any order, and get the same bits.
+
+Updates. :func:`apply_update` takes the rows a batch touched as one ``[U, width]`` block and
+the gradient of their weights ``[U, dim]`` and returns the updated block. Every trainer mode
+calls exactly this function on exactly such a block, which is why modes that store rows in
+different places (local table, servers, caches) still produce bit-identical rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from dlrmflow.errors import UserInputError
+
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")
+# State values stored after the weights of each row, per optimizer.
+STATE_WIDTH = {"sgd": 0, "adagrad": 1}
+
+# splitmix64 constants (Steele, Lea, Flood 2014): a counter-based generator whose output for
+# counter x depends on x alone, so rows can be initialised independently anywhere.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """Everything that defines the embedding rows of one run (picklable; shards get a copy)."""
+
+    dim: int
+    optimizer: str  # "sgd" | "adagrad"
+    seed: int
+    table_offsets: tuple[int, ...]
+    cardinalities: tuple[int, ...]
+    lr: float = 0.01
+    eps: float = 1e-10  # row-wise Adagrad: w -= lr * g / (sqrt(acc) + eps)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in STATE_WIDTH:
+            raise UserInputError(
+                f"unknown embedding optimizer {self.optimizer!r}; "
+                f"choose one of {', '.join(EMBEDDING_OPTIMIZERS)}"
+            )
+        if self.dim < 1:
+            raise UserInputError(f"embedding dim must be >= 1, got {self.dim}")
+        if len(self.table_offsets) != len(self.cardinalities):
+            raise ValueError("table_offsets and cardinalities disagree on the number of tables")
+
+    @property
+    def state_width(self) -> int:
+        return STATE_WIDTH[self.optimizer]
+
+    @property
+    def width(self) -> int:
+        """float32 values per row: weights then optimizer state."""
+        return self.dim + self.state_width
+
+    @property
+    def total_rows(self) -> int:
+        return int(sum(self.cardinalities))
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.width
+
+
+def _mix64(x, xp: ModuleType):
+    """The splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
+    x = (x ^ (x >> xp.uint64(30))) * xp.uint64(_MIX1)
+    x = (x ^ (x >> xp.uint64(27))) * xp.uint64(_MIX2)
+    return x ^ (x >> xp.uint64(31))
+
+
+def table_bounds(spec: RowSpec, ids, xp: ModuleType = np):
+    """Per-id init bound ``sqrt(1 / n_k)`` (float32) of the table each global id belongs to."""
+    offsets = xp.asarray(np.asarray(spec.table_offsets, dtype=np.int64))
+    sizes = np.maximum(np.asarray(spec.cardinalities, np.float64), 1.0)
+    bounds = xp.asarray(np.sqrt(1.0 / sizes).astype(np.float32))
+    table = xp.searchsorted(offsets, ids, side="right") - 1
+    return bounds[table]
+
+
+def init_rows(spec: RowSpec, ids, xp: ModuleType = np):
+    """Initial rows ``[len(ids), spec.width]`` float32 for global ``ids``: hashed weights, zero state."""
+    ids = xp.asarray(ids, dtype=xp.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.total_rows):
+        raise ValueError(f"row ids must lie in [0, {spec.total_rows})")
+    columns = xp.arange(spec.dim, dtype=xp.uint64)[None, :]
+    counter = ids.astype(xp.uint64)[:, None] * xp.uint64(spec.dim) + columns
+    seed_key = _mix64(xp.asarray([spec.seed & 0xFFFFFFFFFFFFFFFF], dtype=xp.uint64), xp)
+    bits = _mix64(counter * xp.uint64(_GOLDEN) + seed_key, xp)
+    # Top 24 bits -> an exact float32 in [0, 1); 2u - 1 is exact too, so only the final scale rounds.
+    unit = (bits >> xp.uint64(40)).astype(xp.float32) * xp.float32(2.0**-24)
+    weights = (unit * xp.float32(2.0) - xp.float32(1.0)) * table_bounds(spec, ids, xp)[:, None]
+    rows = xp.zeros((ids.shape[0], spec.width), dtype=xp.float32)
+    rows[:, : spec.dim] = weights
+    return rows
+
+
+def sgd_update(block: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """Plain SGD on the weights of a ``[U, dim]`` block, in place."""
+    return block.sub_(grad, alpha=lr)
+
+
+def rowwise_adagrad_update(
+    weights: torch.Tensor, accumulators: torch.Tensor, grad: torch.Tensor, lr: float, eps: float
+) -> None:
+    """Row-wise Adagrad in place: ``acc += mean(g^2)`` per row, ``w -= lr * g / (sqrt(acc) + eps)``."""
+    accumulators.add_(grad.square().mean(dim=1))
+    weights.addcdiv_(grad, accumulators.sqrt().add_(eps).unsqueeze(1), value=-lr)
+
+
+def apply_update(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Update a ``[U, width]`` block (weights + state) in place with the weights' gradient ``[U, dim]``."""
+    weights = block[:, : spec.dim]
+    if spec.optimizer == "sgd":
+        sgd_update(weights, grad, spec.lr)
+    else:
+        # A [U] view (stride = width) into the block's state column.
+        rowwise_adagrad_update(weights, block[:, spec.dim], grad, spec.lr, spec.eps)
+    return block

@@ -1,0 +1,180 @@
+"""Embedding servers: K shards of the embedding rows, each a Dask actor on a worker.
+
+Row ``id`` lives on shard ``id % K`` at local index ``id // K``. A shard stores its rows as one
+``[n_local, width]`` float32 array in the layout of :mod:`dlrmflow.engine.embedding_rows`
+(weights then optimizer state), initialised from ``(seed, id)`` alone. The only traffic is
+batched: ``fetch(ids)`` returns the rows as one contiguous array, ``write_back(ids, rows)``
+stores them, and ``exchange`` does both in one round trip (write first); all move bytes, never
+convert values.
+
+:class:`ShardGroup` is the trainer's side: it splits a sorted id array by shard, calls all
+shards concurrently, and reassembles the answers in the caller's order. It counts the bytes
+it moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from distributed import Client
+
+from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+
+INIT_CHUNK_ROWS = 1 << 18  # rows initialised per step (bounds the hash's temporaries)
+
+
+class EmbeddingShard:
+    """Shard ``shard`` of ``num_shards``: the rows ``shard, shard + K, shard + 2K, ...``."""
+
+    def __init__(self, spec: RowSpec, shard: int, num_shards: int) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
+        self.spec = spec
+        self.shard = shard
+        self.num_shards = num_shards
+        n_local = len(range(shard, spec.total_rows, num_shards))
+        self.rows = np.empty((n_local, spec.width), dtype=np.float32)
+        for lo in range(0, n_local, INIT_CHUNK_ROWS):
+            hi = min(lo + INIT_CHUNK_ROWS, n_local)
+            ids = np.arange(lo, hi, dtype=np.int64) * num_shards + shard
+            self.rows[lo:hi] = init_rows(spec, ids)
+        self.rows_fetched = 0
+        self.rows_written = 0
+
+    def _local_index(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"ids must be 1-d, got shape {ids.shape}")
+        if ids.size and (
+            (ids % self.num_shards != self.shard).any() or ids.min() < 0 or ids.max() >= self.spec.total_rows
+        ):
+            raise ValueError(f"ids sent to shard {self.shard} of {self.num_shards} that it does not hold")
+        return ids // self.num_shards
+
+    def fetch(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` as one contiguous ``[len(ids), width]`` float32 array."""
+        local = self._local_index(ids)
+        self.rows_fetched += len(local)
+        return self.rows[local]
+
+    def write_back(self, ids: np.ndarray, rows: np.ndarray) -> int:
+        """Store ``rows`` ``[len(ids), width]`` for ``ids`` (distinct). Returns the number stored."""
+        local = self._local_index(ids)
+        rows = np.asarray(rows)
+        if rows.dtype != np.float32 or rows.shape != (len(local), self.spec.width):
+            raise ValueError(
+                f"write_back expects float32 rows of shape ({len(local)}, {self.spec.width}), "
+                f"got {rows.dtype} {rows.shape}"
+            )
+        self.rows[local] = rows
+        self.rows_written += len(local)
+        return len(local)
+
+    def exchange(self, write_ids: np.ndarray, write_rows: np.ndarray, fetch_ids: np.ndarray) -> np.ndarray:
+        """Store ``write_rows`` for ``write_ids``, *then* return the rows of ``fetch_ids``: one round
+        trip instead of two, and a row written here is never fetched stale by the same call."""
+        if len(write_ids):
+            self.write_back(write_ids, write_rows)
+        return self.fetch(fetch_ids)
+
+    def local_rows(self) -> np.ndarray:
+        """All rows of this shard in local-index order (a copy)."""
+        return self.rows.copy()
+
+    def stats(self) -> dict[str, int]:
+        return {"shard": self.shard, "rows": len(self.rows), "rows_fetched": self.rows_fetched,
+                "rows_written": self.rows_written}
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+def _no_rows(spec: RowSpec) -> np.ndarray:
+    return np.zeros((0, spec.width), dtype=np.float32)
+
+
+@dataclass
+class ShardGroup:
+    """The trainer's handle on K shards: batched, concurrent fetch and write-back."""
+
+    spec: RowSpec
+    actors: list
+    futures: list = field(default_factory=list)  # hold the actor futures: the actors live as long as they do
+    bytes_fetched: int = 0
+    bytes_written: int = 0
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.actors)
+
+    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        shard_of = ids % self.num_shards
+        return [(k, np.flatnonzero(shard_of == k)) for k in range(self.num_shards)]
+
+    def exchange(
+        self,
+        write_ids: np.ndarray,
+        write_rows: np.ndarray,
+        fetch_ids: np.ndarray,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Write rows back and fetch others, one concurrent call per shard (write applied first).
+
+        Returns the fetched rows ``[len(fetch_ids), width]`` (into ``out`` if given) once every
+        shard has answered, i.e. acknowledged its write-back."""
+        write_ids = np.asarray(write_ids, dtype=np.int64)
+        fetch_ids = np.asarray(fetch_ids, dtype=np.int64)
+        write_rows = np.asarray(write_rows, dtype=np.float32)
+        if out is None:
+            out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
+        calls = []
+        for (k, w), (_, f) in zip(self._split(write_ids), self._split(fetch_ids), strict=True):
+            if len(w) or len(f):
+                rows = np.ascontiguousarray(write_rows[w])
+                calls.append((f, self.actors[k].exchange(write_ids[w], rows, fetch_ids[f])))
+        for f, call in calls:
+            out[f] = call.result()
+        self.bytes_written += len(write_ids) * self.spec.row_bytes
+        self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
+        return out
+
+    def fetch(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids`` into ``out`` (or a new array) ``[len(ids), width]``, all shards at once."""
+        return self.exchange(_NO_IDS, _no_rows(self.spec), ids, out)
+
+    def write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``rows`` for ``ids`` on their shards; returns once every shard acknowledged."""
+        self.exchange(ids, rows, _NO_IDS)
+
+    def all_rows(self) -> np.ndarray:
+        """Every row ``[total_rows, width]`` in global id order."""
+        out = np.empty((self.spec.total_rows, self.spec.width), dtype=np.float32)
+        calls = [actor.local_rows() for actor in self.actors]
+        for k, call in enumerate(calls):
+            out[k :: self.num_shards] = call.result()
+        return out
+
+    def stats(self) -> list[dict[str, int]]:
+        return [call.result() for call in [actor.stats() for actor in self.actors]]
+
+    def close(self) -> None:
+        """Release the actors (their workers drop the rows)."""
+        self.actors = []
+        self.futures = []
+
+
+def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
+    """Start ``num_shards`` EmbeddingShard actors, round-robin over the cluster's workers."""
+    if num_shards < 1:
+        raise ValueError(f"need at least one shard, got {num_shards}")
+    workers = sorted(client.scheduler_info()["workers"])
+    if not workers:
+        raise RuntimeError("the Dask cluster has no workers to host embedding shards")
+    futures = [
+        client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[workers[k % len(workers)]],
+                      pure=False)
+        for k in range(num_shards)
+    ]
+    actors = [f.result() for f in futures]
+    return ShardGroup(spec, actors, futures)

@@ -1,0 +1,507 @@
+"""Train a DLRM in one of four modes; every mode ends in bit-identical parameters.
+
+    local    all embedding rows in the trainer's memory (the reference)
+    remote   rows on K embedding servers, fetched and written back every iteration
+    lru      rows on the servers, an on-demand LRU cache of ``capacity`` rows in the trainer
+    oracle   rows on the servers, a cache driven by a lookahead plan, prefetched in the background
+
+One iteration, the same in every mode (only ``store`` differs)::
+
+    ids      = global ids of the batch [B, T];  uniq, inverse = unique(ids)   (sorted)
+    block    = store.gather(t, uniq)            [U, width] rows: weights + optimizer state
+    weights  = block[:, :dim] (a leaf);  embeddings = weights[inverse]   [B, T, dim]
+    loss     = BCE(DLRM(dense, embeddings), labels);  backward
+    dense optimizer step;  apply_update(block, grad of weights)    (row-wise, per distinct id)
+    store.scatter(t, uniq, block)
+
+The gradient of a row used several times in a batch is summed by ``index_select``'s backward
+(``index_add_``), in the same order in every mode. Deterministic algorithms are switched on
+for the run. Data: training runs the first ``iterations`` batches of
+``BatchStream(dataset, batch_size)`` (the stream a plan is made for); the last
+``eval_fraction`` of the dataset's rows are held out for AUC and log loss and must not
+overlap the training batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrmflow.datasets.meta import DatasetMeta, read_meta
+from dlrmflow.engine.batches import Batch, BatchStream, global_ids
+from dlrmflow.engine.embedding_rows import EMBEDDING_OPTIMIZERS, RowSpec, apply_update
+from dlrmflow.engine.embedding_server import start_shards
+from dlrmflow.engine.erasure import TooManyErasuresError
+from dlrmflow.engine.faults import FaultInjector, check_kills
+from dlrmflow.engine.metrics import log_loss, roc_auc
+from dlrmflow.engine.model import DLRM, DLRMConfig, bce_loss
+from dlrmflow.engine.parity import parity_report, start_coded_shards
+from dlrmflow.engine.prefetch import PrefetchError
+from dlrmflow.engine.run_state import FORMAT_VERSION, save_state, state_hash, write_summary
+from dlrmflow.engine.trainer_modes import CapacityError, LocalRows, LruRows, OracleRows, RemoteRows, RowStore
+from dlrmflow.errors import UserInputError
+
+MODES = ("local", "remote", "lru", "oracle")
+DENSE_OPTIMIZERS = ("sgd", "adam")
+ITERATIONS_FILE = "iterations.csv"
+
+Progress = Callable[[int, int], None]
+MetricsCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    dataset_dir: str
+    mode: str
+    output_dir: str
+    batch_size: int = 128
+    iterations: int | None = None  # None: every batch before the held-out rows
+    num_shards: int = 2
+    capacity: int | None = None  # lru: cache rows (required); oracle: optional bound on the plan's slots
+    plan_dir: str | None = None
+    device: str = "cpu"
+    seed: int = 0
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] | None = None  # None: (512, 256, 64, embedding_dim)
+    top_mlp: tuple[int, ...] = (512, 256, 1)
+    embedding_optimizer: str = "adagrad"
+    dense_optimizer: str = "sgd"
+    lr: float = 0.01
+    embedding_lr: float | None = None  # None: lr
+    eval_fraction: float = 0.1
+    eval_batch_size: int = 4096
+    metrics_every: int = 50
+    save_state: bool = True  # write final_state.pt (the hash is always computed)
+    parity: int = 0  # R parity shards (erasure-coded embedding servers; 0: none)
+    kills: tuple[str, ...] = ()  # failure injection: "shard:I@ITER" / "parity:J@ITER"
+    rebuild_chunk: int = 4096  # stripes per recovery chunk
+
+
+class TrainConfigError(UserInputError):
+    """The training configuration does not fit the data, the plan or the machine."""
+
+
+@dataclass
+class RunSetup:
+    """A checked configuration: everything resolved before any work starts."""
+
+    config: TrainConfig
+    meta: DatasetMeta
+    stream: BatchStream
+    iterations: int
+    eval_start: int  # held-out rows [eval_start, meta.rows)
+    model_config: DLRMConfig
+    spec: RowSpec
+    plan: Any = None
+    checks: dict[str, Any] = field(default_factory=dict)
+    kills: list = field(default_factory=list)  # parsed --kill specs (dlrmflow.engine.faults.Kill)
+
+
+def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:
+    """The most distinct embedding rows any of the first ``iterations`` batches uses."""
+    ids_only = BatchStream(
+        stream.dataset_dir, stream.batch_size, drop_last=stream.drop_last, sparse_only=True
+    )
+    most = 0
+    for batch in ids_only.iter_range(0, iterations):
+        most = max(most, len(np.unique(global_ids(batch.sparse, ids_only.offsets))))
+    return most
+
+
+def _load_plan(config: TrainConfig):
+    try:
+        from dlrmflow.engine.planner import load_plan
+    except ImportError as exc:  # the planner ships separately; say so rather than fail obscurely
+        raise TrainConfigError(
+            f"--mode oracle needs dlrmflow.engine.planner, which cannot be imported: {exc}"
+        ) from exc
+    return load_plan(config.plan_dir, dataset_dir=config.dataset_dir, batch_size=config.batch_size)
+
+
+def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
+    """Check the configuration against the dataset, the plan and the device; raise TrainConfigError.
+
+    ``plan``: an already loaded plan for ``--mode oracle`` (else it is loaded from ``plan_dir``)."""
+    if config.mode not in MODES:
+        raise TrainConfigError(f"unknown mode {config.mode!r}; choose one of {', '.join(MODES)}")
+    if config.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
+        raise TrainConfigError(f"unknown embedding optimizer {config.embedding_optimizer!r}; "
+                               f"choose one of {', '.join(EMBEDDING_OPTIMIZERS)}")
+    if config.dense_optimizer not in DENSE_OPTIMIZERS:
+        raise TrainConfigError(f"unknown dense optimizer {config.dense_optimizer!r}; "
+                               f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
+    if config.batch_size < 1 or config.eval_batch_size < 1:
+        raise TrainConfigError(
+            f"batch sizes must be >= 1, got {config.batch_size} and {config.eval_batch_size}"
+        )
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise TrainConfigError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
+    if not config.lr > 0 or (config.embedding_lr is not None and not config.embedding_lr > 0):
+        raise TrainConfigError("learning rates must be > 0")
+    if config.mode != "local" and config.num_shards < 1:
+        raise TrainConfigError(f"--shards must be >= 1, got {config.num_shards}")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise TrainConfigError(f"--device {config.device}: no CUDA GPU is available")
+    if config.metrics_every < 1:
+        raise TrainConfigError(f"metrics_every must be >= 1, got {config.metrics_every}")
+    if config.parity and config.mode == "local":
+        raise TrainConfigError("--parity needs embedding servers; use --mode remote, lru or oracle")
+    if not 0 <= config.parity <= 4:
+        raise TrainConfigError(f"--parity must be between 0 and 4, got {config.parity}")
+    if config.kills and not config.parity:
+        raise TrainConfigError("--kill needs --parity R >= 1 (nothing could recover the lost shard)")
+    if config.rebuild_chunk < 1:
+        raise TrainConfigError(f"rebuild_chunk must be >= 1, got {config.rebuild_chunk}")
+    if config.capacity is not None and config.mode in ("local", "remote"):
+        raise TrainConfigError(f"--capacity is used by --mode lru and oracle, not --mode {config.mode}")
+    if config.mode == "lru" and (config.capacity is None or config.capacity < 1):
+        raise CapacityError("--mode lru needs --capacity ROWS (>= 1)")
+    meta = read_meta(config.dataset_dir)  # DatasetError (a UserInputError) if missing or broken
+    model_config = DLRMConfig(
+        num_dense=len(meta.dense_columns),
+        num_tables=len(meta.sparse_columns),
+        embedding_dim=config.embedding_dim,
+        bottom_mlp=tuple(config.bottom_mlp or (512, 256, 64, config.embedding_dim)),
+        top_mlp=tuple(config.top_mlp),
+    )
+    if not model_config.num_dense:
+        raise TrainConfigError("the dataset has no dense features; DLRM's bottom MLP needs at least one")
+
+    drop_last = False
+    if config.mode == "oracle":
+        if plan is None and not config.plan_dir:
+            raise TrainConfigError("--mode oracle needs --plan PLAN_DIR (make one with `dlrmflow plan`)")
+        plan = plan if plan is not None else _load_plan(config)
+        if plan.config.batch_size != config.batch_size:
+            raise TrainConfigError(f"the plan was made for batch size {plan.config.batch_size}, "
+                                   f"not --batch-size {config.batch_size}")
+        drop_last = bool(plan.config.drop_last)
+    elif config.plan_dir or plan is not None:
+        raise TrainConfigError(f"--plan is only used by --mode oracle, not --mode {config.mode}")
+
+    stream = BatchStream(config.dataset_dir, config.batch_size, drop_last=drop_last)
+    eval_rows = int(round(config.eval_fraction * meta.rows))
+    eval_start = meta.rows - eval_rows
+    if config.eval_fraction > 0 and eval_rows == 0:
+        raise TrainConfigError(f"--eval-fraction {config.eval_fraction} of {meta.rows} rows holds out no row")
+    fit = sum(1 for t in range(len(stream)) if stream.batch_rows(t)[1] <= eval_start)
+    iterations = fit if config.iterations is None else config.iterations
+    if iterations < 1:
+        raise TrainConfigError(f"--iterations must be >= 1, got {iterations}"
+                               + ("" if config.iterations else " (no whole batch fits before the held-out rows)"))
+    if iterations > fit:
+        raise TrainConfigError(
+            f"--iterations {iterations} is beyond the data: {meta.rows} rows with {eval_rows} held out for "
+            f"evaluation leave {fit} batches of {config.batch_size} (lower --iterations, --batch-size "
+            "or --eval-fraction)"
+        )
+    spec = RowSpec(
+        dim=config.embedding_dim,
+        optimizer=config.embedding_optimizer,
+        seed=config.seed,
+        table_offsets=tuple(meta.table_offsets),
+        cardinalities=tuple(meta.cardinalities),
+        lr=config.embedding_lr if config.embedding_lr is not None else config.lr,
+    )
+    checks: dict[str, Any] = {}
+    if plan is not None:
+        if plan.num_iterations < iterations:
+            raise TrainConfigError(
+                f"the plan covers {plan.num_iterations} iterations, fewer than --iterations {iterations}"
+            )
+        if config.capacity is not None and plan.num_slots > config.capacity:
+            raise CapacityError(f"the plan needs a cache of {plan.num_slots} rows, more than --capacity "
+                                f"{config.capacity}")
+    if config.mode == "lru":
+        most = _max_distinct_rows(stream, iterations)  # a pass over the ids only
+        checks["max_distinct_rows_per_batch"] = most
+        if most > config.capacity:
+            raise CapacityError(f"--capacity {config.capacity} is too small: a batch uses up to {most} "
+                                "distinct embedding rows")
+    kills = check_kills(tuple(config.kills), num_shards=config.num_shards, parity=config.parity,
+                        iterations=iterations)
+    return RunSetup(config, meta, stream, iterations, eval_start, model_config, spec, plan, checks, kills)
+
+
+def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=None) -> RowStore:
+    config = setup.config
+    if config.mode == "local":
+        return LocalRows(setup.spec, device)
+    if client is None:
+        raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
+    if config.parity:
+        shards = start_coded_shards(client, setup.spec, config.num_shards, config.parity,
+                                    rebuild_chunk=config.rebuild_chunk, recovery_runner=recovery_runner)
+    else:
+        shards = start_shards(client, setup.spec, config.num_shards)
+    if config.mode == "remote":
+        return RemoteRows(setup.spec, device, shards)
+    if config.mode == "lru":
+        return LruRows(setup.spec, device, shards, config.capacity)
+    return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations)
+
+
+def make_dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
+    if config.dense_optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr)
+    return torch.optim.SGD(model.parameters(), lr=config.lr)
+
+
+def _batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same
+    # code path whatever NumPy's buffer alignment was.
+    return torch.tensor(batch.dense, device=device), torch.tensor(batch.labels, device=device)
+
+
+def train_step(
+    t: int, batch: Batch, offsets: np.ndarray, model: DLRM, dense_optimizer: torch.optim.Optimizer,
+    spec: RowSpec, store: RowStore, device: torch.device,
+) -> torch.Tensor:
+    """One iteration (see the module docstring); returns the batch loss (a 0-d tensor)."""
+    ids = global_ids(batch.sparse, offsets)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    block = store.gather(t, uniq)
+    weights = block[:, : spec.dim].clone().requires_grad_(True)
+    embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
+    dense, labels = _batch_tensors(batch, device)
+    loss = bce_loss(model(dense, embeddings.view(ids.shape[0], ids.shape[1], spec.dim)), labels)
+    dense_optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    dense_optimizer.step()
+    apply_update(spec, block, weights.grad)
+    store.scatter(t, uniq, block)
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(setup: RunSetup, model: DLRM, store: RowStore, device: torch.device) -> dict[str, Any]:
+    """AUC and log loss on the held-out rows (after training; rows read from their home)."""
+    config, meta = setup.config, setup.meta
+    if setup.eval_start >= meta.rows:
+        return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
+    stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
+    labels, probs = [], []
+    for batch in stream:
+        ids = global_ids(batch.sparse, stream.offsets)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        weights = store.read(uniq)[:, : setup.spec.dim]
+        embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
+        dense, _ = _batch_tensors(batch, device)
+        logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
+        probs.append(torch.sigmoid(logits).cpu().numpy())
+        labels.append(batch.labels)
+    y, p = np.concatenate(labels), np.concatenate(probs)
+    auc = roc_auc(y, p)
+    return {
+        "eval_rows": int(len(y)),
+        "eval_auc": None if np.isnan(auc) else auc,
+        "eval_log_loss": log_loss(y, p),
+    }
+
+
+def collect_state(setup: RunSetup, model: DLRM, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
+    """The final state in the layout documented in :mod:`dlrmflow.engine.run_state`."""
+    spec = setup.spec
+    return {
+        "format_version": FORMAT_VERSION,
+        "mode": setup.config.mode,
+        "model_config": asdict(setup.model_config),
+        "dense": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "dense_optimizer": _to_cpu(optimizer.state_dict()),
+        "embedding": {
+            "rows": torch.from_numpy(np.ascontiguousarray(store.all_rows())),
+            "dim": spec.dim,
+            "optimizer": spec.optimizer,
+            "state_width": spec.state_width,
+            "table_offsets": list(spec.table_offsets),
+            "cardinalities": list(spec.cardinalities),
+        },
+    }
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+@contextlib.contextmanager
+def deterministic_torch(device: torch.device):
+    """Deterministic kernels for the duration of a run (restores the previous setting)."""
+    if device.type == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace (must be set before its first use).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def train(
+    config: TrainConfig,
+    *,
+    client=None,
+    progress: Progress | None = None,
+    on_metrics: MetricsCallback | None = None,
+    setup: RunSetup | None = None,
+    recovery_runner: Callable | None = None,
+) -> dict[str, Any]:
+    """Run one training job; write final_state.pt, summary.json and iterations.csv; return the summary.
+
+    With ``parity``: ``recovery_runner(rebuild, info)`` runs each shard rebuild (the flow wraps it in
+    a Prefect subflow); losing more shards than the parity covers raises TooManyErasuresError and
+    writes nothing."""
+    setup = setup or prepare_run(config)
+    config = setup.config
+    device = torch.device(config.device)
+    output = Path(config.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    with deterministic_torch(device):
+        model = DLRM(setup.model_config, seed=config.seed).to(device)
+        optimizer = make_dense_optimizer(config, model)
+        store = make_store(setup, device, client, recovery_runner)
+        group = getattr(store, "shards", None)
+        injector = FaultInjector(setup.kills, client, lambda s: group.worker_of[s], config.num_shards) \
+            if setup.kills else None
+        try:
+            try:
+                log = _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector)
+                start = time.perf_counter()
+                store.finish()
+            except PrefetchError as exc:  # the oracle's worker met the fatal loss first: name the loss
+                if isinstance(exc.__cause__, TooManyErasuresError):
+                    raise exc.__cause__ from None
+                raise
+            log["flush_seconds"] = time.perf_counter() - start
+            log["train_seconds"] += log["flush_seconds"]
+            metrics = evaluate(setup, model, store, device)
+            state = collect_state(setup, model, optimizer, store)
+            parity = parity_report(group, output if config.save_state else None) if config.parity else None
+        finally:
+            store.close()
+    digest = state_hash(state)
+    if config.save_state:
+        save_state(output, state)
+    _write_iterations(output / ITERATIONS_FILE, log)
+    summary = _summary(setup, store, log, metrics, digest)
+    if parity is not None:
+        summary["parity"] = {**parity, "kills": [
+            {**k, "at_s": k["at"] - group.started_at} for k in (injector.log if injector else [])]}
+        for k in summary["parity"]["kills"]:
+            k.pop("at")
+    write_summary(output, summary)
+    return summary
+
+
+def _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector=None) -> dict[str, Any]:
+    config, n = setup.config, setup.iterations
+    offsets = setup.stream.offsets
+    losses: list[torch.Tensor] = []
+    iteration_seconds = np.zeros(n)
+    stall_seconds = np.zeros(n)
+    window: list[dict[str, Any]] = []
+    lo = 0  # first iteration of the current metrics window
+    begin = time.perf_counter()
+    # An iteration's time is its train step (gather, compute, update, scatter); reading the batch
+    # from Parquet happens between steps and is the same work in every mode.
+    for batch in setup.stream.iter_range(0, n):
+        t = batch.index
+        if injector is not None:
+            injector.before_iteration(t)  # failure injection: SIGKILL a shard's worker
+        start, stall_before = time.perf_counter(), store.stall_seconds
+        losses.append(train_step(t, batch, offsets, model, optimizer, setup.spec, store, device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # honest per-iteration times
+        iteration_seconds[t] = time.perf_counter() - start
+        stall_seconds[t] = store.stall_seconds - stall_before
+        if progress is not None:
+            progress(t + 1, n)
+        if (t + 1) % config.metrics_every == 0 or t + 1 == n:
+            row = {
+                "iteration": t + 1,
+                "loss": float(torch.stack(losses[lo:]).mean()),
+                "iteration_ms": 1e3 * float(iteration_seconds[lo : t + 1].mean()),
+                "stall_ms": 1e3 * float(stall_seconds[lo : t + 1].mean()),
+            }
+            window.append(row)
+            lo = t + 1
+            if on_metrics is not None:
+                on_metrics(row)
+    return {
+        "losses": torch.stack(losses).cpu().numpy().astype(np.float64),
+        "iteration_seconds": iteration_seconds,
+        "stall_seconds": stall_seconds,
+        "train_seconds": time.perf_counter() - begin,
+        "metrics": window,
+    }
+
+
+def _write_iterations(path: Path, log: dict[str, Any]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["iteration", "loss", "iteration_ms", "stall_ms"])
+        columns = zip(log["losses"], log["iteration_seconds"], log["stall_seconds"], strict=True)
+        for t, (loss, it, stall) in enumerate(columns):
+            writer.writerow([t, f"{loss:.6f}", f"{1e3 * it:.3f}", f"{1e3 * stall:.3f}"])
+
+
+def _summary(setup: RunSetup, store: RowStore, log: dict, metrics: dict, digest: str) -> dict[str, Any]:
+    config = setup.config
+    it, stall = log["iteration_seconds"], log["stall_seconds"]
+    plan = setup.plan
+    tail = log["losses"][-min(len(log["losses"]), config.metrics_every) :]
+    return {
+        "mode": config.mode,
+        "dataset": str(config.dataset_dir),
+        "dataset_fingerprint": setup.meta.fingerprint,
+        "output_dir": str(config.output_dir),
+        "device": config.device,
+        "iterations": setup.iterations,
+        "batch_size": config.batch_size,
+        "num_shards": config.num_shards if config.mode != "local" else 0,
+        "capacity": (plan.num_slots if plan is not None else config.capacity),
+        "plan": None if plan is None else {
+            "dir": str(config.plan_dir), "lookahead": plan.config.lookahead,
+            "prefetch_distance": plan.config.prefetch_distance, "num_slots": plan.num_slots,
+        },
+        "seed": config.seed,
+        "embedding_dim": config.embedding_dim,
+        "bottom_mlp": list(setup.model_config.bottom_mlp),
+        "top_mlp": list(setup.model_config.top_mlp),
+        "embedding_optimizer": config.embedding_optimizer,
+        "dense_optimizer": config.dense_optimizer,
+        "lr": config.lr,
+        "embedding_lr": setup.spec.lr,
+        "total_embedding_rows": setup.spec.total_rows,
+        "mean_iteration_ms": 1e3 * float(it.mean()),
+        "median_iteration_ms": 1e3 * float(np.median(it)),
+        "train_seconds": log["train_seconds"],
+        "flush_seconds": log["flush_seconds"],
+        "stall_seconds": float(stall.sum()),
+        "stall_fraction": float(stall.sum() / it.sum()) if it.sum() > 0 else 0.0,
+        "bytes_fetched": int(store.bytes_fetched),
+        "bytes_written_back": int(store.bytes_written),
+        "first_train_loss": float(log["losses"][0]),
+        "final_train_loss": float(log["losses"][-1]),
+        "final_train_loss_mean": float(np.mean(tail)),  # mean over the last metrics_every iterations
+        **metrics,
+        "state_sha256": digest,
+        "metrics_every": config.metrics_every,
+        "metrics": log["metrics"],  # per window of metrics_every iterations: loss, ms/iteration, stall ms
+        **setup.checks,
+    }

@@ -1,0 +1,342 @@
+"""Where the embedding rows live during training: one row store per trainer mode.
+
+Every store answers the same two calls per iteration ``t``:
+
+- ``gather(t, ids)``: the rows of the batch's distinct ids (sorted) as a fresh ``[U, width]``
+  tensor on the training device;
+- ``scatter(t, ids, block)``: take the updated block back.
+
+The trainer does everything else (forward, backward, the row update) with one code path, so
+modes can differ only in where rows are kept and how they move. That is what makes every
+mode bit-identical to ``local``.
+
+- :class:`LocalRows`: the whole table in the trainer's memory (the reference).
+- :class:`RemoteRows`: no cache; each iteration fetches its rows from the shards and writes
+  them back before the next (the parameter-server baseline).
+- :class:`LruRows`: an on-demand cache of ``capacity`` rows, least-recently-used eviction at
+  iteration granularity (ties: lowest slot), write-back on eviction.
+- :class:`OracleRows`: executes a lookahead plan: a background worker prefetches ``P``
+  iterations ahead and writes back evictions while compute runs (see :mod:`.prefetch`).
+
+All stores count the bytes they fetch and write back and the seconds compute waited on
+embedding traffic (``stall_seconds``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.embedding_server import ShardGroup
+from dlrmflow.engine.prefetch import Done, PlanViolation, PrefetchWorker
+from dlrmflow.errors import UserInputError
+
+INIT_CHUNK_ROWS = 1 << 18
+
+
+class CapacityError(UserInputError):
+    """The cache cannot hold the rows one iteration needs."""
+
+
+def host_buffer(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """A CPU tensor to receive fetched rows (pinned when the rows go on to a GPU)."""
+    return torch.empty((rows, width), dtype=torch.float32, pin_memory=device.type == "cuda")
+
+
+class RowStore:
+    """The interface (and the shared counters) of the per-mode row stores."""
+
+    spec: RowSpec
+    device: torch.device
+
+    def __init__(self, spec: RowSpec, device: torch.device) -> None:
+        self.spec, self.device = spec, device
+        self.bytes_fetched = 0
+        self.bytes_written = 0
+        self.stall_seconds = 0.0
+
+    def gather(self, t: int, ids: np.ndarray) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the last iteration: every row is back in its home (table or shards)."""
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        """Rows of ``ids`` after :meth:`finish` (evaluation), not counted as training traffic."""
+        raise NotImplementedError
+
+    def all_rows(self) -> np.ndarray:
+        """Every row ``[total_rows, width]`` in global id order, after :meth:`finish`."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop background work (also on errors)."""
+
+
+class LocalRows(RowStore):
+    def __init__(self, spec: RowSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self.table = torch.empty((spec.total_rows, spec.width), dtype=torch.float32, device=device)
+        for lo in range(0, spec.total_rows, INIT_CHUNK_ROWS):
+            hi = min(lo + INIT_CHUNK_ROWS, spec.total_rows)
+            self.table[lo:hi] = torch.from_numpy(init_rows(spec, np.arange(lo, hi, dtype=np.int64)))
+
+    def _index(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(ids).to(self.device)
+
+    def gather(self, t: int, ids: np.ndarray) -> torch.Tensor:
+        return self.table.index_select(0, self._index(ids))
+
+    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
+        self.table.index_copy_(0, self._index(ids), block)
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        return self.gather(-1, ids)
+
+    def all_rows(self) -> np.ndarray:
+        return self.table.cpu().numpy()
+
+
+class RemoteRows(RowStore):
+    """Every iteration: fetch all its rows, train, write them all back.
+
+    The write-back of iteration ``t`` travels in the same round trip as the fetch of ``t + 1``
+    (each shard applies the write first), so a row is never read stale and each iteration costs
+    one round trip per shard; the last write-back happens in :meth:`finish`."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup) -> None:
+        super().__init__(spec, device)
+        self.shards = shards
+        self._pending_ids = np.zeros(0, dtype=np.int64)
+        self._pending_rows = np.zeros((0, spec.width), dtype=np.float32)
+
+    def _fetch(self, ids: np.ndarray, write_ids: np.ndarray, write_rows: np.ndarray) -> torch.Tensor:
+        host = host_buffer(len(ids), self.spec.width, self.device)
+        self.shards.exchange(write_ids, write_rows, ids, out=host.numpy())
+        return host.to(self.device)
+
+    def gather(self, t: int, ids: np.ndarray) -> torch.Tensor:
+        start = time.perf_counter()
+        block = self._fetch(ids, self._pending_ids, self._pending_rows)
+        self.bytes_written += len(self._pending_ids) * self.spec.row_bytes
+        self.bytes_fetched += len(ids) * self.spec.row_bytes
+        self._pending_ids, self._pending_rows = ids[:0], self._pending_rows[:0]
+        self.stall_seconds += time.perf_counter() - start
+        return block
+
+    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self._pending_ids, self._pending_rows = ids, block.cpu().numpy()
+        self.stall_seconds += time.perf_counter() - start
+
+    def finish(self) -> None:
+        self.shards.write_back(self._pending_ids, self._pending_rows)
+        self.bytes_written += len(self._pending_ids) * self.spec.row_bytes
+        self._pending_ids, self._pending_rows = self._pending_ids[:0], self._pending_rows[:0]
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        return self._fetch(ids, self._pending_ids[:0], self._pending_rows[:0])
+
+    def all_rows(self) -> np.ndarray:
+        return self.shards.all_rows()
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+class SlotDirectory:
+    """Which global id sits in which cache slot (both directions), as dense arrays."""
+
+    def __init__(self, total_rows: int, num_slots: int) -> None:
+        self.slot_of = np.full(total_rows, -1, dtype=np.int64)
+        self.owner = np.full(num_slots, -1, dtype=np.int64)
+
+    def place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self.slot_of[ids] = slots
+        self.owner[slots] = ids
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        slots = self.slot_of[ids]
+        self.slot_of[ids] = -1
+        self.owner[slots] = -1
+        return slots
+
+    def cached_ids(self) -> np.ndarray:
+        """Every cached id, sorted."""
+        return np.sort(self.owner[self.owner >= 0])
+
+
+class CachedRows(RowStore):
+    """Shared by the LRU and oracle stores: a cache tensor of rows plus a slot directory."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, num_slots: int) -> None:
+        super().__init__(spec, device)
+        self.shards = shards
+        self.cache = torch.zeros((num_slots, spec.width), dtype=torch.float32, device=device)
+        self.directory = SlotDirectory(spec.total_rows, num_slots)
+        self._slots: torch.Tensor | None = None  # slots of the current iteration's ids
+
+    def _slots_of(self, t: int, ids: np.ndarray) -> np.ndarray:
+        slots = self.directory.slot_of[ids]
+        if (slots < 0).any():
+            missing = ids[slots < 0]
+            raise RuntimeError(
+                f"iteration {t}: {len(missing)} rows are not in the cache (first id {int(missing[0])}); "
+                "the cache schedule does not match the batch stream"
+            )
+        return slots
+
+    def _rows_in_slots(self, slots: np.ndarray) -> np.ndarray:
+        return self.cache.index_select(0, torch.from_numpy(slots).to(self.device)).cpu().numpy()
+
+    def _exchange_slots(
+        self, write_ids: np.ndarray, write_slots: np.ndarray, fetch_ids: np.ndarray, fetch_slots: np.ndarray
+    ) -> None:
+        """Send the cached rows of ``write_ids`` home and fetch ``fetch_ids`` into ``fetch_slots``, in
+        one synchronous round trip per shard (the shards apply the writes first)."""
+        if not len(write_ids) and not len(fetch_ids):
+            return
+        rows = self._rows_in_slots(write_slots)
+        host = host_buffer(len(fetch_ids), self.spec.width, self.device)
+        self.shards.exchange(write_ids, rows, fetch_ids, out=host.numpy())
+        if len(fetch_ids):
+            self.cache.index_copy_(0, torch.from_numpy(fetch_slots).to(self.device), host.to(self.device))
+        self.bytes_written += len(write_ids) * self.spec.row_bytes
+        self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
+
+    def _write_back_all(self) -> None:
+        """Send every cached row home (the end of a run) and empty the cache."""
+        ids = self.directory.cached_ids()
+        self._exchange_slots(ids, self.directory.slot_of[ids], ids[:0], ids[:0])
+        self.directory.remove(ids)
+
+    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
+        assert self._slots is not None
+        self.cache.index_copy_(0, self._slots, block)
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        host = host_buffer(len(ids), self.spec.width, self.device)
+        self.shards.fetch(ids, out=host.numpy())
+        return host.to(self.device)
+
+    def all_rows(self) -> np.ndarray:
+        return self.shards.all_rows()
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+class LruRows(CachedRows):
+    """On-demand cache: misses are fetched when the iteration needs them, LRU rows evicted."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, capacity: int) -> None:
+        if capacity < 1:
+            raise CapacityError(f"the LRU cache needs a capacity of at least 1 row, got {capacity}")
+        super().__init__(spec, device, shards, capacity)
+        self.capacity = capacity
+        self.last_used = np.full(capacity, -1, dtype=np.int64)
+
+    def _victims(self, t: int, count: int) -> np.ndarray:
+        """The ``count`` least recently used occupied slots that iteration ``t`` does not use.
+
+        Ties (same last use) go to the lowest slot, so the choice is deterministic."""
+        candidate = (self.directory.owner >= 0) & (self.last_used < t)
+        # One key per slot: (last use, slot); non-candidates sort last.
+        order_key = (self.last_used + 1) * self.capacity + np.arange(self.capacity)
+        key = np.where(candidate, order_key, np.iinfo(np.int64).max)
+        if count < self.capacity:
+            chosen = np.argpartition(key, count - 1)[:count]
+        else:
+            chosen = np.arange(self.capacity)
+        return chosen[np.argsort(key[chosen])]
+
+    def gather(self, t: int, ids: np.ndarray) -> torch.Tensor:
+        if len(ids) > self.capacity:
+            raise CapacityError(
+                f"iteration {t} uses {len(ids)} distinct rows but the LRU cache holds only {self.capacity}"
+            )
+        start = time.perf_counter()
+        slots = self.directory.slot_of[ids]
+        hit = slots >= 0
+        self.last_used[slots[hit]] = t
+        miss_ids = ids[~hit]
+        if len(miss_ids):
+            free = np.flatnonzero(self.directory.owner < 0)
+            victim_ids = victims = ids[:0]
+            if len(free) < len(miss_ids):
+                victims = self._victims(t, len(miss_ids) - len(free))  # in LRU order
+                victim_ids = self.directory.owner[victims]
+                free = np.concatenate([free, victims])
+            new_slots = free[: len(miss_ids)]
+            # Evicted rows go home and misses come in, in one round trip (they are distinct rows).
+            self._exchange_slots(victim_ids, victims, miss_ids, new_slots)
+            self.directory.remove(victim_ids)
+            self.directory.place(miss_ids, new_slots)
+            self.last_used[new_slots] = t
+            slots = self.directory.slot_of[ids]
+        self.stall_seconds += time.perf_counter() - start
+        self._slots = torch.from_numpy(slots).to(self.device)
+        return self.cache.index_select(0, self._slots)
+
+    def finish(self) -> None:
+        self._write_back_all()
+
+
+class OracleRows(CachedRows):
+    """Executes a lookahead plan: prefetches ``P`` iterations ahead in a background worker."""
+
+    def __init__(
+        self, spec: RowSpec, device: torch.device, shards: ShardGroup, plan, iterations: int
+    ) -> None:
+        super().__init__(spec, device, shards, plan.num_slots)
+        self.plan = plan
+        self.worker = PrefetchWorker(
+            plan.iterations(), iterations, plan.config.prefetch_distance, self.cache, shards, spec.total_rows
+        )
+        self._step = None
+        self.worker.start()
+
+    def gather(self, t: int, ids: np.ndarray) -> torch.Tensor:
+        start = time.perf_counter()
+        ready = self.worker.wait_ready(t)
+        self.stall_seconds += time.perf_counter() - start
+        self._step = ready.plan
+        prefetch_ids = np.asarray(ready.plan.prefetch_ids, dtype=np.int64)
+        self.directory.place(prefetch_ids, np.asarray(ready.plan.prefetch_slots, dtype=np.int64))
+        slots = self._slots_of(t, ids)
+        if ready.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready.event)
+        self._slots = torch.from_numpy(slots).to(self.device)
+        return self.cache.index_select(0, self._slots)
+
+    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
+        super().scatter(t, ids, block)
+        evict_ids = np.asarray(self._step.evict_ids, dtype=np.int64)
+        evict_slots = self.directory.slot_of[evict_ids]
+        if (evict_slots < 0).any():
+            raise PlanViolation(f"iteration {t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
+                                "which is not cached")
+        self.directory.remove(evict_ids)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self.worker.post_done(Done(t, evict_ids, evict_slots, event))
+
+    def finish(self) -> None:
+        self.worker.join()
+        self._write_back_all()  # a run shorter than its plan stops with rows still cached
+        self.bytes_fetched += self.worker.bytes_fetched
+        self.bytes_written += self.worker.bytes_written
+
+    def close(self) -> None:
+        self.worker.stop()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        super().close()

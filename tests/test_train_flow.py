@@ -1,0 +1,126 @@
+"""The train flow and `dlrmflow train`, in process, under the shared Prefect test harness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distributed import LocalCluster
+
+from dlrmflow.cli import main
+from dlrmflow.datasets.writer import write_array_dataset
+from dlrmflow.engine.run_state import load_state, read_summary, state_differences, state_hash
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("train-flow") / "data"
+    rng = np.random.default_rng(7)
+    rows, cards = 600, [60, 8, 150]
+    sparse = np.stack([np.minimum(rng.zipf(1.3, rows) - 1, c - 1) for c in cards], axis=1)
+    dense = rng.standard_normal((rows, 4)).astype(np.float32)
+    labels = (dense[:, 0] + rng.standard_normal(rows) > 0.5).astype(np.int8)  # learnable from I1
+    write_array_dataset(path, labels, dense, sparse, cards, rows_per_file=200)
+    return path
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, dict | None, str]:
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 and "--json" in args else None), err
+
+
+def common(dataset: Path, out: Path) -> list[str]:
+    return ["train", str(dataset), "--output", str(out), "--batch-size", "32", "--iterations", "15",
+            "--embedding-dim", "4", "--bottom-mlp", "16-4", "--top-mlp", "16-1", "--metrics-every", "5",
+            "--lr", "0.05", "--json"]
+
+
+def test_cli_modes_agree_bit_for_bit(dataset, tmp_path, capsys):
+    code, local, err = run_cli([*common(dataset, tmp_path / "local"), "--mode", "local"], capsys)
+    assert code == 0, err
+    code, lru, err = run_cli([*common(dataset, tmp_path / "lru"), "--mode", "lru", "--capacity", "200",
+                              "--shards", "3"], capsys)
+    assert code == 0, err
+    for result, run in ((local, "local"), (lru, "lru")):
+        assert result == {k: v for k, v in read_summary(tmp_path / run).items() if k != "metrics"}
+        assert result["iterations"] == 15 and result["eval_rows"] == 60
+        assert (tmp_path / run / "iterations.csv").is_file()
+    a, b = load_state(tmp_path / "local"), load_state(tmp_path / "lru")
+    assert state_differences(a, b) == []
+    assert local["state_sha256"] == lru["state_sha256"] == state_hash(a)
+    assert lru["bytes_fetched"] > 0 and local["bytes_fetched"] == 0
+    summary = read_summary(tmp_path / "local")
+    assert [m["iteration"] for m in summary["metrics"]] == [5, 10, 15]
+
+
+def test_cli_oracle_runs_a_plan_on_an_existing_cluster(dataset, tmp_path, capsys):
+    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner.make_plan(dataset, planner.PlanConfig(batch_size=32, lookahead=3, prefetch_distance=2), tmp_path / "plan")
+    code, local, err = run_cli([*common(dataset, tmp_path / "local"), "--mode", "local"], capsys)
+    assert code == 0, err
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster:
+        code, oracle, err = run_cli([*common(dataset, tmp_path / "oracle"), "--mode", "oracle", "--plan",
+                                     str(tmp_path / "plan"), "--dask-address", cluster.scheduler_address], capsys)
+    assert code == 0, err
+    assert oracle["state_sha256"] == local["state_sha256"]
+    assert oracle["plan"]["prefetch_distance"] == 2 and oracle["bytes_fetched"] > 0
+    assert 0 <= oracle["stall_fraction"] <= 1
+
+
+def test_human_summary(dataset, tmp_path, capsys):
+    code = main([*common(dataset, tmp_path / "run")[:-1], "--mode", "local"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "local training: 15 iterations of batch 32" in out and "eval (60 rows)" in out
+
+
+def test_flow_publishes_metrics_artifacts(dataset, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from dlrmflow.flows.train import train_flow
+
+    summary = train_flow(str(dataset), "local", str(tmp_path / "run"), batch_size=64, iterations=6,
+                         embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], metrics_every=2)
+    assert summary["iterations"] == 6 and len(summary["metrics"]) == 3
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-metrics", "train-summary"])))}
+    assert keys == {"train-metrics", "train-summary"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--mode", "local", "--iterations", "99"], "beyond the data"),
+        (["--mode", "lru", "--capacity", "3"], "is too small"),
+        (["--mode", "lru"], "needs --capacity"),
+        (["--mode", "oracle"], "needs --plan"),
+        (["--mode", "oracle", "--plan", "/nonexistent/plan"], "does not exist"),
+        (["--mode", "local", "--eval-fraction", "1.5"], "eval-fraction"),
+    ],
+)
+def test_bad_input_is_one_clear_line(dataset, tmp_path, capsys, extra, message):
+    args = [a for a in common(dataset, tmp_path / "run") if a != "--json"]
+    if "--iterations" in extra:
+        i = args.index("--iterations")
+        del args[i : i + 2]
+    code = main([*args, *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("dlrmflow train: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_dataset_and_wrong_plan(dataset, tmp_path, capsys):
+    code = main(["train", str(tmp_path / "nope"), "--mode", "local", "--output", str(tmp_path / "run")])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=2), tmp_path / "plan16")
+    code = main([*common(dataset, tmp_path / "run"), "--mode", "oracle", "--plan", str(tmp_path / "plan16")])
+    assert code == 2 and "batch size 16, not 32" in capsys.readouterr().err
