@@ -1,46 +1,175 @@
-"""The main job: generate (optional) -> preprocess -> profile, each a subflow.
+"""The main job: generate (optional) -> preprocess -> profile -> plan -> train, each a subflow.
 
-Each step skips itself when its inputs and parameters are unchanged, so rerunning the
-pipeline only redoes what changed. One Dask cluster serves every step.
+Every step skips itself when its inputs and parameters are unchanged (generate and preprocess
+by their own fingerprints; profile, plan and training runs when their saved result names the
+same dataset fingerprint and parameters), so rerunning the pipeline redoes only what changed.
+The parameters are one validated model, :class:`PipelineConfig`: a bad value fails before any
+work with a message naming the field.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
+from dlrmflow.flows.plan import compare_caches_flow, plan_flow
+from dlrmflow.flows.train import train_flow
+from dlrmflow.tasks.reporting import publish_table
 
-DEMO_ROWS = 500_000
-DEMO_SCALE = 0.05
+
+class PipelineConfig(BaseModel):
+    """Everything the pipeline needs; the defaults run in a few minutes on 2 cores."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    work_dir: str = Field("runs/demo", description="where the raw data, dataset, plan and runs go")
+    raw_inputs: list[str] | None = Field(None, description="raw files to preprocess; none: generate data")
+    format: Literal["criteo", "criteo-csv", "avazu"] = "criteo"
+    rows: int = Field(500_000, ge=1, description="rows to generate when raw_inputs is empty")
+    scale: float = Field(0.05, gt=0, description="table sizes vs Criteo Kaggle, for generated data")
+    seed: int = 0
+    batch_size: int = Field(2048, ge=1)
+    lookahead: int = Field(200, ge=1, description="L, iterations the oracle cacher looks ahead")
+    prefetch_distance: int = Field(2, ge=1, description="P, iterations ahead a fetch is issued (P <= L)")
+    cache_fraction: float = Field(0.1, gt=0, le=1, description="cache size (share of rows) to compare policies at")
+    train_iterations: int = Field(100, ge=1)
+    shards: int = Field(2, ge=1, le=64, description="embedding server shards")
+    parity: int = Field(1, ge=0, le=4, description="parity shards (0: no fault tolerance)")
+    kills: list[str] = Field(default_factory=list, description="failure injection, e.g. shard:0@50")
+    dask_address: str | None = Field(None, description="existing Dask scheduler; none: a LocalCluster")
+
+    @model_validator(mode="after")
+    def _prefetch_within_window(self) -> PipelineConfig:
+        if self.prefetch_distance > self.lookahead:
+            raise ValueError(f"prefetch_distance ({self.prefetch_distance}) must be <= lookahead ({self.lookahead})")
+        if self.kills and not self.parity:
+            raise ValueError("kills need parity >= 1 (without parity a lost shard cannot be rebuilt)")
+        return self
+
+
+def _saved_result(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON at ``path`` if every ``expect`` key has the expected value there."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return saved if all(saved.get(k) == v for k, v in expect.items()) else None
+
+
+def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
+           fingerprint: str, kills: list[str]) -> dict[str, Any]:
+    out = Path(cfg.work_dir) / "runs" / name
+    expect = {"dataset_fingerprint": fingerprint, "mode": mode, "iterations": cfg.train_iterations,
+              "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if mode != "local" else 0}
+    earlier = None if kills else _saved_result(out / "summary.json", expect)
+    if earlier is not None and bool(earlier.get("parity")) == bool(parity):
+        get_run_logger().info("training run %s is up to date: skipped", out)
+        return {**earlier, "skipped": True}
+    return train_flow(dataset, mode, str(out), batch_size=cfg.batch_size, iterations=cfg.train_iterations,
+                      num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed, parity=parity, kills=kills,
+                      dask_address=cfg.dask_address)
 
 
 @flow(name="pipeline")
-def pipeline_flow(
-    work_dir: str = "runs/demo",
-    raw_inputs: list[str] | None = None,
-    format: str = "criteo",
-    rows: int = DEMO_ROWS,
-    scale: float = DEMO_SCALE,
-    seed: int = 0,
-    dask_address: str | None = None,
-) -> dict[str, Any]:
-    """Without ``raw_inputs`` a synthetic Criteo-like file of ``rows`` rows is generated first."""
+def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 - immutable use
+    """Generate or read raw data, preprocess, profile, plan, compare caches, train remote vs oracle."""
+    cfg = config
     logger = get_run_logger()
-    work = Path(work_dir)
+    work = Path(cfg.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    with dask_scheduler(dask_address) as address:
+    result: dict[str, Any] = {"work_dir": str(work), "generated": None}
+    with dask_scheduler(cfg.dask_address) as address:
         logger.info("Dask scheduler: %s", address)
-        generated = None
-        if raw_inputs is None:
-            raw = str(work / "raw" / "train.tsv")
-            Path(raw).parent.mkdir(parents=True, exist_ok=True)
-            generated = generate_flow(raw, rows, seed, scale, address)
-            raw_inputs, format = [raw], "criteo"
+        raw_inputs, fmt = cfg.raw_inputs, cfg.format
+        if not raw_inputs:
+            raw = work / "raw" / "train.tsv"
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            result["generated"] = generate_flow(str(raw), cfg.rows, cfg.seed, cfg.scale, address)
+            raw_inputs, fmt = [str(raw)], "criteo"
         dataset = str(work / "dataset")
-        prep = preprocess_flow(raw_inputs, dataset, format=format, seed=seed, dask_address=address)
-        profile = profile_flow(dataset, address)
-    return {"work_dir": str(work), "generated": generated, "preprocess": prep, "profile": profile}
+        result["preprocess"] = preprocess_flow(raw_inputs, dataset, format=fmt, seed=cfg.seed,
+                                               dask_address=address)
+        fingerprint = read_meta(dataset).fingerprint
+
+        profile = _saved_result(Path(dataset) / "profile.json", {"fingerprint": fingerprint})
+        if profile is None:
+            profile = profile_flow(dataset, address)
+        else:
+            logger.info("profile of %s is up to date: skipped", dataset)
+            profile["skipped"] = True
+        profile.pop("coverage", None)
+        result["profile"] = profile
+
+        plan_dir = str(work / "plan")
+        plan = _saved_result(Path(plan_dir) / "plan.json", {
+            "dataset_fingerprint": fingerprint, "batch_size": cfg.batch_size, "lookahead": cfg.lookahead,
+            "prefetch_distance": cfg.prefetch_distance, "capacity": None})
+        if plan is None:
+            plan = plan_flow(dataset, plan_dir, cfg.batch_size, cfg.lookahead, cfg.prefetch_distance,
+                             dask_address=address)
+        else:
+            logger.info("plan %s is up to date: skipped", plan_dir)
+            plan["skipped"] = True
+        result["plan"] = plan
+        result["caches"] = compare_caches_flow(dataset, cfg.batch_size, [f"{100 * cfg.cache_fraction:g}%"],
+                                               cfg.lookahead, cfg.prefetch_distance,
+                                               output_dir=str(work / "caches"))
+
+    # Training starts its own cluster (or uses the user's): with parity it places data and parity
+    # shards on separate workers, which the pipeline's small cluster may not have.
+    runs = {"remote": _train(cfg, dataset, None, "remote", 0, "remote", fingerprint, [])}
+    runs["oracle"] = _train(cfg, dataset, plan_dir, "oracle", 0, "oracle", fingerprint, [])
+    if cfg.parity:
+        runs["oracle_parity"] = _train(cfg, dataset, plan_dir, "oracle", cfg.parity,
+                                       f"oracle-parity{cfg.parity}", fingerprint, cfg.kills)
+    result["train"] = {k: {key: v.get(key) for key in SUMMARY_KEYS} for k, v in runs.items()}
+    result["summary"] = summary_rows(result, cfg)
+    publish_table("pipeline-summary", result["summary"], "dlrmflow pipeline: what the run measured")
+    return result
+
+
+SUMMARY_KEYS = ("mode", "iterations", "mean_iteration_ms", "median_iteration_ms", "stall_fraction",
+                "bytes_fetched", "bytes_written_back", "final_train_loss", "eval_auc", "eval_log_loss",
+                "state_sha256", "parity", "skipped", "output_dir")
+
+
+def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, Any]]:
+    """The final table: skew, cache hit rate vs LRU, iteration time vs remote, parity overhead."""
+    rows = [{"what": "top 1% of embedding rows take", "value": f"{100 * result['profile']['top1pct_share']:.1f}%",
+             "baseline": "", "ratio": ""}]
+    caches = {r["policy"]: r for r in result["caches"]["rows"]}
+    lru, oracle = caches.get("lru"), caches.get("oracle")
+    if lru and oracle:
+        def rate(r: dict[str, Any]) -> str:
+            return "infeasible" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+
+        rows.append({"what": f"cache hit rate, oracle vs LRU ({lru['capacity']:,} rows)", "value": rate(oracle),
+                     "baseline": rate(lru), "ratio": oracle["note"] or lru["note"]})
+    train = result["train"]
+    remote, orc = train["remote"], train["oracle"]
+    rows.append({"what": "ms/iteration, oracle vs remote (median)", "value": f"{orc['median_iteration_ms']:.1f}",
+                 "baseline": f"{remote['median_iteration_ms']:.1f}",
+                 "ratio": f"{remote['median_iteration_ms'] / orc['median_iteration_ms']:.2f}x faster"})
+    rows.append({"what": "oracle stall (share of iteration time)", "value": f"{100 * orc['stall_fraction']:.1f}%",
+                 "baseline": "", "ratio": ""})
+    rows.append({"what": "bytes fetched, oracle vs remote", "value": f"{orc['bytes_fetched']:,}",
+                 "baseline": f"{remote['bytes_fetched']:,}", "ratio": ""})
+    same = orc["state_sha256"] == remote["state_sha256"]
+    rows.append({"what": "final state, oracle vs remote", "value": "bit-identical" if same else "DIFFERENT",
+                 "baseline": "", "ratio": ""})
+    if "oracle_parity" in train:
+        par = train["oracle_parity"]
+        overhead = par["median_iteration_ms"] / orc["median_iteration_ms"] - 1
+        rows.append({"what": f"parity R={cfg.parity}: ms/iteration vs no parity",
+                     "value": f"{par['median_iteration_ms']:.1f}", "baseline": f"{orc['median_iteration_ms']:.1f}",
+                     "ratio": f"{100 * overhead:+.1f}%"})
+        same = par["state_sha256"] == orc["state_sha256"]
+        rows.append({"what": "final state with parity" + (" and kills" if cfg.kills else ""),
+                     "value": "bit-identical" if same else "DIFFERENT", "baseline": "", "ratio": ""})
+    return rows

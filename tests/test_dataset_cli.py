@@ -88,13 +88,3 @@ def test_existing_dask_scheduler_is_used(tmp_path, capsys, monkeypatch, data_dir
             processed = client.run_on_scheduler(
                 lambda dask_scheduler: sorted({str(k) for k in dask_scheduler.task_prefixes}))
     assert any("parse_piece" in p for p in processed) and any("write_part" in p for p in processed)
-
-
-@pytest.mark.slow
-def test_demo_runs_the_pipeline_and_skips_what_is_up_to_date(tmp_path, capsys):
-    argv = ["demo", "--work-dir", str(tmp_path / "demo"), "--rows", "40000", "--scale", "0.01"]
-    first = _json(capsys, argv)
-    assert first["preprocess"]["rows"] == 40000 and not first["generated"]["skipped"]
-    assert first["profile"]["top1pct_share"] >= 0.9  # the generator's calibrated skew
-    second = _json(capsys, argv)
-    assert second["generated"]["skipped"] and second["preprocess"]["skipped"]

@@ -11,6 +11,7 @@ only inside ``temporary_settings`` while it reads the API.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -35,7 +36,7 @@ PREFECT = Path(sys.executable).parent / "prefect"
 POOL = "dlrmflow"
 START_TIMEOUT_S = 180  # a cold server start migrates a fresh SQLite database; 2 busy cores are slow
 RUN_TIMEOUT_S = 420
-PIPELINE_SUBFLOWS = {"generate", "preprocess", "profile"}  # at least these; later steps may add more
+PIPELINE_SUBFLOWS = {"generate", "preprocess", "profile", "plan", "compare-caches", "train"}
 
 
 def _free_port() -> int:
@@ -204,13 +205,14 @@ def test_the_pipeline_deployment_runs_on_the_worker(prefect_server, worker, tmp_
     from dlrmflow.datasets.meta import read_meta
 
     work_dir = tmp_path / "nightly"
-    out = prefect_server.cli("deployment", "run", "pipeline/nightly", "--param", "rows=20000",
-                             "--param", "scale=0.01", "--param", f"work_dir={work_dir}")
+    config = {"rows": 20000, "scale": 0.01, "work_dir": str(work_dir), "batch_size": 512, "lookahead": 20,
+              "train_iterations": 8, "parity": 0}
+    out = prefect_server.cli("deployment", "run", "pipeline/nightly", "--param", f"config={json.dumps(config)}")
     found = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert found, out
     run = _wait_for_final_state(prefect_server.api_url, found.group(1), worker)
     assert run.state.type == StateType.COMPLETED, f"{run.state!r}\nworker log:\n{_tail(worker)}"
-    assert run.parameters == {"rows": 20000, "scale": 0.01, "work_dir": str(work_dir)}
+    assert run.parameters == {"config": config}
 
     with _api(prefect_server.api_url) as client:
         assert run.deployment_id == client.read_deployment_by_name("pipeline/nightly").id

@@ -1,4 +1,4 @@
-"""dlrmflow demo: the main job on the embedded default (what `make run` runs)."""
+"""dlrmflow demo: the whole pipeline on the embedded default (what `make run` runs)."""
 
 from __future__ import annotations
 
@@ -6,44 +6,66 @@ import argparse
 from typing import Any
 
 NAME = "demo"
-HELP = "run the whole pipeline on generated data (LocalCluster, local Prefect API)"
+HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare caches, train (LocalCluster)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dlrmflow.cli import add_dask_argument
-    from dlrmflow.flows.pipeline import DEMO_ROWS, DEMO_SCALE
+    from dlrmflow.flows.pipeline import PipelineConfig
 
-    parser.add_argument("--work-dir", default="runs/demo", help="where data and results go (default runs/demo)")
-    parser.add_argument("--rows", type=int, default=DEMO_ROWS, help=f"rows to generate (default {DEMO_ROWS:,})")
-    parser.add_argument("--scale", type=float, default=DEMO_SCALE,
-                        help=f"table size scale vs Criteo Kaggle (default {DEMO_SCALE})")
-    parser.add_argument("--seed", type=int, default=0)
+    fields = PipelineConfig.model_fields
+    for name in ("work_dir", "rows", "scale", "seed", "batch_size", "lookahead", "prefetch_distance",
+                 "train_iterations", "shards", "parity"):
+        field = fields[name]
+        kind = type(field.default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,
+                            help=f"{field.description or name} (default {field.default})")
+    parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER",
+                        help="kill the worker of a shard at an iteration (repeatable; needs --parity)")
     add_dask_argument(parser)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def config_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
     from dlrmflow.errors import UserInputError
+    from dlrmflow.flows.pipeline import PipelineConfig
+
+    values = {name: getattr(args, name) for name in PipelineConfig.model_fields if hasattr(args, name)}
+    values["kills"] = args.kill
+    try:
+        return PipelineConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise UserInputError(f"invalid pipeline parameters: {problems}") from None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.pipeline import pipeline_flow
 
-    if args.rows < 1 or args.scale <= 0:
-        raise UserInputError("--rows must be >= 1 and --scale > 0")
-    result = pipeline_flow(work_dir=args.work_dir, rows=args.rows, scale=args.scale, seed=args.seed,
-                           dask_address=args.dask_address)
-    result["profile"].pop("coverage", None)
-    return result
+    return pipeline_flow(config_from_args(args))
 
 
 def summarize(r: dict[str, Any]) -> str:
-    g, p, s = r["generated"], r["preprocess"], r["profile"]
-    def done(step: dict[str, Any]) -> str:
-        return "skipped (up to date)" if step.get("skipped") else f"{step['seconds']:.1f} s"
-    rows = [
-        ("generate", f"{g['rows']:,} rows, {g['bytes'] / 1e6:,.0f} MB", done(g)) if g else None,
-        ("preprocess", f"{p['rows']:,} rows, {p['rejected_rows']} rejected, {p['embedding_rows']:,} embedding rows",
-         done(p)),
-        ("profile", f"top 1% of rows take {100 * s['top1pct_share']:.1f}% of accesses", ""),
-    ]
-    lines = [f"dlrmflow demo finished: {r['work_dir']}", ""]
-    lines += [f"  {a:<11} {b:<60} {c}" for a, b, c in filter(None, rows)]
-    lines += ["", f"dataset: {p['dataset']}   skew plot: {s['plot']}"]
+    g, p = r["generated"], r["preprocess"]
+
+    def took(step: dict[str, Any] | None) -> str:
+        if not step:
+            return ""
+        return "skipped (up to date)" if step.get("skipped") else f"{step.get('seconds', 0):.1f} s"
+
+    lines = [f"dlrmflow pipeline finished: {r['work_dir']}", ""]
+    if g:
+        lines.append(f"  generate    {g['rows']:,} rows, {g['bytes'] / 1e6:,.0f} MB  {took(g)}")
+    lines.append(f"  preprocess  {p['rows']:,} rows, {p['rejected_rows']} rejected, "
+                 f"{p['embedding_rows']:,} embedding rows  {took(p)}")
+    plan = r["plan"]
+    lines.append(f"  plan        {plan['num_iterations']:,} iterations, {plan['counts']['prefetched_rows']:,} "
+                 f"prefetches  {'skipped (up to date)' if plan.get('skipped') else ''}")
+    lines.append("")
+    width = max(len(row["what"]) for row in r["summary"])
+    lines.append(f"  {'':<{width}}  {'dlrmflow':>14}  {'baseline':>14}  ratio")
+    for row in r["summary"]:
+        lines.append(f"  {row['what']:<{width}}  {row['value']:>14}  {row['baseline']:>14}  {row['ratio']}")
+    lines += ["", f"plots: {r['work_dir']}/dataset/coverage.png, {r['work_dir']}/caches/"]
     return "\n".join(lines)
