@@ -153,9 +153,10 @@ def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, 
                      "baseline": rate(lru), "ratio": oracle["note"] or lru["note"]})
     train = result["train"]
     remote, orc = train["remote"], train["oracle"]
+    speedup = remote["median_iteration_ms"] / orc["median_iteration_ms"]
     rows.append({"what": "ms/iteration, oracle vs remote (median)", "value": f"{orc['median_iteration_ms']:.1f}",
                  "baseline": f"{remote['median_iteration_ms']:.1f}",
-                 "ratio": f"{remote['median_iteration_ms'] / orc['median_iteration_ms']:.2f}x faster"})
+                 "ratio": f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"})
     rows.append({"what": "oracle stall (share of iteration time)", "value": f"{100 * orc['stall_fraction']:.1f}%",
                  "baseline": "", "ratio": ""})
     rows.append({"what": "bytes fetched, oracle vs remote", "value": f"{orc['bytes_fetched']:,}",
