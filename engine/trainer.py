@@ -38,6 +38,7 @@ import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import Batch, BatchStream, global_ids
+from dlrmflow.engine.checkpoint import CHECKPOINT_MODES, checkpoint_train_loop, start_placed_shards
 from dlrmflow.engine.embedding_rows import EMBEDDING_OPTIMIZERS, RowSpec, apply_update
 from dlrmflow.engine.embedding_server import start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
@@ -83,7 +84,8 @@ class TrainConfig:
     save_state: bool = True  # write final_state.pt (the hash is always computed)
     parity: int = 0  # R parity shards (erasure-coded embedding servers; 0: none)
     kills: tuple[str, ...] = ()  # failure injection: "shard:I@ITER" / "parity:J@ITER"
-    rebuild_chunk: int = 4096  # stripes per recovery chunk
+    rebuild_chunk: int = 65536  # stripes per recovery chunk (one chunk is read while write-backs wait)
+    checkpoint_every: int | None = None  # the baseline: checkpoint every N iterations, reload + replay on a loss
 
 
 class TrainConfigError(UserInputError):
@@ -157,8 +159,14 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         raise TrainConfigError("--parity needs embedding servers; use --mode remote, lru or oracle")
     if not 0 <= config.parity <= 4:
         raise TrainConfigError(f"--parity must be between 0 and 4, got {config.parity}")
-    if config.kills and not config.parity:
-        raise TrainConfigError("--kill needs --parity R >= 1 (nothing could recover the lost shard)")
+    if config.kills and not (config.parity or config.checkpoint_every):
+        raise TrainConfigError("--kill needs --parity R >= 1 or --checkpoint-every N (nothing could recover "
+                               "the lost shard)")
+    if config.checkpoint_every is not None:
+        if config.checkpoint_every < 1:
+            raise TrainConfigError(f"--checkpoint-every must be >= 1, got {config.checkpoint_every}")
+        if config.mode not in CHECKPOINT_MODES or config.parity:
+            raise TrainConfigError("--checkpoint-every works with --mode remote or lru and without --parity")
     if config.rebuild_chunk < 1:
         raise TrainConfigError(f"rebuild_chunk must be >= 1, got {config.rebuild_chunk}")
     if config.capacity is not None and config.mode in ("local", "remote"):
@@ -238,7 +246,9 @@ def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=No
         return LocalRows(setup.spec, device)
     if client is None:
         raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
-    if config.parity:
+    if config.checkpoint_every:
+        shards = start_placed_shards(client, setup.spec, config.num_shards)
+    elif config.parity:
         shards = start_coded_shards(client, setup.spec, config.num_shards, config.parity,
                                     rebuild_chunk=config.rebuild_chunk, recovery_runner=recovery_runner)
     else:
@@ -376,11 +386,15 @@ def train(
         optimizer = make_dense_optimizer(config, model)
         store = make_store(setup, device, client, recovery_runner)
         group = getattr(store, "shards", None)
-        injector = FaultInjector(setup.kills, client, lambda s: group.worker_of[s], config.num_shards) \
+        injector = FaultInjector(setup.kills, client, lambda s: store.shards.worker_of[s], config.num_shards) \
             if setup.kills else None
         try:
             try:
-                log = _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector)
+                if config.checkpoint_every:
+                    log = checkpoint_train_loop(setup, model, optimizer, store, device, progress, on_metrics,
+                                                injector, client, output)
+                else:
+                    log = _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector)
                 start = time.perf_counter()
                 store.finish()
             except PrefetchError as exc:  # the oracle's worker met the fatal loss first: name the loss
@@ -399,6 +413,9 @@ def train(
         save_state(output, state)
     _write_iterations(output / ITERATIONS_FILE, log)
     summary = _summary(setup, store, log, metrics, digest)
+    if "checkpoint" in log:
+        summary["checkpoint"] = {**log["checkpoint"], "kills": [
+            {k: v for k, v in kill.items() if k != "at"} for kill in (injector.log if injector else [])]}
     if parity is not None:
         summary["parity"] = {**parity, "kills": [
             {**k, "at_s": k["at"] - group.started_at} for k in (injector.log if injector else [])]}

@@ -35,7 +35,8 @@ def train_flow(
     metrics_every: int = 50,
     parity: int = 0,
     kills: list[str] | None = None,
-    rebuild_chunk: int = 4096,
+    rebuild_chunk: int = 65536,
+    checkpoint_every: int | None = None,
     dask_address: str | None = None,
 ) -> dict[str, Any]:
     """Train a DLRM in ``mode`` (local | remote | lru | oracle); writes final_state.pt and summary.json."""
@@ -46,6 +47,7 @@ def train_flow(
         top_mlp=tuple(top_mlp) if top_mlp else TrainConfig.top_mlp, embedding_optimizer=embedding_optimizer,
         dense_optimizer=dense_optimizer, lr=lr, embedding_lr=embedding_lr, eval_fraction=eval_fraction,
         metrics_every=metrics_every, parity=parity, kills=tuple(kills or ()), rebuild_chunk=rebuild_chunk,
+        checkpoint_every=checkpoint_every,
     )
     params = asdict(config)
     n = check_task(params)

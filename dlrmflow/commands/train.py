@@ -56,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER|parity:J@ITER",
                         help="failure injection (repeatable): SIGKILL the worker of data shard I or parity "
                              "shard J when iteration ITER starts; needs --parity")
-    parser.add_argument("--rebuild-chunk", type=int, default=4096, metavar="STRIPES",
-                        help="stripes per recovery chunk (default 4096)")
+    parser.add_argument("--rebuild-chunk", type=int, default=65536, metavar="STRIPES",
+                        help="stripes per recovery chunk (default 65536; training waits while one chunk is read)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="the baseline to parity: checkpoint all shards + dense state every N iterations; "
+                             "after a --kill, reload and replay (modes remote and lru)")
     add_dask_argument(parser)
 
 
@@ -69,6 +72,7 @@ def flow_parameters(args: argparse.Namespace) -> dict[str, Any]:
         top_mlp=args.top_mlp, embedding_optimizer=args.embedding_optimizer, dense_optimizer=args.dense_optimizer,
         lr=args.lr, embedding_lr=args.embedding_lr, eval_fraction=args.eval_fraction,
         metrics_every=args.metrics_every, parity=args.parity, kills=args.kill, rebuild_chunk=args.rebuild_chunk,
+        checkpoint_every=args.checkpoint_every,
         dask_address=args.dask_address,
     )
 
@@ -116,6 +120,17 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _checkpoint_lines(c: dict[str, Any] | None) -> list[str]:
+    if not c:
+        return []
+    lines = [f"  checkpoints        {len(c['checkpoints'])} (every {c['every']} iterations), "
+             f"{sum(x['seconds'] for x in c['checkpoints']):.3f} s writing {c['file']}"]
+    for rec in c["recoveries"]:
+        lines.append(f"  recovered          reloaded iteration {rec['replay_from']}, replayed to {rec['failed_at']}: "
+                     f"{rec['seconds']:.3f} s after detection")
+    return lines
+
+
 def summarize(r: dict[str, Any]) -> str:
     auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
     logloss = "n/a" if r["eval_log_loss"] is None else f"{r['eval_log_loss']:.4f}"
@@ -130,6 +145,7 @@ def summarize(r: dict[str, Any]) -> str:
         f"  eval ({r['eval_rows']:,} rows)   AUC {auc}, log loss {logloss}",
         f"  state SHA-256      {r['state_sha256']}",
         *_parity_lines(r.get("parity")),
+        *_checkpoint_lines(r.get("checkpoint")),
         f"  output             {r['output_dir']}/ (final_state.pt, summary.json, iterations.csv)",
     ]
     return "\n".join(lines)

@@ -1,0 +1,216 @@
+"""Fault tolerance side by side: no protection, checkpoint + replay (two intervals), parity R = 1, 2.
+
+One run, same data, same kill (SIGKILL of the Dask worker hosting data shard 0 when iteration
+``--kill-at`` starts). Every mode trains ``--iterations`` LRU-cached iterations twice: failure-free
+(its overhead), and with the kill (its recovery); ``none`` cannot recover, so it only has the
+failure-free run, which is the baseline of every ratio.
+
+Reported per mode:
+
+- ms/iteration failure-free: the median train step plus the checkpoint writes spread over the
+  iterations (median over ``--repeats`` failure-free runs in rotated order), and its overhead vs none;
+- time to recover: parity, detection -> every lost stripe rebuilt (training runs meanwhile);
+  checkpoint, detection -> reloaded and replayed back to the iteration that failed;
+- throughput during recovery: new iterations finished per second between detection and
+  recovered, relative to the same run's rate before the kill (a checkpoint replay trains no new
+  iteration);
+- total time lost: wall time of the failure run minus the median failure-free run (noisy; on one
+  machine it includes the nanny restarting the killed worker process, which competes for the cores);
+- memory overhead: parity rows on the servers + the trainer's copies of fetched rows (parity),
+  or the checkpoint file (checkpoint), relative to the embedding table;
+- parity traffic (bytes of deltas, only at eviction) and whether the final state is
+  bit-identical to the failure-free run (it must be: equal SHA-256).
+
+    .venv/bin/python benchmarks/fault_tolerance.py [--scale 0.05] [--iterations 60] [--kill-at 30]
+
+Numbers come from one shared 2-core machine with other work running: treat them as noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from distributed import Client
+
+from dlrmflow.datasets import synthetic
+from dlrmflow.datasets.writer import write_array_dataset
+from dlrmflow.engine.cluster import local_cluster
+from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
+
+MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each --checkpoint-every N, parity R=1, R=2
+
+
+def synthetic_dataset(path: Path, rows: int, scale: float, seed: int = 0) -> Path:
+    """Synthetic Criteo rows in the preprocessed layout (as benchmarks/train.py makes them)."""
+    params = {"rows": rows, "scale": scale, "seed": seed}
+    stamp = path / "bench-params.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == params:
+        return path
+    arrays = synthetic.generate_arrays(0, rows, seed=seed, scale=scale)
+    dense = np.log1p(np.maximum(arrays["dense"], 0)).astype(np.float32)
+    dense[arrays["dense_missing"]] = 0.0
+    sparse = np.where(arrays["cat_missing"], 0, arrays["ranks"]).astype(np.int32)
+    cards = [c + 1 for c in synthetic.table_cardinalities(scale)]
+    write_array_dataset(path, arrays["labels"].astype(np.int8), dense, sparse, cards)
+    stamp.write_text(json.dumps(params))
+    return path
+
+
+def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: bool) -> TrainConfig:
+    extra: dict = {}
+    if mode.startswith("checkpoint"):
+        extra["checkpoint_every"] = int(mode.split("/")[1])
+    elif mode.startswith("parity"):
+        extra.update(parity=int(mode[-1]), rebuild_chunk=args.rebuild_chunk)
+    if kill:
+        extra["kills"] = (f"shard:0@{args.kill_at}",)
+    return TrainConfig(dataset_dir=str(dataset), mode="lru", output_dir=str(out), batch_size=args.batch,
+                       iterations=args.iterations, num_shards=args.shards, capacity=capacity,
+                       embedding_dim=args.dim, bottom_mlp=(64, args.dim), top_mlp=(64, 1), eval_fraction=0.0,
+                       metrics_every=args.iterations, save_state=False, **extra)
+
+
+def run_once(config: TrainConfig, client: Client) -> dict:
+    finished: list[float] = []
+    summary = train(config, client=client, progress=lambda done, total: finished.append(time.perf_counter()))
+    summary["finished_at"] = finished
+    return summary
+
+
+def step_ms(summary: dict) -> float:
+    """Failure-free cost of one iteration: median train step + checkpoint writes per iteration."""
+    writes = sum(c["seconds"] for c in summary.get("checkpoint", {}).get("checkpoints", []))
+    return summary["median_iteration_ms"] + 1e3 * writes / summary["iterations"]
+
+
+def median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=step_ms)[len(runs) // 2]
+
+
+def recovery_numbers(mode: str, failed: dict, kill_at: int) -> dict:
+    """Time to recover and the new-iteration rate during it, from the failure run's records."""
+    report = failed.get("checkpoint") if mode.startswith("checkpoint") else failed.get("parity")
+    (rec,) = report["recoveries"]
+    origin = report["clock_origin"]
+    detected = origin + rec["detected_s"]
+    recovered = detected + rec["seconds"]
+    if mode.startswith("checkpoint"):
+        new_iterations = 0  # the replay redoes iterations that were already done
+    else:
+        new_iterations = sum(detected <= t <= recovered for t in failed["finished_at"])
+    rate = new_iterations / rec["seconds"] if rec["seconds"] > 0 else float("nan")
+    before = np.diff(np.asarray(failed["finished_at"][: kill_at + 1]))
+    normal_rate = 1.0 / float(np.median(before))
+    return {"recover_s": rec["seconds"], "during_rate": rate, "during_vs_normal": rate / normal_rate,
+            "iterations_during": new_iterations}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=0.05, help="Criteo Kaggle table sizes x SCALE")
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--kill-at", type=int, default=150)
+    parser.add_argument("--checkpoint-every", default="20,100",
+                        help="checkpoint intervals to compare (default 20,100: the kill at 150 replays 10 and 50 "
+                             "iterations; 100 costs about what parity costs per iteration)")
+    parser.add_argument("--rebuild-chunk", type=int, default=65536)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="failure-free runs per mode (default 3)")
+    parser.add_argument("--work", default="/tmp/dlrmflow-bench-fault")
+    args = parser.parse_args()
+    global MODES
+    MODES = ("none", *(f"checkpoint/{int(n)}" for n in args.checkpoint_every.split(",")), "parity R=1",
+             "parity R=2")
+    work = Path(args.work)
+    rows = args.batch * args.iterations
+    start = time.perf_counter()
+    dataset = synthetic_dataset(work / "data", rows, args.scale)
+    probe = prepare_run(TrainConfig(dataset_dir=str(dataset), mode="lru", output_dir=str(work / "x"),
+                                    batch_size=args.batch, iterations=args.iterations, capacity=10**9,
+                                    eval_fraction=0.0, embedding_dim=args.dim))
+    capacity = 2 * probe.checks["max_distinct_rows_per_batch"]
+    table_bytes = probe.spec.total_rows * probe.spec.row_bytes
+    print(f"data: {rows:,} rows, {probe.spec.total_rows:,} embedding rows x {probe.spec.row_bytes} B = "
+          f"{table_bytes / 1e6:.1f} MB; LRU cache {capacity:,} rows; K={args.shards}; kill shard:0@{args.kill_at}; "
+          f"ready in {time.perf_counter() - start:.1f} s", flush=True)
+    results = {}
+    # One worker per member (K data + 2 parity) plus a spare for the rebuild; the nanny restarts a killed one.
+    with local_cluster(args.shards + 3) as cluster, Client(cluster) as client:
+        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
+        free: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for round_ in range(args.repeats):
+            for mode in MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]:
+                out = work / f"run-{mode.replace(' ', '').replace('=', '').replace('/', '')}-free"
+                free[mode].append(run_once(config_for(mode, args, dataset, out, capacity, False), client))
+                show(mode, "free", free[mode][-1])
+        for mode in MODES:
+            results[mode] = {False: median_run(free[mode]),
+                             "free_seconds": float(np.median([r["train_seconds"] for r in free[mode]]))}
+            if mode != "none":
+                client.wait_for_workers(args.shards + 3, timeout=60)
+                out = work / f"run-{mode.replace(' ', '').replace('=', '').replace('/', '')}-kill"
+                results[mode][True] = run_once(config_for(mode, args, dataset, out, capacity, True), client)
+                show(mode, "kill", results[mode][True])
+    print_table(results, table_bytes, args.kill_at)
+
+
+def show(mode: str, what: str, s: dict) -> None:
+    print(f"{mode:<11} {what}: step {s['median_iteration_ms']:.1f} ms (median), run {s['train_seconds']:.2f} s, "
+          f"sha {s['state_sha256'][:12]}", flush=True)
+
+
+def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
+    base = results["none"][False]
+    base_ms = step_ms(base)
+    header = f"{'':34}" + "".join(f"{m:>15}" for m in MODES)
+    lines = [header, "-" * len(header)]
+
+    def row(label, values):
+        lines.append(f"{label:34}" + "".join(f"{v:>15}" for v in values))
+
+    def each(fn):
+        out = []
+        for mode in MODES:
+            try:
+                out.append(fn(mode, results[mode]))
+            except (KeyError, ValueError):
+                out.append("n/a")
+        return out
+
+    row("ms/iteration (failure-free)", each(lambda m, r: f"{step_ms(r[False]):.1f}"))
+    row("overhead vs none", each(lambda m, r: f"{100 * (step_ms(r[False]) / base_ms - 1):+.1f}%"))
+    rec = {m: recovery_numbers(m, results[m][True], kill_at) for m in MODES if m != "none"}
+    row("time to recover (s)", each(lambda m, r: f"{rec[m]['recover_s']:.3f}"))
+    for ref in [m for m in MODES if m.startswith("checkpoint")]:
+        speed_up = [f"{rec[ref]['recover_s'] / rec[m]['recover_s']:.1f}x" if m in rec else "n/a" for m in MODES]
+        row(f"recovery speed-up vs {ref}", speed_up)
+    row("new iterations during recovery", each(lambda m, r: str(rec[m]["iterations_during"])))
+    row("throughput during recovery", each(lambda m, r: f"{100 * rec[m]['during_vs_normal']:.0f}%"))
+    row("total time lost (s)", each(lambda m, r: f"{r[True]['train_seconds'] - r['free_seconds']:.3f}"))
+
+    def memory(m, r):
+        s = r[True]
+        if m.startswith("checkpoint"):
+            return f"{100 * s['checkpoint']['checkpoints'][-1]['bytes'] / table_bytes:.0f}% disk"
+        p = s["parity"]
+        return f"{100 * (p['parity_rows_bytes'] + p['checked_out_rows_bytes']) / table_bytes:.0f}%"
+
+    row("memory overhead (of table)", each(memory))
+    row("parity delta bytes (MB)", each(lambda m, r: f"{r[False]['parity']['parity_bytes_sent'] / 1e6:.1f}"))
+    row("rows written back (MB)", each(lambda m, r: f"{r[False]['bytes_written_back'] / 1e6:.1f}"))
+    row("verify (parity == encode(data))", each(lambda m, r: str(r[True]["parity"]["verify"]["ok"])))
+    row("final state == failure-free", each(
+        lambda m, r: str(r[True]["state_sha256"] == base["state_sha256"]) if True in r else "n/a"))
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

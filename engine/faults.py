@@ -1,0 +1,81 @@
+"""Failure injection: SIGKILL the Dask worker process that hosts an embedding shard.
+
+``--kill shard:I@ITER`` kills the worker of data shard ``I`` when iteration ``ITER`` starts;
+``--kill parity:J@ITER`` the worker of parity shard ``J``. The process id comes from the
+worker itself (``client.run(os.getpid, workers=[addr])``) and the signal is sent from the
+trainer's machine, so the workers must run there (a LocalCluster, or workers started locally).
+Nothing tells the trainer about the kill: it finds out when a call to the dead actor fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dlrmflow.errors import UserInputError
+
+_KILL = re.compile(r"^(shard|parity):(\d+)@(\d+)$")
+
+
+class FaultSpecError(UserInputError):
+    """A --kill argument is malformed or names a shard or iteration that does not exist."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    kind: str  # "shard" | "parity"
+    index: int
+    iteration: int
+
+    def member(self, k: int) -> int:
+        return self.index if self.kind == "shard" else k + self.index
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}@{self.iteration}"
+
+
+def parse_kill(text: str) -> Kill:
+    match = _KILL.match(text.strip())
+    if not match:
+        raise FaultSpecError(f"--kill {text!r}: expected shard:I@ITER or parity:J@ITER (e.g. shard:0@10)")
+    return Kill(match[1], int(match[2]), int(match[3]))
+
+
+def check_kills(kills: tuple[str, ...], *, num_shards: int, parity: int, iterations: int) -> list[Kill]:
+    parsed = [parse_kill(k) for k in kills]
+    for kill in parsed:
+        limit = num_shards if kill.kind == "shard" else parity
+        if kill.index >= limit:
+            what = f"--shards {num_shards}" if kill.kind == "shard" else f"--parity {parity}"
+            raise FaultSpecError(f"--kill {kill}: there is no {kill.kind} {kill.index} with {what}")
+        if kill.iteration >= iterations:
+            raise FaultSpecError(f"--kill {kill}: iteration {kill.iteration} is past the last one "
+                                 f"({iterations - 1})")
+    if len({(k.kind, k.index) for k in parsed}) != len(parsed):
+        raise FaultSpecError("--kill names the same shard twice")
+    return parsed
+
+
+class FaultInjector:
+    """Kills the workers named by ``kills`` at the start of their iterations; logs what it did."""
+
+    def __init__(self, kills: list[Kill], client: Any, worker_of, k: int) -> None:
+        self.kills, self.client, self.worker_of, self.k = kills, client, worker_of, k
+        self.log: list[dict[str, Any]] = []
+        self.fired: set[Kill] = set()
+
+    def before_iteration(self, t: int) -> None:
+        for kill in self.kills:
+            if kill.iteration == t and kill not in self.fired:  # once, also when a checkpoint replays t
+                self.fired.add(kill)
+                self.kill(kill)
+
+    def kill(self, kill: Kill) -> None:
+        address = self.worker_of(kill.member(self.k))
+        pid = self.client.run(os.getpid, workers=[address])[address]
+        os.kill(pid, signal.SIGKILL)
+        self.log.append({"kill": str(kill), "worker": address, "pid": pid, "at": time.perf_counter()})

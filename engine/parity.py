@@ -1,0 +1,593 @@
+"""Parity in the running system: coded data shards, parity shards, and the trainer's coded group.
+
+Layout. Data shard ``i`` of ``K`` is an :class:`CodedShard` (an ``EmbeddingShard`` that also
+serves stripes and applies sequenced writes); stripe ``j`` is local row ``j`` of every data
+shard, i.e. global ids ``j*K .. j*K + K-1``. Parity shard ``p`` of ``R`` is a
+:class:`ParityShard` holding ``ceil(total_rows / K)`` rows of the same width:
+``parity_p[j] = XOR_i C[p, i] * data_i[j]`` over the bit patterns (:mod:`.erasure`). Member
+index ``s`` names both kinds: ``0..K-1`` data, ``K..K+R-1`` parity.
+
+Write-backs. The trainer is the only writer. Every fetch of a row leaves a copy of what was
+fetched in the group (:class:`CheckedOutRows`: "the old row the trainer fetched"); when the row
+is written back, the group takes that copy, and the parity change of the whole batch is
+``combine_deltas`` of (old, new) per data shard: one message per parity shard with each touched
+stripe once. A write-back batch gets a sequence number; data shards and parity shards record the
+numbers they applied and ignore a batch they have already applied, so a resent batch (after a
+shard died mid-batch) is applied exactly once. :meth:`CodedShardGroup.exchange` returns only
+once every member has acknowledged, so between two calls data and parity are consistent.
+
+Failures and recovery. A call to a member whose worker died raises ``OSError``: the group marks
+the member lost, resends the batch to the survivors (idempotent) and starts a background rebuild
+(:mod:`.recovery`). Until a stripe is rebuilt, reads of a lost data shard's rows are *degraded
+reads*: decoded from K survivors at read time.
+
+Why a rebuild reads each stripe at one consistent version: the group holds one lock for the
+whole of every write-back batch (send to all members, wait for every acknowledgement, serve
+degraded reads) and the rebuild reads, decodes and installs each chunk of stripes while holding
+the same lock. So a chunk is read strictly between two write-back batches: every survivor's
+rows of that chunk reflect exactly the batches ``1..s`` for the same ``s`` (no batch is half
+applied: it was acknowledged by all before the lock was released), which is a consistent
+codeword. Batches that arrive after a chunk was installed are applied to the rebuilt rows
+directly (the new member receives every write and parity delta from the moment it exists), so
+the rebuilt chunk stays current. Writes that reach a new member for stripes not yet rebuilt are
+overwritten by the install with the value decoded from survivors that already hold those writes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from distributed import Client
+
+from dlrmflow.engine import gf256
+from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup
+from dlrmflow.engine.erasure import ErasureCode, RowUpdate, gather_stripes
+from dlrmflow.errors import UserInputError
+
+ENCODE_CHUNK_STRIPES = 1 << 16
+
+
+def num_stripes(spec: RowSpec, k: int) -> int:
+    return len(range(0, spec.total_rows, k))
+
+
+def shard_row_counts(spec: RowSpec, k: int) -> list[int]:
+    return [len(range(i, spec.total_rows, k)) for i in range(k)]
+
+
+def member_name(s: int, k: int) -> str:
+    return f"data shard {s}" if s < k else f"parity shard {s - k}"
+
+
+class LostMembersError(RuntimeError):
+    """Calls to these members failed: their workers are gone."""
+
+    def __init__(self, members: set[int], cause: BaseException) -> None:
+        self.members = members
+        super().__init__(f"members {sorted(members)} lost: {cause!r}")
+
+
+class _Sequenced:
+    """What every member shares: the set of write-back batches it applied, and stripe access."""
+
+    rows: np.ndarray
+    applied: set[int]
+
+    def read_stripes(self, start: int, stop: int) -> np.ndarray:
+        return self.rows[start:stop].copy()
+
+    def gather(self, stripes: np.ndarray) -> np.ndarray:
+        return gather_stripes(self.rows, stripes)
+
+    def install(self, start: int, rows: np.ndarray) -> int:
+        """Rebuilt rows of stripes ``start..``: copied as bytes, never as floats."""
+        self.rows.view(np.uint8)[start : start + len(rows)] = np.ascontiguousarray(rows).view(np.uint8)
+        return len(rows)
+
+    def all_local_rows(self) -> np.ndarray:
+        return self.rows.copy()
+
+    def applied_batches(self) -> list[int]:
+        return sorted(self.applied)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class CodedShard(_Sequenced, EmbeddingShard):
+    """A data shard that applies each numbered write-back batch once."""
+
+    def __init__(self, spec: RowSpec, shard: int, num_shards: int, initialise: bool = True) -> None:
+        if initialise:
+            EmbeddingShard.__init__(self, spec, shard, num_shards)
+        else:  # a rebuild target: the rows come from the rebuild
+            self.spec, self.shard, self.num_shards = spec, shard, num_shards
+            self.rows = np.zeros((len(range(shard, spec.total_rows, num_shards)), spec.width), np.float32)
+            self.rows_fetched = self.rows_written = 0
+        self.applied = set()
+
+    def exchange_seq(self, seq: int, write_ids: np.ndarray, write_rows: np.ndarray,
+                     fetch_ids: np.ndarray) -> np.ndarray:
+        if len(write_ids) and seq not in self.applied:
+            self.write_back(write_ids, write_rows)
+            self.applied.add(seq)
+        return self.fetch(fetch_ids)
+
+
+def encode_parity_of_initial_rows(spec: RowSpec, code: ErasureCode, p: int) -> np.ndarray:
+    """Parity shard ``p`` of the initial rows (rows are a pure function of (seed, id), so any
+    process can encode them chunk by chunk without reading the data shards)."""
+    k = code.k
+    n = num_stripes(spec, k)
+    out = np.zeros((n, spec.width), dtype=np.float32)
+    acc_bytes = out.view(np.uint8)
+    for lo in range(0, n, ENCODE_CHUNK_STRIPES):
+        hi = min(lo + ENCODE_CHUNK_STRIPES, n)
+        for i in range(k):
+            ids = np.arange(lo, hi, dtype=np.int64) * k + i
+            ids = ids[ids < spec.total_rows]
+            if len(ids):
+                rows = np.ascontiguousarray(init_rows(spec, ids)).view(np.uint8)
+                gf256.mul_xor_into(acc_bytes[lo : lo + len(ids)], code.coefficient(p, i), rows)
+    return out
+
+
+class ParityShard(_Sequenced):
+    """Parity shard ``p``: starts as the encoding of the initial data shards."""
+
+    def __init__(self, spec: RowSpec, k: int, r: int, p: int, initialise: bool = True) -> None:
+        self.spec, self.code, self.p = spec, ErasureCode(k, r), p
+        if initialise:
+            self.rows = encode_parity_of_initial_rows(spec, self.code, p)
+        else:
+            self.rows = np.zeros((num_stripes(spec, k), spec.width), dtype=np.float32)
+        self.applied = set()
+        self.stripes_updated = 0
+
+    def apply(self, seq: int, stripes: np.ndarray, delta: np.ndarray) -> int:
+        """XOR a write-back batch's delta into the parity rows, once per ``seq``."""
+        if seq in self.applied:
+            return 0
+        self.code.apply_delta(self.rows, delta, rows=stripes)
+        self.applied.add(seq)
+        self.stripes_updated += len(stripes)
+        return len(stripes)
+
+
+class CheckedOutRows:
+    """The trainer's copy of each row as it was fetched (the *old* row of its next write-back)."""
+
+    def __init__(self, total_rows: int, width: int) -> None:
+        self.pos = np.full(total_rows, -1, dtype=np.int64)
+        self.buf = np.empty((0, width), dtype=np.float32)
+        self.free = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int((self.pos >= 0).sum())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buf.nbytes + self.pos.nbytes)
+
+    def put(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        pos = self.pos[ids]
+        new = pos < 0
+        n_new = int(new.sum())
+        if n_new > len(self.free):
+            grow = max(n_new - len(self.free), len(self.buf))
+            start = len(self.buf)
+            self.buf = np.concatenate([self.buf, np.empty((grow, self.buf.shape[1]), np.float32)])
+            self.free = np.concatenate([self.free, np.arange(start, start + grow, dtype=np.int64)])
+        pos[new] = self.free[-n_new:] if n_new else pos[new]
+        if n_new:
+            self.free = self.free[:-n_new]
+        self.pos[ids] = pos
+        self.buf.view(np.uint8)[pos] = np.ascontiguousarray(rows).view(np.uint8)
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        pos = self.pos[ids]
+        if (pos < 0).any():
+            raise RuntimeError(f"write-back of row {int(ids[pos < 0][0])}, which was never fetched: "
+                               "its parity delta cannot be computed")
+        rows = self.buf[pos]
+        self.pos[ids] = -1
+        self.free = np.concatenate([self.free, pos])
+        return rows
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery: what was lost, when it was detected and rebuilt, what it cost."""
+
+    members: list[int]
+    detected_at: float
+    rebuilt_at: float | None = None
+    stripes: int = 0
+    rows_rebuilt: int = 0
+    chunks: int = 0
+    restarts: int = 0
+    workers: dict[int, str] = field(default_factory=dict)
+
+    def as_dict(self, k: int, start: float) -> dict[str, Any]:
+        return {
+            "lost": [member_name(s, k) for s in self.members],
+            "detected_s": self.detected_at - start,
+            "rebuilt_s": None if self.rebuilt_at is None else self.rebuilt_at - start,
+            "seconds": None if self.rebuilt_at is None else self.rebuilt_at - self.detected_at,
+            "stripes": self.stripes, "rows_rebuilt": self.rows_rebuilt, "chunks": self.chunks,
+            "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
+        }
+
+
+class _DeadCall:
+    """A call that could not even be sent: the actor's worker is known to be gone."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+    def result(self):
+        raise OSError(f"the actor's worker is gone: {self.cause}")
+
+
+def remote(actor, method: str, *args):
+    """``actor.method(*args)`` (an ActorFuture), or a call whose ``result()`` raises OSError when
+    Dask already knows the worker is lost (it then refuses to even send the call)."""
+    try:
+        return getattr(actor, method)(*args)
+    except OSError as exc:
+        return _DeadCall(exc)
+    except RuntimeError as exc:
+        if "Worker holding Actor was lost" in str(exc):
+            return _DeadCall(exc)
+        raise
+
+
+def _wait_all(calls: list[tuple[int, Any]]) -> tuple[dict[int, Any], LostMembersError | None]:
+    """Results of every call (waiting for all, even after a failure); members whose call failed."""
+    results, lost, cause = {}, set(), None
+    for s, call in calls:
+        try:
+            results[s] = call.result()
+        except OSError as exc:  # CommClosedError is an OSError too: the member's worker is gone
+            lost.add(s)
+            cause = exc
+    return results, (LostMembersError(lost, cause) if lost else None)
+
+
+class CodedShardGroup(ShardGroup):
+    """K coded data shards + R parity shards; the trainer's side of write-backs, verify and recovery.
+
+    Same interface as :class:`ShardGroup` (the trainer modes do not know about parity)."""
+
+    def __init__(self, spec: RowSpec, client: Client, code: ErasureCode, members: list, futures: list,
+                 workers: list[str], *, rebuild_chunk: int = 65536,
+                 recovery_runner: Callable[[Callable[[], dict], dict], dict] | None = None) -> None:
+        super().__init__(spec, members[: code.k], futures[: code.k])
+        self.client, self.code = client, code
+        self.members, self.member_futures, self.worker_of = list(members), list(futures), list(workers)
+        self.checked_out = CheckedOutRows(spec.total_rows, spec.width)
+        self.lock = threading.RLock()
+        self.seq = 0
+        self.parity_bytes = 0
+        self.write_batches = 0
+        self.degraded_rows = 0
+        self.rebuild_chunk = rebuild_chunk
+        self.recovery_runner = recovery_runner
+        self.n_stripes = num_stripes(spec, code.k)
+        self.rows_of = shard_row_counts(spec, code.k) + [self.n_stripes] * code.r
+        # Recovery state (guarded by the lock).
+        self.lost: set[int] = set()
+        self.replacement: dict[int, Any] = {}
+        self.replacement_future: dict[int, Any] = {}
+        self.replacement_workers: dict[int, str] = {}
+        self.dead_workers: set[str] = set()
+        self.cursor = 0  # stripes [0, cursor) of every lost member are rebuilt on its replacement
+        self.generation = 0
+        self.recoveries: list[RecoveryRecord] = []
+        self.fatal: BaseException | None = None
+        self.recovery_thread: threading.Thread | None = None
+        self.shared_workers = False  # True when the cluster had fewer workers than members
+        self.recovering = False  # a recovery thread owns the lost members (set and cleared under the lock)
+        self.started_at = time.perf_counter()
+
+    # ---- the write-back path ------------------------------------------------------------------
+    def exchange(self, write_ids, write_rows, fetch_ids, out=None):
+        write_ids = np.asarray(write_ids, dtype=np.int64)
+        fetch_ids = np.asarray(fetch_ids, dtype=np.int64)
+        write_rows = np.asarray(write_rows, dtype=np.float32)
+        if out is None:
+            out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
+        with self.lock:
+            self._raise_fatal()
+            seq, delta = 0, None
+            if len(write_ids):
+                self.seq += 1
+                seq = self.seq
+                old = self.checked_out.take(write_ids)
+                delta = self._parity_delta(write_ids, old, write_rows)
+                self.write_batches += 1
+            while True:
+                try:
+                    self._exchange_once(seq, write_ids, write_rows, fetch_ids, delta, out)
+                    break
+                except LostMembersError as exc:
+                    self.on_lost(exc.members)  # raises TooManyErasuresError past R; else resend
+            if len(fetch_ids):
+                self.checked_out.put(fetch_ids, out)
+        self.bytes_written += len(write_ids) * self.spec.row_bytes
+        self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
+        return out
+
+    def _parity_delta(self, ids: np.ndarray, old: np.ndarray, new: np.ndarray):
+        k = self.code.k
+        shard_of = ids % k
+        updates = []
+        for i in range(k):
+            sel = np.flatnonzero(shard_of == i)
+            if len(sel):
+                updates.append(RowUpdate(i, ids[sel] // k, old[sel], np.ascontiguousarray(new[sel])))
+        delta = self.code.combine_deltas(updates)
+        self.parity_bytes += self.code.r * delta.parity[0].nbytes
+        return delta
+
+    def _target(self, s: int):
+        """Who receives member ``s``'s traffic now: itself, its replacement, or nobody yet."""
+        if s not in self.lost:
+            return self.members[s]
+        return self.replacement.get(s)
+
+    def _exchange_once(self, seq, write_ids, write_rows, fetch_ids, delta, out) -> None:
+        k = self.code.k
+        calls, degraded = [], []
+        for i, (w, f) in enumerate(zip(self._split(write_ids), self._split(fetch_ids), strict=True)):
+            w, f = w[1], f[1]
+            if not len(w) and not len(f):
+                continue
+            target = self._target(i)
+            if i in self.lost:  # rebuilt stripes come from the replacement, the rest by degraded reads
+                stripes = fetch_ids[f] // k
+                if target is None:
+                    degraded.append((i, f))
+                    f = f[:0]
+                else:
+                    degraded.append((i, f[stripes >= self.cursor]))
+                    f = f[stripes < self.cursor]
+                if target is None:
+                    continue  # the write reaches parity; the rebuild decodes it from survivors
+            call = remote(target, "exchange_seq", seq, write_ids[w], np.ascontiguousarray(write_rows[w]), fetch_ids[f])
+            calls.append((i, call, f))
+        if delta is not None:
+            for p in range(self.code.r):
+                target = self._target(k + p)
+                if target is not None:
+                    calls.append((k + p, remote(target, "apply", seq, delta.stripes, delta.parity[p]), None))
+        results, error = _wait_all([(s, c) for s, c, _ in calls])
+        if error:
+            raise error
+        for s, _, f in calls:
+            if f is not None and len(f):
+                out[f] = results[s]
+        if degraded:
+            self._degraded_reads(fetch_ids, degraded, out)
+
+    def _degraded_reads(self, fetch_ids, degraded, out) -> None:
+        """Decode lost rows on demand from K survivors (after this batch's writes are applied)."""
+        degraded = [(i, f) for i, f in degraded if len(f)]
+        if not degraded:
+            return
+        k = self.code.k
+        stripes = np.unique(np.concatenate([fetch_ids[f] // k for _, f in degraded]))
+        survivors = self.code.survivors_for([s for s in range(self.code.n_shards) if s not in self.lost])
+        pieces, error = _wait_all([(s, remote(self.members[s], "gather", stripes)) for s in survivors])
+        if error:
+            raise error
+        decoded = self.code.decode(pieces, sorted(self.lost))
+        for i, f in degraded:
+            out[f] = decoded[i][np.searchsorted(stripes, fetch_ids[f] // k)]
+            self.degraded_rows += len(f)
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def _raise_fatal(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
+
+    def on_lost(self, members: set[int]) -> None:
+        """Members (or replacements being rebuilt) are gone: restart the rebuild of everything lost.
+
+        Called with the lock held. Losing more than R raises TooManyErasuresError (and keeps it)."""
+        now = time.perf_counter()
+        for s in members:
+            dead = self.replacement_workers.get(s) if s in self.replacement else self.worker_of[s]
+            self.dead_workers.add(dead)
+            self.replacement.pop(s, None)  # a replacement that died starts over
+            self.replacement_future.pop(s, None)
+            if s not in self.lost:
+                self.member_futures[s] = None  # release the dead actor's future (no recomputation)
+        lost = self.lost | set(members)
+        try:
+            self.code.survivors_for([s for s in range(self.code.n_shards) if s not in lost])
+        except UserInputError as exc:
+            self.fatal = exc
+            self.lost = lost
+            raise
+        self.lost = lost
+        self.generation += 1
+        self.cursor = 0
+        if self.recoveries and self.recoveries[-1].rebuilt_at is None:
+            record = self.recoveries[-1]
+            record.members = sorted(lost)
+            record.restarts += 1
+        else:
+            self.recoveries.append(RecoveryRecord(sorted(lost), now))
+        if not self.recovering:  # else the running rebuild sees the new generation and starts over
+            from dlrmflow.engine.recovery import start_recovery_thread
+
+            self.recovering = True
+            self.recovery_thread = start_recovery_thread(self)
+
+    def probe(self) -> None:
+        """Ping every member so a dead one is noticed (the end of a run touches all of them)."""
+        with self.lock:
+            self._raise_fatal()
+            calls = [(s, remote(self._target(s), "applied_batches")) for s in range(self.code.n_shards)
+                     if self._target(s) is not None]
+            _, error = _wait_all(calls)
+            if error:
+                self.on_lost(error.members)
+
+    def wait_recovered(self, timeout: float = 600.0) -> None:
+        """Block until no member is lost (every rebuild finished); re-raise a fatal loss."""
+        self.probe()
+        deadline = time.perf_counter() + timeout
+        while True:
+            with self.lock:
+                self._raise_fatal()
+                if not self.lost:
+                    return
+                thread = self.recovery_thread
+            if thread is not None:
+                thread.join(0.05)
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"the rebuild of {sorted(self.lost)} did not finish in {timeout} s")
+
+    # ---- whole-group reads --------------------------------------------------------------------
+    def member_rows(self, s: int) -> np.ndarray:
+        return self.members[s].all_local_rows().result()
+
+    def all_rows(self) -> np.ndarray:
+        self.wait_recovered()
+        with self.lock:
+            return super().all_rows()
+
+    def stats(self):
+        self.wait_recovered()
+        return super().stats()
+
+    def verify(self) -> dict[str, Any]:
+        """Recompute parity from the data shards and compare bit for bit with the parity shards."""
+        self.wait_recovered()
+        with self.lock:
+            calls = [self.members[s].all_local_rows() for s in range(self.code.n_shards)]
+            rows = [c.result() for c in calls]
+        data, parity = rows[: self.code.k], rows[self.code.k :]
+        mismatches = self.code.verify(data, parity)
+        return {"ok": all(len(m) == 0 for m in mismatches), "stripes": self.n_stripes,
+                "mismatched_stripes": [int(len(m)) for m in mismatches], "data": data, "parity": parity}
+
+    def close(self) -> None:
+        with self.lock:
+            self.fatal = self.fatal or RuntimeError("the shard group is closed")
+        if self.recovery_thread is not None:
+            self.recovery_thread.join(30)
+        self.members, self.member_futures, self.replacement, self.replacement_future = [], [], {}, {}
+        super().close()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "parity_shards": self.code.r,
+            "write_back_batches": self.write_batches,
+            "parity_bytes_sent": int(self.parity_bytes),
+            "degraded_rows_read": int(self.degraded_rows),
+            "checked_out_rows_bytes": self.checked_out.nbytes,
+            "parity_rows_bytes": int(self.code.r * self.n_stripes * self.spec.row_bytes),
+            "member_workers": {member_name(s, self.code.k): w for s, w in enumerate(self.worker_of)},
+            "members_share_workers": self.shared_workers,  # then one kill can take several members
+            "recoveries": [r.as_dict(self.code.k, self.started_at) for r in self.recoveries],
+            "clock_origin": self.started_at,  # perf_counter() that the *_s times count from
+        }
+
+
+# ---- placement -------------------------------------------------------------------------------------
+
+
+def place_members(client: Client, n: int) -> tuple[list[str], bool]:
+    """One worker per member when the cluster has enough (separate fault domains); else round robin.
+
+    Returns the addresses and whether some members share a worker."""
+    workers = sorted(client.scheduler_info()["workers"])
+    if not workers:
+        raise RuntimeError("the Dask cluster has no workers to host embedding shards")
+    return [workers[s % len(workers)] for s in range(n)], len(workers) < n
+
+
+def start_member(client: Client, spec: RowSpec, code: ErasureCode, s: int, worker: str, *, initialise: bool):
+    if s < code.k:
+        future = client.submit(CodedShard, spec, s, code.k, initialise, actor=True, workers=[worker],
+                               pure=False)
+    else:
+        future = client.submit(ParityShard, spec, code.k, code.r, s - code.k, initialise, actor=True,
+                               workers=[worker], pure=False)
+    return future
+
+
+def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: int, *,
+                       rebuild_chunk: int = 65536, recovery_runner=None) -> CodedShardGroup:
+    """K coded data shards and R parity shards (parity = the encoding of the initial rows)."""
+    code = ErasureCode(num_shards, parity)
+    workers, shared = place_members(client, code.n_shards)
+    futures = [start_member(client, spec, code, s, w, initialise=True) for s, w in enumerate(workers)]
+    actors = [f.result() for f in futures]
+    group = CodedShardGroup(spec, client, code, actors, futures, workers, rebuild_chunk=rebuild_chunk,
+                            recovery_runner=recovery_runner)
+    group.shared_workers = shared
+    return group
+
+
+# ---- verify ----------------------------------------------------------------------------------------
+
+PARITY_FILE = "parity_shards.pt"
+
+
+def parity_report(group: CodedShardGroup, run_dir=None) -> dict[str, Any]:
+    """The end-of-run check: parity recomputed from the data shards equals the parity shards, bit for
+    bit. With ``run_dir`` the parity shards are saved next to final_state.pt (``dlrmflow verify``)."""
+    result = group.verify()
+    if run_dir is not None:
+        save_parity(run_dir, group.code, result["parity"])
+    report = group.summary()
+    report["verify"] = {"ok": result["ok"], "stripes": result["stripes"],
+                        "mismatched_stripes": result["mismatched_stripes"]}
+    return report
+
+
+def save_parity(run_dir, code: ErasureCode, parity: list[np.ndarray]):
+    from pathlib import Path
+
+    import torch
+
+    path = Path(run_dir) / PARITY_FILE
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save({"k": code.k, "r": code.r, "parity": [torch.from_numpy(np.ascontiguousarray(p)) for p in parity]},
+               tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def verify_run_dir(run_dir) -> dict[str, Any]:
+    """Recompute parity from a finished run's embedding rows (final_state.pt, split into the K data
+    shards: row id on shard id % K) and compare it with the parity shards it saved."""
+    from pathlib import Path
+
+    import torch
+
+    from dlrmflow.engine.run_state import STATE_FILE, load_state
+
+    run_dir = Path(run_dir)
+    for name in (STATE_FILE, PARITY_FILE):
+        if not (run_dir / name).is_file():
+            raise UserInputError(f"{run_dir} has no {name}: verify needs a finished run trained with --parity")
+    saved = torch.load(run_dir / PARITY_FILE, map_location="cpu", weights_only=True)
+    rows = load_state(run_dir)["embedding"]["rows"].numpy()
+    code = ErasureCode(int(saved["k"]), int(saved["r"]))
+    data = [np.ascontiguousarray(rows[i :: code.k]) for i in range(code.k)]
+    mismatches = code.verify(data, [p.numpy() for p in saved["parity"]])
+    return {"run_dir": str(run_dir), "k": code.k, "r": code.r, "stripes": int(len(data[0])),
+            "ok": all(len(m) == 0 for m in mismatches), "mismatched_stripes": [int(len(m)) for m in mismatches],
+            "first_mismatches": [m[:5].tolist() for m in mismatches]}

@@ -1,0 +1,214 @@
+"""Parity in the running system (engine only, no Prefect): coded shards, exactly-once, verify.
+
+The oracle is the same as for the trainer modes: a run with parity ends bit-identical to the
+local run, and its parity shards equal the re-encoding of its data shards, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster
+from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
+
+from dlrmflow.engine import parity as parity_module
+from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.embedding_server import EmbeddingShard
+from dlrmflow.engine.erasure import ErasureCode
+from dlrmflow.engine.faults import FaultSpecError, parse_kill
+from dlrmflow.engine.parity import (
+    PARITY_FILE,
+    CheckedOutRows,
+    CodedShard,
+    CodedShardGroup,
+    ParityShard,
+    verify_run_dir,
+)
+from dlrmflow.engine.run_state import load_state, save_state
+from dlrmflow.engine.trainer import TrainConfigError, prepare_run, train
+from dlrmflow.errors import UserInputError
+
+
+@pytest.fixture(scope="module")
+def client():
+    # One worker per member (K = 2 data + R <= 2 parity): separate fault domains.
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      silence_logs=logging.ERROR) as cluster, Client(cluster) as c:
+        yield c
+
+
+def _spec(seed: int, cards=(7, 30, 2, 50), dim=3, optimizer="adagrad") -> RowSpec:
+    offsets = tuple(int(x) for x in np.cumsum((0, *cards[:-1])))
+    return RowSpec(dim=dim, optimizer=optimizer, seed=seed, table_offsets=offsets, cardinalities=tuple(cards))
+
+
+# ---- members, without Dask ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_parity_shards_start_as_the_encoding_of_the_initial_shards(seed):
+    rng = np.random.default_rng(seed)
+    cards = tuple(int(c) for c in rng.integers(1, 40, size=int(rng.integers(1, 4))))
+    spec = _spec(seed, cards, optimizer=["sgd", "adagrad"][seed % 2])
+    k, r = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    data = [EmbeddingShard(spec, i, k).rows for i in range(k)]
+    expected = ErasureCode(k, r).encode(data)
+    for p in range(r):
+        got = ParityShard(spec, k, r, p).rows
+        assert got.shape == expected[p].shape
+        assert np.array_equal(got.view(np.uint8), expected[p].view(np.uint8))
+
+
+def test_a_duplicated_batch_is_applied_once():
+    spec = _spec(0)
+    k, r = 3, 2
+    code = ErasureCode(k, r)
+    shard = CodedShard(spec, 1, k)
+    parity = ParityShard(spec, k, r, 1)
+    rng = np.random.default_rng(0)
+    ids = np.array([1, 4, 10], dtype=np.int64)
+    new = rng.standard_normal((3, spec.width)).astype(np.float32)
+    old = shard.fetch(ids)
+    delta = code.combine_deltas([(1, ids // k, old, new)])
+    before = parity.rows.copy()
+    for _ in range(3):  # the batch and two resends
+        shard.exchange_seq(7, ids, new, ids[:0])
+        parity.apply(7, delta.stripes, delta.parity[1])
+    assert np.array_equal(shard.fetch(ids), new)
+    once = before.copy()
+    code.apply_delta(once, delta.parity[1], rows=delta.stripes)
+    assert np.array_equal(parity.rows.view(np.uint8), once.view(np.uint8))  # XOR twice would undo it
+    assert not np.array_equal(parity.rows.view(np.uint8), before.view(np.uint8))
+    assert parity.applied_batches() == shard.applied_batches() == [7]
+    # A different batch with the same rows is applied.
+    shard.exchange_seq(8, ids, old, ids[:0])
+    assert np.array_equal(shard.fetch(ids), old)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_checked_out_rows_match_a_dict(seed):
+    rng = np.random.default_rng(seed)
+    total, width = 50, 3
+    store, reference = CheckedOutRows(total, width), {}
+    for _ in range(60):
+        if reference and rng.random() < 0.4:
+            ids = rng.choice(sorted(reference), size=int(rng.integers(1, len(reference) + 1)), replace=False)
+            rows = store.take(ids)
+            assert np.array_equal(rows, np.stack([reference.pop(int(i)) for i in ids]))
+        else:
+            ids = rng.choice(total, size=int(rng.integers(0, 10)), replace=False)
+            rows = rng.standard_normal((len(ids), width)).astype(np.float32)
+            store.put(ids, rows)
+            reference.update({int(i): row for i, row in zip(ids, rows, strict=True)})
+        assert len(store) == len(reference)
+    missing = np.array([i for i in range(total) if i not in reference][:1])
+    if len(missing):
+        with pytest.raises(RuntimeError, match="never fetched"):
+            store.take(missing)
+
+
+# ---- whole runs ------------------------------------------------------------------------------------
+
+
+def _run(tmp_path, dataset, name, mode, client=None, plan=None, **kw):
+    config = small_config(dataset, tmp_path / name, mode, iterations=14, batch_size=16, **kw)
+    with torch.random.fork_rng():
+        return train(config, client=client, setup=prepare_run(config, plan=plan))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_parity_runs_are_bit_identical_and_verify(client, tmp_path, seed):
+    rng = np.random.default_rng(300 + seed)
+    dataset = make_dataset(tmp_path / "data", seed)
+    common = dict(embedding_optimizer=["adagrad", "sgd"][seed % 2], embedding_lr=0.05, seed=seed)
+    _run(tmp_path, dataset, "local", "local", **common)
+    mode = ["remote", "lru", "oracle"][seed]
+    extra = {"capacity": 200} if mode == "lru" else {}
+    plan = keep_all_plan(dataset, 16, 14, 2) if mode == "oracle" else None
+    r = int(rng.integers(1, 3))
+    summary = _run(tmp_path, dataset, "parity", mode, client, plan, num_shards=2, parity=r,
+                   rebuild_chunk=int(rng.integers(1, 50)), **extra, **common)
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "parity"), f"{mode} R={r}")
+    report = summary["parity"]
+    assert report["verify"] == {"ok": True, "stripes": report["verify"]["stripes"], "mismatched_stripes": [0] * r}
+    assert report["recoveries"] == [] and report["degraded_rows_read"] == 0
+    assert report["write_back_batches"] >= 1 and report["parity_bytes_sent"] > 0
+    assert len(set(report["member_workers"].values())) == 2 + r  # every member on its own worker
+    assert verify_run_dir(tmp_path / "parity")["ok"]
+
+
+def test_resending_every_write_back_batch_changes_nothing(client, tmp_path, monkeypatch):
+    """Every batch is sent twice to every member: the sequence numbers make the second a no-op
+    (without them the parity deltas would XOR out and verify would fail)."""
+    dataset = make_dataset(tmp_path / "data", 5)
+    _run(tmp_path, dataset, "local", "local")
+    original = CodedShardGroup._exchange_once
+    sent = {"batches": 0}
+
+    def twice(self, seq, *args):
+        original(self, seq, *args)
+        sent["batches"] += 1
+        original(self, seq, *args)
+
+    monkeypatch.setattr(CodedShardGroup, "_exchange_once", twice)
+    summary = _run(tmp_path, dataset, "parity", "remote", client, num_shards=2, parity=2)
+    assert sent["batches"] > 10
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "parity"), "resent")
+    assert summary["parity"]["verify"]["ok"]
+
+
+def test_verify_run_dir_finds_a_flipped_bit(client, tmp_path):
+    dataset = make_dataset(tmp_path / "data", 6)
+    _run(tmp_path, dataset, "run", "remote", client, num_shards=2, parity=1)
+    assert verify_run_dir(tmp_path / "run")["ok"]
+    state = load_state(tmp_path / "run")
+    rows = state["embedding"]["rows"]
+    rows.view(torch.int32)[11, 0] ^= 1  # one bit of row 11 = stripe 5 of data shard 1
+    save_state(tmp_path / "run", state)
+    result = verify_run_dir(tmp_path / "run")
+    assert not result["ok"] and result["mismatched_stripes"] == [1] and result["first_mismatches"] == [[5]]
+    (tmp_path / "run" / PARITY_FILE).unlink()
+    with pytest.raises(UserInputError, match="no parity_shards.pt"):
+        verify_run_dir(tmp_path / "run")
+
+
+def test_group_verify_reports_a_corrupted_parity_shard(client):
+    spec = _spec(1)
+    group = parity_module.start_coded_shards(client, spec, 2, 1)
+    try:
+        assert group.verify()["ok"]
+        ids = np.arange(0, spec.total_rows, 7, dtype=np.int64)
+        rows = group.fetch(ids)
+        group.write_back(ids, rows + 1)
+        assert group.verify()["ok"]
+        assert np.array_equal(group.all_rows()[ids], rows + 1)
+        # A write that bypasses the group (no parity delta) is caught.
+        group.members[0].write_back(np.array([0]), np.zeros((1, spec.width), np.float32)).result()
+        result = group.verify()
+        assert not result["ok"] and result["mismatched_stripes"] == [1]
+        assert not np.array_equal(init_rows(spec, np.array([0])), np.zeros((1, spec.width), np.float32))
+    finally:
+        group.close()
+
+
+def test_bad_parity_and_kill_options_are_clear_errors(tmp_path):
+    dataset = make_dataset(tmp_path / "data", 0)
+    out = tmp_path / "never"
+    with pytest.raises(TrainConfigError, match="--parity needs embedding servers"):
+        prepare_run(small_config(dataset, out, "local", parity=1))
+    with pytest.raises(TrainConfigError, match="between 0 and 4"):
+        prepare_run(small_config(dataset, out, "remote", parity=5))
+    with pytest.raises(TrainConfigError, match="--kill needs --parity"):
+        prepare_run(small_config(dataset, out, "remote", kills=("shard:0@1",)))
+    for spec, match in [("shard0@1", "expected shard:I@ITER"), ("disk:0@1", "expected"),
+                        ("shard:2@1", "no shard 2 with --shards 2"), ("parity:1@1", "no parity 1 with --parity 1"),
+                        ("shard:0@12", "past the last one")]:
+        with pytest.raises(FaultSpecError, match=match):
+            prepare_run(small_config(dataset, out, "remote", parity=1, kills=(spec,)))
+    with pytest.raises(FaultSpecError, match="same shard twice"):
+        prepare_run(small_config(dataset, out, "remote", parity=2, kills=("shard:0@1", "shard:0@3")))
+    assert parse_kill(" parity:3@17 ").member(5) == 8
+    assert not out.exists()

@@ -1,0 +1,234 @@
+"""Real failures: SIGKILL of the Dask worker hosting a shard, recovery from parity while training runs.
+
+Every recovered run must end bit-identical to the failure-free local run, and its parity must
+verify. Engine tests first (no Prefect), then the CLI / flow (recover-shard subflow runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster
+from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
+
+from dlrmflow.engine import parity as parity_module
+from dlrmflow.engine import recovery as recovery_module
+from dlrmflow.engine import trainer as trainer_module
+from dlrmflow.engine.erasure import TooManyErasuresError
+from dlrmflow.engine.parity import PARITY_FILE, shard_row_counts, verify_run_dir
+from dlrmflow.engine.run_state import STATE_FILE, SUMMARY_FILE, load_state
+from dlrmflow.engine.trainer import prepare_run, train
+
+ITERATIONS = 14
+WORKERS = 4  # K = 2 data shards + up to R = 2 parity shards, one worker each
+
+
+class Cluster:
+    """A LocalCluster of WORKERS processes, started afresh if a killed worker did not come back."""
+
+    def __init__(self) -> None:
+        self.cluster = self.client = None
+
+    def get(self) -> Client:
+        if self.client is not None:
+            try:
+                self.client.wait_for_workers(WORKERS, timeout=30)  # the nanny restarts what a test killed
+                return self.client
+            except TimeoutError:  # WorkerStartTimeoutError is a TimeoutError
+                self.close()
+        self.cluster = LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
+                                    dashboard_address=":0", silence_logs=logging.CRITICAL)
+        self.client = Client(self.cluster)
+        return self.client
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.cluster.close()
+        self.cluster = self.client = None
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    holder = Cluster()
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def cluster(clusters):
+    return clusters.get()
+
+
+def _run(tmp_path, dataset, name, mode, client=None, **kw):
+    plan = keep_all_plan(dataset, 16, ITERATIONS, 2) if mode == "oracle" else None
+    if mode == "lru":
+        kw["capacity"] = 200
+    config = small_config(dataset, tmp_path / name, mode, iterations=ITERATIONS, batch_size=16,
+                          embedding_lr=0.05, **kw)
+    with torch.random.fork_rng():
+        return train(config, client=client, setup=prepare_run(config, plan=plan))
+
+
+def _check_recovered(tmp_path, summary, killed: set[str]) -> None:
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), str(killed))
+    report = summary["parity"]
+    assert report["verify"]["ok"] and verify_run_dir(tmp_path / "run")["ok"]
+    assert {k["kill"].split("@")[0] for k in report["kills"]} == killed
+    lost = {name for rec in report["recoveries"] for name in rec["lost"]}
+    names = {f"{'data shard' if k.startswith('shard') else 'parity shard'} {k.split(':')[1]}" for k in killed}
+    assert lost == names
+    assert all(rec["rebuilt_s"] is not None and rec["seconds"] >= 0 for rec in report["recoveries"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed):
+    rng = np.random.default_rng(400 + seed)
+    dataset = make_dataset(tmp_path / "data", seed)
+    _run(tmp_path, dataset, "local", "local", seed=seed)
+    mode = ["remote", "lru", "oracle"][seed]
+    shard, at = int(rng.integers(0, 2)), int(rng.integers(0, ITERATIONS))
+    summary = _run(tmp_path, dataset, "run", mode, cluster, seed=seed, num_shards=2, parity=1,
+                   kills=(f"shard:{shard}@{at}",), rebuild_chunk=int(rng.integers(1, 40)))
+    _check_recovered(tmp_path, summary, {f"shard:{shard}"})
+    (record,) = summary["parity"]["recoveries"]
+    assert record["rows_rebuilt"] == shard_row_counts(prepare_run(small_config(dataset, tmp_path, "local")).spec,
+                                                      2)[shard]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+def test_kill_two_shards_with_two_parity_shards(cluster, tmp_path, seed):
+    rng = np.random.default_rng(500 + seed)
+    dataset = make_dataset(tmp_path / "data", 10 + seed)
+    _run(tmp_path, dataset, "local", "local")
+    members = ["shard:0", "shard:1", "parity:0", "parity:1"]
+    killed = [members[i] for i in rng.choice(4, size=2, replace=False)]
+    kills = tuple(f"{m}@{int(rng.integers(0, ITERATIONS))}" for m in killed)
+    summary = _run(tmp_path, dataset, "run", ["remote", "lru"][seed], cluster, num_shards=2, parity=2, kills=kills,
+                   rebuild_chunk=int(rng.integers(1, 40)))
+    _check_recovered(tmp_path, summary, set(killed))
+
+
+def test_rows_not_yet_rebuilt_are_served_by_degraded_reads(cluster, tmp_path, monkeypatch):
+    """A slow rebuild (tiny chunks, long pauses) so that training reads the lost shard's rows while
+    most stripes are not rebuilt yet: those reads are decoded from survivors + parity."""
+    monkeypatch.setattr(recovery_module, "YIELD_S", 0.05)
+    dataset = make_dataset(tmp_path / "data", 20)
+    _run(tmp_path, dataset, "local", "local")
+    summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=("shard:0@2",),
+                   rebuild_chunk=2)
+    _check_recovered(tmp_path, summary, {"shard:0"})
+    assert summary["parity"]["degraded_rows_read"] > 0
+    assert summary["parity"]["recoveries"][0]["chunks"] > 20
+
+
+def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path, monkeypatch):
+    """SIGKILL data shard 1's worker after a write-back batch was sent to every member but before
+    the answers are read: some members applied it, the dead one maybe; the resend and the rebuild
+    still give the exact rows."""
+    dataset = make_dataset(tmp_path / "data", 21)
+    _run(tmp_path, dataset, "local", "local")
+    groups = []
+    start = trainer_module.start_coded_shards
+
+    def capture(*args, **kw):
+        groups.append(start(*args, **kw))
+        return groups[-1]
+
+    wait_all = parity_module._wait_all
+    state = {"calls": 0, "killed": None}
+
+    def kill_then_wait(calls):
+        state["calls"] += 1
+        group = groups[-1]
+        if state["killed"] is None and group.seq >= 6 and len(calls) == 3:  # a batch to 2 shards + parity
+            address = group.worker_of[1]
+            pid = cluster.run(os.getpid, workers=[address])[address]
+            os.kill(pid, signal.SIGKILL)
+            state["killed"] = pid
+        return wait_all(calls)
+
+    monkeypatch.setattr(trainer_module, "start_coded_shards", capture)
+    monkeypatch.setattr(parity_module, "_wait_all", kill_then_wait)
+    summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1)
+    assert state["killed"] is not None
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), "mid write-back")
+    assert summary["parity"]["verify"]["ok"]
+    assert [r["lost"] for r in summary["parity"]["recoveries"]] == [["data shard 1"]]
+
+
+def test_losing_more_shards_than_parity_is_a_clear_error_and_writes_no_model(cluster, tmp_path):
+    dataset = make_dataset(tmp_path / "data", 22)
+    with pytest.raises(TooManyErasuresError) as error:
+        _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1,
+             kills=("shard:0@2", "parity:0@3"))
+    message = str(error.value)
+    assert "data shards 0" in message and "parity shards 0" in message and "at most 1" in message
+    assert "survivors (data shards 1)" in message
+    for name in (STATE_FILE, SUMMARY_FILE, PARITY_FILE):
+        assert not (tmp_path / "run" / name).exists()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_checkpoint_baseline_reloads_replays_and_ends_bit_identical(cluster, tmp_path, seed):
+    rng = np.random.default_rng(600 + seed)
+    dataset = make_dataset(tmp_path / "data", 30 + seed)
+    _run(tmp_path, dataset, "local", "local", seed=seed)
+    every, at = int(rng.integers(1, 6)), int(rng.integers(1, ITERATIONS))
+    summary = _run(tmp_path, dataset, "run", ["remote", "lru"][seed], cluster, seed=seed, num_shards=2,
+                   checkpoint_every=every, kills=(f"shard:{int(rng.integers(0, 2))}@{at}",))
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), f"checkpoint {every}")
+    report = summary["checkpoint"]
+    assert [c["iteration"] for c in report["checkpoints"]] == list(range(0, ITERATIONS, every))
+    (recovery,) = report["recoveries"]
+    assert recovery["replay_from"] == at // every * every <= at <= recovery["failed_at"]
+    assert recovery["seconds"] >= recovery["reload_seconds"] > 0
+
+
+# ---- the CLI and the recover-shard subflow ---------------------------------------------------------
+
+
+def _cli(args, capsys):
+    from dlrmflow.cli import main
+
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")
+def test_cli_kill_recover_verify_and_too_many(tmp_path, capsys):
+    dataset = make_dataset(tmp_path / "data", 23)
+    common = ["train", str(dataset), "--batch-size", "16", "--iterations", str(ITERATIONS), "--embedding-dim", "4",
+              "--bottom-mlp", "8-4", "--top-mlp", "8-1", "--shards", "2", "--json"]
+    code, out, err = _cli([*common, "--mode", "local", "--output", str(tmp_path / "local")], capsys)
+    assert code == 0, err
+    code, out, err = _cli([*common, "--mode", "remote", "--output", str(tmp_path / "run"), "--parity", "1",
+                           "--kill", "shard:1@5", "--rebuild-chunk", "8"], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert [r["lost"] for r in summary["parity"]["recoveries"]] == [["data shard 1"]]
+    assert summary["state_sha256"] == json.loads((tmp_path / "local" / SUMMARY_FILE).read_text())["state_sha256"]
+    code, out, err = _cli(["verify", str(tmp_path / "run"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["ok"], err
+    # The rebuild ran as its own flow run, a child of the training run.
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as prefect:
+        runs = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["recover-shard"])))
+    assert runs and all(r.state.is_completed() for r in runs)
+    assert any(r.parent_task_run_id is not None for r in runs)
+    # More losses than parity: exit status 2, one line naming the loss, no model on disk.
+    code, out, err = _cli([*common, "--mode", "remote", "--output", str(tmp_path / "lost"), "--parity", "1",
+                           "--kill", "shard:0@3", "--kill", "shard:1@3"], capsys)
+    assert code == 2 and "data shards 0, 1" in err and "rebuilds at most 1" in err
+    assert not (tmp_path / "lost" / STATE_FILE).exists()
