@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from dlrmflow.engine.erasure import ErasureCode, RowUpdate
 
 

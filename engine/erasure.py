@@ -45,8 +45,8 @@ from numbers import Integral
 from typing import Any, NamedTuple
 
 import numpy as np
-from dlrmflow.engine import gf256
 
+from dlrmflow.engine import gf256
 from dlrmflow.errors import UserInputError
 
 MAX_PARITY = 4

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
+from cli_helpers import run_json
 
 from dlrmflow.cli import main
 from dlrmflow.datasets.meta import read_meta
@@ -14,12 +14,6 @@ from dlrmflow.datasets.meta import read_meta
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-def _json(capsys, argv: list[str]) -> dict:
-    capsys.readouterr()
-    assert main([*argv, "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1, f"stdout must be one JSON line, got {out!r}"
-    return json.loads(out[0])
 
 
 def test_help_lists_every_command():
@@ -34,12 +28,12 @@ def test_help_lists_every_command():
 
 def test_generate_preprocess_profile(tmp_path, capsys):
     raw = tmp_path / "day_0.tsv"
-    gen = _json(capsys, ["generate", "--rows", "5000", "--output", str(raw), "--scale", "0.001", "--seed", "3"])
+    gen = run_json(capsys, ["generate", "--rows", "5000", "--output", str(raw), "--scale", "0.001", "--seed", "3"])
     assert gen["rows"] == 5000 and raw.stat().st_size == gen["bytes"]
-    prep = _json(capsys, ["preprocess", str(raw), "--output", str(tmp_path / "ds")])
+    prep = run_json(capsys, ["preprocess", str(raw), "--output", str(tmp_path / "ds")])
     assert prep["rows"] == 5000 and prep["rejected_rows"] == 0 and not prep["skipped"]
     assert read_meta(tmp_path / "ds").rows == 5000
-    prof = _json(capsys, ["profile", str(tmp_path / "ds")])
+    prof = run_json(capsys, ["profile", str(tmp_path / "ds")])
     assert prof["samples"] == 5000 and 0 < prof["top1pct_share"] <= 1
     assert (tmp_path / "ds" / "profile.json").is_file() and (tmp_path / "ds" / "coverage.png").is_file()
     # Human summaries.
@@ -53,9 +47,9 @@ def test_profile_publishes_artifacts(tmp_path, capsys, data_dir):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    _json(capsys, ["preprocess", str(data_dir / "criteo_kaggle_sample.csv"), "--format", "criteo-csv",
+    run_json(capsys, ["preprocess", str(data_dir / "criteo_kaggle_sample.csv"), "--format", "criteo-csv",
                    "--output", str(tmp_path / "ds")])
-    _json(capsys, ["profile", str(tmp_path / "ds")])
+    run_json(capsys, ["profile", str(tmp_path / "ds")])
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["skew-profile", "skew-coverage"])))
@@ -82,7 +76,7 @@ def test_existing_dask_scheduler_is_used(tmp_path, capsys, monkeypatch, data_dir
     with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cluster:
         with Client(cluster) as client:
             monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", cluster.scheduler_address)
-            _json(capsys, ["preprocess", str(data_dir / "avazu_sample.csv"), "--format", "avazu",
+            run_json(capsys, ["preprocess", str(data_dir / "avazu_sample.csv"), "--format", "avazu",
                            "--output", str(tmp_path / "ds")])
             # The work ran on that cluster: its scheduler knows our task prefixes.
             processed = client.run_on_scheduler(

@@ -12,6 +12,7 @@ import pickle
 
 import numpy as np
 import pytest
+
 from dlrmflow.engine import gf256
 from dlrmflow.engine.erasure import (
     ErasureCode,
@@ -24,7 +25,6 @@ from dlrmflow.engine.erasure import (
     rebuild,
     stripe_chunks,
 )
-
 from dlrmflow.errors import UserInputError
 
 # float32 bit patterns that value-based arithmetic would not carry through unchanged.

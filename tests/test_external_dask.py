@@ -7,7 +7,6 @@ the bytes a LocalCluster run gives.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,10 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cli_helpers import run_json
 from dask.utils import key_split
 from distributed import Client
 
-from dlrmflow.cli import main
 from dlrmflow.datasets.meta import read_meta
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
@@ -102,12 +101,6 @@ def external_cluster(tmp_path_factory):
         _stop(procs)
 
 
-def _json(capsys, argv: list[str]) -> dict:
-    capsys.readouterr()
-    assert main([*argv, "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1, f"stdout must be one JSON line, got {out!r}"
-    return json.loads(out[0])
 
 
 def _executed_prefixes(client: Client) -> dict[str, set[str]]:
@@ -131,11 +124,11 @@ def test_dataset_commands_run_on_the_external_workers_and_match_a_local_cluster(
     on_cluster = ["--dask-address", address]
     raws = [tmp_path / "day_0.tsv", tmp_path / "day_1.tsv"]
     for seed, raw in enumerate(raws):
-        _json(capsys, ["generate", "--rows", "8000", "--scale", "0.01", "--seed", str(seed + 1),
+        run_json(capsys, ["generate", "--rows", "8000", "--scale", "0.01", "--seed", str(seed + 1),
                        "--output", str(raw), *on_cluster])
     ext, local = tmp_path / "ds-external", tmp_path / "ds-local"
-    prep = _json(capsys, ["preprocess", *map(str, raws), "--output", str(ext), *on_cluster])
-    prof = _json(capsys, ["profile", str(ext), *on_cluster])
+    prep = run_json(capsys, ["preprocess", *map(str, raws), "--output", str(ext), *on_cluster])
+    prof = run_json(capsys, ["profile", str(ext), *on_cluster])
     assert prep["rows"] == 16000 and not prep["skipped"] and prof["samples"] == 16000
 
     # The work ran on the two worker processes started above: their own logs show the tasks.
@@ -146,10 +139,10 @@ def test_dataset_commands_run_on_the_external_workers_and_match_a_local_cluster(
 
     # The same commands on the default LocalCluster give the same raw bytes, dataset and profile.
     local_raw = tmp_path / "local_day_0.tsv"
-    _json(capsys, ["generate", "--rows", "8000", "--scale", "0.01", "--seed", "1", "--output", str(local_raw)])
+    run_json(capsys, ["generate", "--rows", "8000", "--scale", "0.01", "--seed", "1", "--output", str(local_raw)])
     assert local_raw.read_bytes() == raws[0].read_bytes()
-    _json(capsys, ["preprocess", *map(str, raws), "--output", str(local)])
-    local_prof = _json(capsys, ["profile", str(local)])
+    run_json(capsys, ["preprocess", *map(str, raws), "--output", str(local)])
+    local_prof = run_json(capsys, ["profile", str(local)])
     meta_ext, meta_local = read_meta(ext), read_meta(local)
     assert meta_ext.fingerprint == meta_local.fingerprint
     assert meta_ext == meta_local
@@ -162,7 +155,7 @@ def test_the_environment_variable_selects_the_cluster(external_cluster, tmp_path
     """DLRMFLOW_DASK_ADDRESS, without --dask-address, sends the work to the external cluster too."""
     external_cluster.run(lambda dask_worker: dask_worker.state.log.clear())
     monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", external_cluster.scheduler.address)
-    _json(capsys, ["preprocess", str(data_dir / "avazu_sample.csv"), "--format", "avazu", "--output",
+    run_json(capsys, ["preprocess", str(data_dir / "avazu_sample.csv"), "--format", "avazu", "--output",
                    str(tmp_path / "ds")])
     ran = set().union(*_executed_prefixes(external_cluster).values())
     assert {"parse_piece", "write_part"} <= ran, ran
@@ -174,6 +167,6 @@ def test_relative_paths_work_when_the_workers_run_elsewhere(external_cluster, tm
     monkeypatch.chdir(tmp_path)
     shutil.copyfile(data_dir / "avazu_sample.csv", tmp_path / "day.csv")
     on_cluster = ["--dask-address", external_cluster.scheduler.address]
-    prep = _json(capsys, ["preprocess", "day.csv", "--format", "avazu", "--output", "ds", *on_cluster])
-    prof = _json(capsys, ["profile", "ds", *on_cluster])
+    prep = run_json(capsys, ["preprocess", "day.csv", "--format", "avazu", "--output", "ds", *on_cluster])
+    prof = run_json(capsys, ["profile", "ds", *on_cluster])
     assert read_meta(tmp_path / "ds").rows == prep["rows"] == prof["samples"] > 0

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from cli_helpers import run_json
 
 from dlrmflow.cli import main
 from dlrmflow.flows.pipeline import PipelineConfig
@@ -15,16 +14,12 @@ SMALL = ["--rows", "30000", "--scale", "0.01", "--batch-size", "512", "--lookahe
          "--train-iterations", "6", "--parity", "0"]
 
 
-def _json(capsys, argv: list[str]) -> dict:
-    capsys.readouterr()
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.slow
 def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys):
     argv = ["demo", "--work-dir", str(tmp_path / "demo"), *SMALL]
-    first = _json(capsys, argv)
+    first = run_json(capsys, argv)
     assert first["preprocess"]["rows"] == 30000 and not first["generated"]["skipped"]
     assert first["profile"]["top1pct_share"] >= 0.9  # the generator's calibrated skew
     assert first["plan"]["batch_size"] == 512 and first["plan"]["lookahead"] == 20
@@ -36,12 +31,12 @@ def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys
     assert summary["final state, oracle vs remote"]["value"] == "bit-identical"
     assert {"mode", "median_iteration_ms", "stall_fraction"} <= set(train["oracle"])
 
-    second = _json(capsys, argv)
+    second = run_json(capsys, argv)
     assert second["generated"]["skipped"] and second["preprocess"]["skipped"]
     assert second["profile"]["skipped"] and second["plan"]["skipped"]
     assert all(run["skipped"] for run in second["train"].values())
     # A changed training parameter redoes training only.
-    third = _json(capsys, [*argv, "--train-iterations", "5"])
+    third = run_json(capsys, [*argv, "--train-iterations", "5"])
     assert third["plan"]["skipped"] and not third["train"]["oracle"]["skipped"]
     assert third["train"]["oracle"]["iterations"] == 5
 

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from cli_helpers import run_json
 from test_planner import make_dataset
 
 from dlrmflow.cli import main
@@ -15,12 +16,6 @@ from dlrmflow.engine.planner import PlanConfig, load_plan, plan_sequential
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-def _json(capsys, argv: list[str]) -> dict:
-    capsys.readouterr()
-    assert main([*argv, "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1, f"stdout must be one JSON line, got {out!r}"
-    return json.loads(out[0])
 
 
 def _artifacts(*keys: str) -> dict[str, list]:
@@ -45,7 +40,7 @@ def test_plan_command_writes_the_reference_plan(tmp_path, capsys):
     dataset = make_dataset(tmp_path / "ds", 20, 2000, [30, 500, 4, 1200], rows_per_file=450)
     argv = ["plan", str(dataset), "--batch-size", "32", "--lookahead", "6", "--prefetch-distance", "2",
             "--capacity", "1500", "--output", str(tmp_path / "plan"), "--chunk-iterations", "9"]
-    result = _json(capsys, argv)
+    result = run_json(capsys, argv)
     reference = plan_sequential(dataset, PlanConfig(32, 6, 2, capacity=1500))
     assert result["counts"] == reference.summary()["counts"] and result["num_slots"] == 1500
     assert result["dask_workers"] == 2 and result["ids_per_second"] > 0
@@ -65,7 +60,7 @@ def test_plan_command_writes_the_reference_plan(tmp_path, capsys):
 
 def test_compare_caches_command(tmp_path, capsys):
     dataset = make_dataset(tmp_path / "ds", 21, 1500, [40, 600, 7])
-    result = _json(capsys, ["compare-caches", str(dataset), "--batch-size", "25", "--lookahead", "8",
+    result = run_json(capsys, ["compare-caches", str(dataset), "--batch-size", "25", "--lookahead", "8",
                             "--capacity", "300", "--capacity", "20%", "--embedding-dim", "8",
                             "--output", str(tmp_path / "out")])
     assert result["capacities"] == [round(0.2 * 647), 300]  # 20% of 40 + 600 + 7 rows, sorted
@@ -87,7 +82,7 @@ def test_plan_on_an_existing_dask_scheduler(tmp_path, capsys):
 
     dataset = make_dataset(tmp_path / "ds", 22, 600, [30, 80])
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
-        result = _json(capsys, ["plan", str(dataset), "--batch-size", "16", "--lookahead", "4",
+        result = run_json(capsys, ["plan", str(dataset), "--batch-size", "16", "--lookahead", "4",
                                 "--output", str(tmp_path / "plan"), "--dask-address", cluster.scheduler_address])
     assert result["dask_workers"] == 1
     assert result["counts"] == plan_sequential(dataset, PlanConfig(16, 4)).summary()["counts"]

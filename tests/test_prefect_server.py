@@ -230,3 +230,35 @@ def test_the_pipeline_deployment_runs_on_the_worker(prefect_server, worker, tmp_
     # The run wrote where its parameters said: the dataset of 20,000 rows and its skew report.
     assert read_meta(work_dir / "dataset").rows == 20000
     assert (work_dir / "dataset" / "profile.json").is_file() and (work_dir / "dataset" / "coverage.png").is_file()
+
+
+def test_a_pipeline_run_with_a_shard_kill_shows_a_recovery_subflow(prefect_server, worker, tmp_path):
+    """A real SIGKILL of a data shard's worker during training: a `recover-shard` flow run appears,
+    completed, under the pipeline's train subflow, and the run still ends bit-identical."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.objects import StateType
+
+    config = {"rows": 20000, "scale": 0.01, "work_dir": str(tmp_path / "killed"), "batch_size": 512,
+              "lookahead": 20, "train_iterations": 10, "parity": 1, "kills": ["shard:0@4"]}
+    out = prefect_server.cli("deployment", "run", "pipeline/nightly", "--param", f"config={json.dumps(config)}")
+    found = re.search(r"UUID: ([0-9a-f-]{36})", out)
+    assert found, out
+    run = _wait_for_final_state(prefect_server.api_url, found.group(1), worker)
+    assert run.state.type == StateType.COMPLETED, f"{run.state!r}\nworker log:\n{_tail(worker)}"
+
+    def children(client, parent_ids):
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parent_ids)))
+        return {r.id: (client.read_flow(r.flow_id).name, r) for r in runs}
+
+    with _api(prefect_server.api_url) as client:
+        level1 = children(client, [run.id])
+        trains = [i for i, (name, _) in level1.items() if name == "train"]
+        level2 = children(client, trains)
+    recoveries = [r for name, r in level2.values() if name == "recover-shard"]
+    assert recoveries, {name for name, _ in level2.values()}
+    assert all(r.state.type == StateType.COMPLETED for r in recoveries)
+    parity_run = json.loads((tmp_path / "killed" / "runs" / "oracle-parity1" / "summary.json").read_text())
+    plain_run = json.loads((tmp_path / "killed" / "runs" / "oracle" / "summary.json").read_text())
+    assert parity_run["state_sha256"] == plain_run["state_sha256"]
+    assert parity_run["parity"]["kills"] and parity_run["parity"]["verify"]["ok"] is True
