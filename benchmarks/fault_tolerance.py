@@ -29,36 +29,20 @@ Numbers come from one shared 2-core machine with other work running: treat them 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_data import synthetic_dataset
 from distributed import Client
 
-from dlrmflow.datasets import synthetic
-from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.cluster import local_cluster
 from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
 
 MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each --checkpoint-every N, parity R=1, R=2
 
 
-def synthetic_dataset(path: Path, rows: int, scale: float, seed: int = 0) -> Path:
-    """Synthetic Criteo rows in the preprocessed layout (as benchmarks/train.py makes them)."""
-    params = {"rows": rows, "scale": scale, "seed": seed}
-    stamp = path / "bench-params.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == params:
-        return path
-    arrays = synthetic.generate_arrays(0, rows, seed=seed, scale=scale)
-    dense = np.log1p(np.maximum(arrays["dense"], 0)).astype(np.float32)
-    dense[arrays["dense_missing"]] = 0.0
-    sparse = np.where(arrays["cat_missing"], 0, arrays["ranks"]).astype(np.int32)
-    cards = [c + 1 for c in synthetic.table_cardinalities(scale)]
-    write_array_dataset(path, arrays["labels"].astype(np.int8), dense, sparse, cards)
-    stamp.write_text(json.dumps(params))
-    return path
 
 
 def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: bool) -> TrainConfig:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_data import synthetic_dataset
 from distributed import Client
 
 from dlrmflow.datasets import synthetic
@@ -53,21 +54,6 @@ MODES = ("local", "remote", "lru", "oracle")
 EVAL_BATCHES = 2
 
 
-def synthetic_dataset(path: Path, rows: int, scale: float, seed: int = 0) -> Path:
-    """Synthetic Criteo rows in the preprocessed layout: id 0 = missing, ids by popularity rank,
-    dense log(max(x, 0) + 1) with missing -> 0 (what `dlrmflow preprocess` writes)."""
-    params = {"rows": rows, "scale": scale, "seed": seed}
-    stamp = path / "bench-params.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == params:
-        return path
-    arrays = synthetic.generate_arrays(0, rows, seed=seed, scale=scale)
-    dense = np.log1p(np.maximum(arrays["dense"], 0)).astype(np.float32)
-    dense[arrays["dense_missing"]] = 0.0
-    sparse = np.where(arrays["cat_missing"], 0, arrays["ranks"]).astype(np.int32)
-    cards = [c + 1 for c in synthetic.table_cardinalities(scale)]
-    write_array_dataset(path, arrays["labels"].astype(np.int8), dense, sparse, cards)
-    stamp.write_text(json.dumps(params))
-    return path
 
 
 def zipf_dataset(path: Path, rows: int, scale: float, exponent: float, seed: int = 0) -> Path:
