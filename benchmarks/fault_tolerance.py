@@ -21,7 +21,13 @@ Reported per mode:
 - parity traffic (bytes of deltas, only at eviction) and whether the final state is
   bit-identical to the failure-free run (it must be: equal SHA-256).
 
-    .venv/bin/python benchmarks/fault_tolerance.py [--scale 0.05] [--iterations 60] [--kill-at 30]
+    .venv/bin/python benchmarks/fault_tolerance.py [--scale 0.05] [--iterations 200] [--kill-at 150]
+
+The cluster (``--cluster processes``, the default) is a ``dask scheduler`` and K + 3 ``dask worker
+--no-nanny`` processes on this machine: a killed worker stays dead, as a lost machine does, and the
+scheduler is not in the trainer's process. Each kill run gets a fresh cluster; the failure-free runs
+share one. ``--cluster local`` uses a LocalCluster instead, whose nanny restarts the killed worker
+process (a Python start-up that competes for the same cores during the recovery).
 
 Numbers come from one shared 2-core machine with other work running: treat them as noisy.
 """
@@ -29,8 +35,15 @@ Numbers come from one shared 2-core machine with other work running: treat them 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +70,57 @@ def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: b
                        iterations=args.iterations, num_shards=args.shards, capacity=capacity,
                        embedding_dim=args.dim, bottom_mlp=(64, args.dim), top_mlp=(64, 1), eval_fraction=0.0,
                        metrics_every=args.iterations, save_state=False, **extra)
+
+
+@contextlib.contextmanager
+def process_cluster(n_workers: int) -> Iterator[Client]:
+    """``dask scheduler`` + ``n_workers`` x ``dask worker --no-nanny --nthreads 1``, each its own process."""
+    dask = str(Path(sys.executable).parent / "dask")
+    home = Path(tempfile.mkdtemp(prefix="dlrmflow-bench-cluster-"))
+    scheduler_file = home / "scheduler.json"
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, argv: list[str]) -> None:
+        with open(home / f"{name}.log", "wb") as log:
+            procs.append(subprocess.Popen(argv, cwd=home, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+
+    try:
+        start("scheduler", [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                            "--scheduler-file", str(scheduler_file)])
+        deadline = time.monotonic() + 120
+        while not scheduler_file.is_file():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                raise RuntimeError(f"dask scheduler did not start; see {home / 'scheduler.log'}")
+            time.sleep(0.2)
+        for i in range(n_workers):
+            start(f"w{i}", [dask, "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1",
+                            "--no-nanny", "--host", "127.0.0.1", "--no-dashboard", "--name", f"w{i}",
+                            "--local-directory", str(home / f"w{i}")])
+        with Client(scheduler_file=str(scheduler_file), timeout="60s", direct_to_workers=True) as client:
+            client.wait_for_workers(n_workers, timeout=120)
+            yield client
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@contextlib.contextmanager
+def cluster_for(kind: str, n_workers: int) -> Iterator[Client]:
+    if kind == "processes":
+        with process_cluster(n_workers) as client:
+            yield client
+        return
+    with local_cluster(n_workers) as cluster, Client(cluster, direct_to_workers=True) as client:
+        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        yield client
 
 
 def run_once(config: TrainConfig, client: Client) -> dict:
@@ -104,7 +168,10 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", default="20,100",
                         help="checkpoint intervals to compare (default 20,100: the kill at 150 replays 10 and 50 "
                              "iterations; 100 costs about what parity costs per iteration)")
-    parser.add_argument("--rebuild-chunk", type=int, default=65536)
+    parser.add_argument("--rebuild-chunk", type=int, default=262144)
+    parser.add_argument("--cluster", choices=["processes", "local"], default="processes",
+                        help="processes: dask scheduler + dask worker --no-nanny processes, a fresh cluster per kill "
+                             "(default); local: one LocalCluster whose nanny restarts a killed worker")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="failure-free runs per mode (default 3)")
     parser.add_argument("--work", default="/tmp/dlrmflow-bench-fault")
@@ -125,25 +192,36 @@ def main() -> None:
           f"{table_bytes / 1e6:.1f} MB; LRU cache {capacity:,} rows; K={args.shards}; kill shard:0@{args.kill_at}; "
           f"ready in {time.perf_counter() - start:.1f} s", flush=True)
     results = {}
-    # One worker per member (K data + 2 parity) plus a spare for the rebuild; the nanny restarts a killed one.
-    with local_cluster(args.shards + 3) as cluster, Client(cluster) as client:
-        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+    # One worker per member (K data + 2 parity) plus a spare for the rebuild.
+    n_workers = args.shards + 3
+    free: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    with cluster_for(args.cluster, n_workers) as client:
         run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
-        free: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for round_ in range(args.repeats):
             for mode in MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]:
-                out = work / f"run-{mode.replace(' ', '').replace('=', '').replace('/', '')}-free"
+                out = work / f"run-{slug(mode)}-free"
                 free[mode].append(run_once(config_for(mode, args, dataset, out, capacity, False), client))
                 show(mode, "free", free[mode][-1])
         for mode in MODES:
             results[mode] = {False: median_run(free[mode]),
                              "free_seconds": float(np.median([r["train_seconds"] for r in free[mode]]))}
-            if mode != "none":
-                client.wait_for_workers(args.shards + 3, timeout=60)
-                out = work / f"run-{mode.replace(' ', '').replace('=', '').replace('/', '')}-kill"
-                results[mode][True] = run_once(config_for(mode, args, dataset, out, capacity, True), client)
+            if mode != "none" and args.cluster == "local":
+                client.wait_for_workers(n_workers, timeout=60)  # the nanny restarted the killed one
+                results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
+                                                          capacity, True), client)
+                show(mode, "kill", results[mode][True])
+    if args.cluster == "processes":  # a killed worker stays dead: each kill run on a fresh cluster
+        for mode in MODES[1:]:
+            with cluster_for(args.cluster, n_workers) as client:
+                run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
+                results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
+                                                          capacity, True), client)
                 show(mode, "kill", results[mode][True])
     print_table(results, table_bytes, args.kill_at)
+
+
+def slug(mode: str) -> str:
+    return mode.replace(" ", "").replace("=", "").replace("/", "")
 
 
 def show(mode: str, what: str, s: dict) -> None:
@@ -176,6 +254,10 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
     for ref in [m for m in MODES if m.startswith("checkpoint")]:
         speed_up = [f"{rec[ref]['recover_s'] / rec[m]['recover_s']:.1f}x" if m in rec else "n/a" for m in MODES]
         row(f"recovery speed-up vs {ref}", speed_up)
+    first = {m: results[m][True][m.startswith("checkpoint") and "checkpoint" or "parity"]["recoveries"][0]
+             for m in MODES if m != "none"}
+    row("  bulk copy on workers (s)", each(lambda m, r: f"{first[m]['copy_seconds']:.3f}"))
+    row("  training blocked by rebuild (s)", each(lambda m, r: f"{first[m]['locked_seconds']:.3f}"))
     row("new iterations during recovery", each(lambda m, r: str(rec[m]["iterations_during"])))
     row("throughput during recovery", each(lambda m, r: f"{100 * rec[m]['during_vs_normal']:.0f}%"))
     row("total time lost (s)", each(lambda m, r: f"{r[True]['train_seconds'] - r['free_seconds']:.3f}"))

@@ -19,7 +19,7 @@ from types import ModuleType
 from dlrmflow import __version__
 from dlrmflow.errors import UserInputError
 
-COMMANDS = ["demo", "generate", "preprocess", "profile", "train", "plan", "compare-caches", "verify"]
+COMMANDS = ["demo", "generate", "preprocess", "profile", "train", "resume", "plan", "compare-caches", "verify"]
 
 
 def _modules() -> list[ModuleType]:

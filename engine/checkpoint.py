@@ -1,18 +1,42 @@
-"""The baseline parity must beat: periodic checkpoints of everything, reload + replay after a loss.
+"""Checkpoints: the baseline parity must beat, and what lets a crashed trainer resume.
 
-``--checkpoint-every N`` (modes remote and lru): before iterations ``0, N, 2N, ...`` the trainer
-writes ``RUN_DIR/checkpoint.pt`` atomically (temp file + rename) with every embedding row (the
-shards' rows overlaid with the rows the trainer holds newer copies of: the pending write-back
-or the LRU cache), the dense parameters, the dense optimizer state and the plan position (the
-next iteration). When a shard's worker dies (a call to it fails), the trainer reloads the file,
-starts K fresh shards holding its rows, drops its cache, restores the dense state and replays
-the iterations since the checkpoint. Training is deterministic, so the replay recomputes the
-same bits and the run ends bit-identical to a failure-free one.
+``--checkpoint-every N`` (modes remote and lru, with or without ``--parity``): before iterations
+``0, N, 2N, ...`` the trainer writes ``RUN_DIR/checkpoint.pt`` atomically (temp file + rename)
+with every embedding row (the shards' rows overlaid with the rows the trainer holds newer copies
+of: the pending write-back or the LRU cache), the dense parameters, the dense optimizer state,
+the plan position (the next iteration) and the training log so far (losses, timings, metrics).
+
+Two failures use it:
+
+- a lost shard without parity (a call to its actor fails because its worker died): the trainer
+  reloads the file into K fresh shards, drops its cache, restores the dense state and replays the
+  iterations since the checkpoint (:class:`Checkpointer`);
+- the trainer itself dies (SIGKILL, a crashed flow-run process): ``dlrmflow resume RUN_DIR``
+  starts a new trainer from the file (with parity, the parity shards are re-encoded from the
+  restored rows).
+
+Training is deterministic, so a replay or a resume recomputes the same bits: the run ends
+bit-identical to a failure-free one.
+
+A checkpointed run directory::
+
+    run_config.json   written before any work: the TrainConfig, the dataset and plan fingerprints
+    UNFINISHED        the run has not finished: removed once summary.json is written
+    checkpoint.pt     the last checkpoint
+    final_state.pt, summary.json, iterations.csv   as for every run (:mod:`.run_state`)
+
+``dlrmflow train`` refuses an ``--output`` holding an unfinished run with a checkpoint (and names
+the ``dlrmflow resume`` command); a resume refuses a run without a checkpoint, a finished run, a
+changed dataset or plan, and a configuration other than the one the run started with.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shlex
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +46,27 @@ import torch
 from distributed import Client
 
 from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup
+from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, warm_up_workers
+from dlrmflow.engine.placement import place
+from dlrmflow.engine.run_state import SUMMARY_FILE
 from dlrmflow.engine.trainer_modes import LruRows, RemoteRows, SlotDirectory
+from dlrmflow.errors import UserInputError
 
 CHECKPOINT_FILE = "checkpoint.pt"
+RUN_CONFIG_FILE = "run_config.json"
+UNFINISHED_FILE = "UNFINISHED"
 CHECKPOINT_MODES = ("remote", "lru")
+CHECKPOINT_FORMAT_VERSION = 1
+# Not part of a run's identity: where its directory is now, the resume flag itself, and where the
+# data and plan lie (their fingerprints say whether they are the same).
+NOT_COMPARED = ("output_dir", "resume", "dataset_dir", "plan_dir")
+
+
+class ResumeError(UserInputError):
+    """A run directory cannot be resumed, or holds an unfinished run a new run would overwrite."""
+
+
+# ---- shards started from a checkpoint's rows --------------------------------------------------------
 
 
 class RestoredShard(EmbeddingShard):
@@ -39,9 +79,10 @@ class RestoredShard(EmbeddingShard):
 
 
 def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None) -> ShardGroup:
-    """K shards, round robin over the live workers, remembering where each is (``worker_of``)."""
-    workers = sorted(client.scheduler_info()["workers"])
-    placed = [workers[i % len(workers)] for i in range(k)]
+    """K shards placed like every group's (:func:`~dlrmflow.engine.placement.place`), remembering where
+    each is (``worker_of``)."""
+    placed = place(client.scheduler_info()["workers"], k).workers
+    warm_up_workers(client)
     if rows is None:
         futures = [client.submit(EmbeddingShard, spec, i, k, actor=True, workers=[w], pure=False)
                    for i, w in enumerate(placed)]
@@ -58,6 +99,9 @@ def is_lost_shard(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "Worker holding Actor was lost" in str(exc))
 
 
+# ---- the checkpoint file ----------------------------------------------------------------------------
+
+
 def logical_rows(store) -> np.ndarray:
     """Every row's current value: the shards' rows overlaid with the trainer's newer copies."""
     rows = store.shards.all_rows()
@@ -69,20 +113,57 @@ def logical_rows(store) -> np.ndarray:
     return rows
 
 
-def save_checkpoint(path: Path, t: int, store, model: torch.nn.Module, optimizer) -> dict[str, Any]:
+def _traffic(store) -> dict[str, int]:
+    """The store's traffic so far; a remote store's pending write-back is in the checkpoint's rows and
+    counted as written (the run it resumes then counts exactly what an uninterrupted one does)."""
+    written = store.bytes_written
+    if isinstance(store, RemoteRows):
+        written += len(store._pending_ids) * store.spec.row_bytes
+    return {"bytes_fetched": int(store.bytes_fetched), "bytes_written": int(written)}
+
+
+def save_checkpoint(path: Path, t: int, store, model: torch.nn.Module, optimizer, log=None,
+                    config_sha256: str | None = None) -> dict[str, Any]:
     start = time.perf_counter()
-    state = {"iteration": t, "rows": torch.from_numpy(logical_rows(store)),
+    state = {"format_version": CHECKPOINT_FORMAT_VERSION, "iteration": t, "config_sha256": config_sha256,
+             "rows": torch.from_numpy(logical_rows(store)),
              "dense": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-             "dense_optimizer": optimizer.state_dict()}
+             "dense_optimizer": optimizer.state_dict(), "traffic": _traffic(store),
+             "log": None if log is None else log.snapshot(t)}
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
     return {"iteration": t, "seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
 
 
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # a truncated or foreign file: say which, not a pickle traceback
+        raise ResumeError(f"{path} cannot be read as a checkpoint ({exc}); delete it to start the run over") from exc
+
+
+def checkpoint_iteration(path: Path) -> int | None:
+    """The iteration a checkpoint file resumes at (memory-mapped: the rows are not read); None if absent."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        raise ResumeError(f"{path} cannot be read as a checkpoint ({exc}); delete it to start the run over") from exc
+    return int(state["iteration"])
+
+
+def restore_dense(state: dict[str, Any], model: torch.nn.Module, optimizer) -> None:
+    model.load_state_dict(state["dense"])
+    optimizer.load_state_dict(state["dense_optimizer"])
+
+
 def restore_checkpoint(path: Path, client: Client, store, model: torch.nn.Module, optimizer) -> int:
     """Reload ``path`` into fresh shards, an empty cache and the dense model; the iteration to replay from."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_checkpoint(path)
     old = store.shards
     store.shards = start_placed_shards(client, store.spec, old.num_shards, state["rows"].numpy())
     old.close()  # the survivors hold newer rows than the checkpoint: drop them
@@ -92,77 +173,185 @@ def restore_checkpoint(path: Path, client: Client, store, model: torch.nn.Module
         store.cache.zero_()
         store.directory = SlotDirectory(store.spec.total_rows, store.capacity)
         store.last_used[:] = -1
-    model.load_state_dict(state["dense"])
-    optimizer.load_state_dict(state["dense_optimizer"])
+    restore_dense(state, model, optimizer)
     return int(state["iteration"])
 
 
-def checkpoint_train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector, client,
-                          run_dir) -> dict[str, Any]:
-    """The trainer's loop with checkpoints and reload + replay (same log as the plain loop)."""
-    from dlrmflow.engine.trainer import train_step
+class Checkpointer:
+    """The training loop's checkpoint hook: save before iterations 0, N, 2N, ...; on a lost shard
+    (without parity) reload the last checkpoint and tell the loop where to replay from."""
 
-    config, n, offsets = setup.config, setup.iterations, setup.stream.offsets
-    every, path = config.checkpoint_every, Path(run_dir) / CHECKPOINT_FILE
-    losses: list[Any] = [None] * n
-    iteration_seconds, stall_seconds = np.zeros(n), np.zeros(n)
-    report: dict[str, Any] = {"every": every, "file": str(path), "checkpoints": [], "recoveries": []}
-    window: list[dict[str, Any]] = []
-    begin = time.perf_counter()
-    report["clock_origin"] = begin  # perf_counter() that detected_s counts from
-    t, saved_at, done, batches, replaying = 0, -1, 0, None, None
-    while True:
-        try:
-            if t >= n:
-                store.finish()
-                store.shards.stats()  # touch every shard: a loss not yet noticed is noticed here
-                break
-            if t % every == 0 and t != saved_at:
-                report["checkpoints"].append(save_checkpoint(path, t, store, model, optimizer))
-                saved_at = t
-            if batches is None:
-                batches = setup.stream.iter_range(t, n)
-            batch = next(batches)
-            if injector is not None:
-                injector.before_iteration(t)
-            start, stall_before = time.perf_counter(), store.stall_seconds
-            losses[t] = train_step(t, batch, offsets, model, optimizer, setup.spec, store, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            iteration_seconds[t] = time.perf_counter() - start
-            stall_seconds[t] = store.stall_seconds - stall_before
-            t += 1
-        except Exception as exc:
-            if not is_lost_shard(exc):
-                raise
-            detected = time.perf_counter()
-            failed_at = t
-            t = restore_checkpoint(path, client, store, model, optimizer)
-            batches = None
-            replaying = {"failed_at": failed_at, "replay_from": t, "detected_s": detected - begin,
-                         "reload_seconds": time.perf_counter() - detected, "_detected": detected}
-            report["recoveries"].append(replaying)
-            continue
-        if replaying is not None and t >= replaying["failed_at"]:
-            replaying["seconds"] = time.perf_counter() - replaying.pop("_detected")  # detection -> caught up
-            replaying = None
-        if t > done:  # progress and metrics once per iteration, not again on a replay
-            done = t
-            if progress is not None:
-                progress(t, n)
-            if t % config.metrics_every == 0 or t == n:
-                lo = window[-1]["iteration"] if window else 0
-                row = {"iteration": t, "loss": float(torch.stack(losses[lo:t]).mean()),
-                       "iteration_ms": 1e3 * float(iteration_seconds[lo:t].mean()),
-                       "stall_ms": 1e3 * float(stall_seconds[lo:t].mean())}
-                window.append(row)
-                if on_metrics is not None:
-                    on_metrics(row)
-    return {
-        "losses": torch.stack(losses).cpu().numpy().astype(np.float64),
-        "iteration_seconds": iteration_seconds,
-        "stall_seconds": stall_seconds,
-        "train_seconds": time.perf_counter() - begin,
-        "metrics": window,
-        "checkpoint": report,
-    }
+    def __init__(self, run_dir: str | os.PathLike, every: int, client: Client | None, *, config_sha256: str,
+                 reload_on_loss: bool = True, resumed_at: int | None = None) -> None:
+        self.path = Path(run_dir) / CHECKPOINT_FILE
+        self.every, self.client, self.config_sha256 = every, client, config_sha256
+        self.reload_on_loss = reload_on_loss
+        self.saved_at = -1 if resumed_at is None else resumed_at  # the file already holds that iteration
+        self.begin = time.perf_counter()
+        self.report: dict[str, Any] = {"every": every, "file": str(self.path), "checkpoints": [], "recoveries": [],
+                                       "clock_origin": self.begin}  # perf_counter() that detected_s counts from
+        self._replaying: dict[str, Any] | None = None
+
+    def before_iteration(self, t: int, store, model, optimizer, log) -> None:
+        if t % self.every == 0 and t != self.saved_at:
+            self.report["checkpoints"].append(
+                save_checkpoint(self.path, t, store, model, optimizer, log, self.config_sha256))
+            self.saved_at = t
+
+    def before_finish(self, store) -> None:
+        """The last write-backs, inside the loop: a loss noticed here is replayed like any other."""
+        store.finish()
+        store.shards.stats()  # touch every shard: a loss not yet noticed is noticed here
+
+    def can_recover(self, exc: BaseException) -> bool:
+        return self.reload_on_loss and is_lost_shard(exc)
+
+    def recover(self, t: int, store, model, optimizer) -> int:
+        detected = time.perf_counter()
+        replay_from = restore_checkpoint(self.path, self.client, store, model, optimizer)
+        self._replaying = {"failed_at": t, "replay_from": replay_from, "detected_s": detected - self.begin,
+                           "reload_seconds": time.perf_counter() - detected, "_detected": detected}
+        self.report["recoveries"].append(self._replaying)
+        return replay_from
+
+    def after_iteration(self, t: int) -> None:
+        if self._replaying is not None and t >= self._replaying["failed_at"]:
+            # the recovery's time: from detection until the replay caught up with the failed iteration
+            self._replaying["seconds"] = time.perf_counter() - self._replaying.pop("_detected")
+            self._replaying = None
+
+
+# ---- the run directory ------------------------------------------------------------------------------
+
+
+def resume_command(run_dir: str | os.PathLike) -> str:
+    return f"dlrmflow resume {shlex.quote(str(run_dir))}"
+
+
+def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a TrainConfig (as a dict) that a resumed run must share with its start, as JSON."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_COMPARED}))
+
+
+def config_sha256(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(comparable_config(config), sort_keys=True).encode()).hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def start_run_dir(run_dir: str | os.PathLike, config: dict[str, Any], *, dataset_fingerprint: str,
+                  plan_fingerprint: str | None, iterations: int) -> None:
+    """Before any work of a fresh checkpointed run: its configuration, then the unfinished marker."""
+    run_dir = Path(run_dir)
+    (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)  # an earlier finished run's: not this run's state
+    saved = {k: v for k, v in config.items() if k not in ("output_dir", "resume")}
+    for key in ("dataset_dir", "plan_dir"):  # a resume from another working directory finds them
+        if saved.get(key):
+            saved[key] = str(Path(saved[key]).resolve())
+    _write_json(run_dir / RUN_CONFIG_FILE, {
+        "format_version": CHECKPOINT_FORMAT_VERSION, "config": json.loads(json.dumps(saved)),
+        "config_sha256": config_sha256(config), "dataset_fingerprint": dataset_fingerprint,
+        "plan_fingerprint": plan_fingerprint, "iterations": iterations,
+    })
+    _write_json(run_dir / UNFINISHED_FILE, {"pid": os.getpid(), "host": socket.gethostname(),
+                                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def finish_run_dir(run_dir: str | os.PathLike) -> None:
+    """After summary.json is written: the run is finished."""
+    (Path(run_dir) / UNFINISHED_FILE).unlink(missing_ok=True)
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    path = run_dir / RUN_CONFIG_FILE
+    if not path.is_file():
+        if not run_dir.is_dir():
+            raise ResumeError(f"{run_dir} does not exist")
+        raise ResumeError(f"{run_dir} has no {RUN_CONFIG_FILE}: nothing to resume (only runs trained with "
+                          "--checkpoint-every can be resumed)")
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ResumeError(f"{path} is not valid JSON: {exc}") from exc
+    if info.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        raise ResumeError(f"{path} has format_version {info.get('format_version')!r}; expected "
+                          f"{CHECKPOINT_FORMAT_VERSION}")
+    return info
+
+
+def unfinished_run_message(run_dir: str | os.PathLike | None) -> str | None:
+    """``RUN_DIR holds an unfinished run (checkpoint at iteration t of n): resume it with ...``, or
+    None when ``run_dir`` holds no unfinished run with a checkpoint."""
+    if not run_dir:
+        return None
+    run_dir = Path(run_dir)
+    if not (run_dir / UNFINISHED_FILE).is_file():
+        return None
+    t = checkpoint_iteration(run_dir / CHECKPOINT_FILE)
+    if t is None:
+        return None  # stopped before its first checkpoint: nothing to lose, nothing to resume
+    try:
+        n = read_run_config(run_dir)["iterations"]
+    except (ResumeError, KeyError):
+        n = "?"
+    return (f"{run_dir} holds an unfinished run (checkpoint at iteration {t} of {n}): resume it with "
+            f"`{resume_command(run_dir)}`")
+
+
+def refuse_unfinished_run(run_dir: str | os.PathLike) -> None:
+    """A new run must not overwrite an unfinished one that can be resumed."""
+    message = unfinished_run_message(run_dir)
+    if message:
+        raise ResumeError(f"{message}, or choose another --output")
+
+
+def check_resumable(run_dir: str | os.PathLike, config: dict[str, Any], *, dataset_fingerprint: str,
+                    plan_fingerprint: str | None, iterations: int) -> int:
+    """Every reason not to resume ``run_dir`` with ``config`` (ResumeError); the checkpoint's iteration."""
+    run_dir = Path(run_dir)
+    info = read_run_config(run_dir)
+    if not (run_dir / UNFINISHED_FILE).is_file():
+        if (run_dir / SUMMARY_FILE).is_file():
+            raise ResumeError(f"{run_dir} holds a finished run ({SUMMARY_FILE} is written): nothing to resume")
+        raise ResumeError(f"{run_dir} holds no unfinished run ({UNFINISHED_FILE} is missing): nothing to resume")
+    if info["dataset_fingerprint"] != dataset_fingerprint:
+        raise ResumeError(
+            f"the dataset changed since {run_dir} started (fingerprint {info['dataset_fingerprint'][:12]}…, now "
+            f"{dataset_fingerprint[:12]}…): a resumed run would not be the run that started; start a new one "
+            "with `dlrmflow train`")
+    if info["plan_fingerprint"] != plan_fingerprint:
+        raise ResumeError(
+            f"the plan changed since {run_dir} started (fingerprint {str(info['plan_fingerprint'])[:12]}…, now "
+            f"{str(plan_fingerprint)[:12]}…): start a new run with `dlrmflow train`")
+    saved, now = info["config"], comparable_config(config)
+    differ = [k for k in sorted(set(saved) | set(now)) if k not in NOT_COMPARED and saved.get(k) != now.get(k)]
+    if differ:
+        what = ", ".join(f"{k} {saved.get(k)!r} (now {now.get(k)!r})" for k in differ)
+        raise ResumeError(f"{run_dir} was started with another configuration: {what}; resume it as it started "
+                          f"with `{resume_command(run_dir)}`, or start a new run")
+    if info["iterations"] != iterations:
+        raise ResumeError(f"{run_dir} was started for {info['iterations']} iterations, not {iterations}")
+    t = checkpoint_iteration(run_dir / CHECKPOINT_FILE)
+    if t is None:
+        raise ResumeError(f"{run_dir} has no {CHECKPOINT_FILE}: the run stopped before its first checkpoint; "
+                          "start it again with `dlrmflow train`")
+    return t
+
+
+def load_resume_point(run_dir: str | os.PathLike, config: dict[str, Any], spec: RowSpec,
+                      iterations: int) -> dict[str, Any]:
+    """The checkpoint a resume starts from, checked against the run it belongs to."""
+    path = Path(run_dir) / CHECKPOINT_FILE
+    state = load_checkpoint(path)
+    if state.get("config_sha256") != config_sha256(config) or state.get("log") is None:
+        raise ResumeError(f"{path} does not belong to the run in {run_dir} (another configuration); "
+                          "start a new run with `dlrmflow train`")
+    if tuple(state["rows"].shape) != (spec.total_rows, spec.width) or not 0 <= state["iteration"] < iterations:
+        raise ResumeError(f"{path} does not fit the run: rows {tuple(state['rows'].shape)}, iteration "
+                          f"{state['iteration']} of {iterations}")
+    return state

@@ -8,6 +8,10 @@ NumPy) hold one core each and processes avoid GIL contention.
 Flows hold one cluster for their whole run (:func:`dask_scheduler`) and hand its address to
 their tasks, which connect with :func:`dask_client`; so a pipeline starts one LocalCluster,
 not one per step.
+
+Clients talk to workers directly (``direct_to_workers``): every embedding-server call is an
+actor call, and through the scheduler it would take two extra hops (and, with a LocalCluster,
+the trainer process's event loop) per call.
 """
 
 from __future__ import annotations
@@ -57,11 +61,11 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None) -> 
     """Yield a Client connected to ``address`` (or $DLRMFLOW_DASK_ADDRESS), else to a new LocalCluster."""
     address = resolve_address(address)
     if not address:
-        with local_cluster(n_workers) as cluster, Client(cluster) as client:
+        with local_cluster(n_workers) as cluster, Client(cluster, direct_to_workers=True) as client:
             yield client
         return
     try:
-        client = Client(address, timeout="20s")
+        client = Client(address, timeout="20s", direct_to_workers=True)
     except OSError as exc:
         from dlrmflow.errors import UserInputError
 

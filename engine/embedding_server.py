@@ -14,12 +14,14 @@ it moved.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
 from distributed import Client
 
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.placement import place
 
 INIT_CHUNK_ROWS = 1 << 18  # rows initialised per step (bounds the hash's temporaries)
 
@@ -164,17 +166,26 @@ class ShardGroup:
         self.futures = []
 
 
+def _import(module: str) -> None:
+    importlib.import_module(module)
+
+
+def warm_up_workers(client: Client, module: str = "dlrmflow.engine.embedding_server") -> None:
+    """Import the server code (torch included) on every worker now: a spare that later hosts a
+    rebuilt or restored shard then starts it at once instead of importing while training waits."""
+    client.run(_import, module)
+
+
 def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
-    """Start ``num_shards`` EmbeddingShard actors, round-robin over the cluster's workers."""
+    """Start ``num_shards`` EmbeddingShard actors, spread by :func:`~dlrmflow.engine.placement.place`
+    (workers with the ``embedding_server`` resource when any has it; distinct hosts, then workers)."""
     if num_shards < 1:
         raise ValueError(f"need at least one shard, got {num_shards}")
-    workers = sorted(client.scheduler_info()["workers"])
-    if not workers:
-        raise RuntimeError("the Dask cluster has no workers to host embedding shards")
+    workers = place(client.scheduler_info()["workers"], num_shards).workers
+    warm_up_workers(client)
     futures = [
-        client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[workers[k % len(workers)]],
-                      pure=False)
-        for k in range(num_shards)
+        client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False)
+        for k, worker in enumerate(workers)
     ]
     actors = [f.result() for f in futures]
     return ShardGroup(spec, actors, futures)

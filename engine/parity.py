@@ -13,24 +13,18 @@ is written back, the group takes that copy, and the parity change of the whole b
 ``combine_deltas`` of (old, new) per data shard: one message per parity shard with each touched
 stripe once. A write-back batch gets a sequence number; data shards and parity shards record the
 numbers they applied and ignore a batch they have already applied, so a resent batch (after a
-shard died mid-batch) is applied exactly once. :meth:`CodedShardGroup.exchange` returns only
-once every member has acknowledged, so between two calls data and parity are consistent.
+shard died mid-batch) is applied exactly once. :meth:`CodedShardGroup.exchange` returns once the
+data shards have acknowledged (their answer carries the fetched rows); the parity shards'
+acknowledgements are awaited at the start of the next batch, or before anything reads parity
+(*settled*), so parity shards apply a batch while the trainer computes. Between two batches,
+once settled, data and parity are a consistent codeword.
 
 Failures and recovery. A call to a member whose worker died raises ``OSError``: the group marks
 the member lost, resends the batch to the survivors (idempotent) and starts a background rebuild
-(:mod:`.recovery`). Until a stripe is rebuilt, reads of a lost data shard's rows are *degraded
-reads*: decoded from K survivors at read time.
-
-Why a rebuild reads each stripe at one consistent version: the group holds one lock for the
-whole of every write-back batch (send to all members, wait for every acknowledgement, serve
-degraded reads) and the rebuild reads, decodes and installs each chunk of stripes while holding
-the same lock. So a chunk is read strictly between two write-back batches: every survivor's
-rows of that chunk reflect exactly the batches ``1..s`` for the same ``s`` (no batch is half
-applied: it was acknowledged by all before the lock was released), which is a consistent
-codeword. Batches that arrive after a chunk was installed are applied to the rebuilt rows
-directly (the new member receives every write and parity delta from the moment it exists), so
-the rebuilt chunk stays current. Writes that reach a new member for stripes not yet rebuilt are
-overwritten by the install with the value decoded from survivors that already hold those writes.
+(:mod:`.recovery`, which also argues why every rebuilt stripe is one consistent version although
+the bulk copy runs while training writes). Until a stripe is rebuilt, reads of a lost data
+shard's rows are *degraded reads*: decoded from K survivors at read time, under the lock, after
+the batch is settled.
 """
 
 from __future__ import annotations
@@ -47,8 +41,9 @@ from distributed import Client
 
 from dlrmflow.engine import gf256
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup
+from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, warm_up_workers
 from dlrmflow.engine.erasure import ErasureCode, RowUpdate, gather_stripes
+from dlrmflow.engine.placement import place
 from dlrmflow.errors import UserInputError
 
 ENCODE_CHUNK_STRIPES = 1 << 16
@@ -90,6 +85,11 @@ class _Sequenced:
         """Rebuilt rows of stripes ``start..``: copied as bytes, never as floats."""
         self.rows.view(np.uint8)[start : start + len(rows)] = np.ascontiguousarray(rows).view(np.uint8)
         return len(rows)
+
+    def install_stripes(self, stripes: np.ndarray, rows: np.ndarray) -> int:
+        """Rebuilt rows of the given stripes (a rebuild's fix-up), copied as bytes."""
+        self.rows.view(np.uint8)[stripes] = np.ascontiguousarray(rows).view(np.uint8)
+        return len(stripes)
 
     def all_local_rows(self) -> np.ndarray:
         return self.rows.copy()
@@ -212,6 +212,10 @@ class RecoveryRecord:
     stripes: int = 0
     rows_rebuilt: int = 0
     chunks: int = 0
+    stripes_fixed_up: int = 0  # stripes written during a chunk's bulk copy, re-read under the lock
+    placement_seconds: float = 0.0  # detection -> replacement actors started
+    copy_seconds: float = 0.0  # bulk copies on workers + fix-ups, wall clock (training runs meanwhile)
+    locked_seconds: float = 0.0  # fix-ups under the lock (training waits)
     restarts: int = 0
     workers: dict[int, str] = field(default_factory=dict)
 
@@ -222,6 +226,9 @@ class RecoveryRecord:
             "rebuilt_s": None if self.rebuilt_at is None else self.rebuilt_at - start,
             "seconds": None if self.rebuilt_at is None else self.rebuilt_at - self.detected_at,
             "stripes": self.stripes, "rows_rebuilt": self.rows_rebuilt, "chunks": self.chunks,
+            "stripes_fixed_up": self.stripes_fixed_up,
+            "placement_seconds": self.placement_seconds, "copy_seconds": self.copy_seconds,
+            "locked_seconds": self.locked_seconds,
             "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
         }
 
@@ -267,7 +274,7 @@ class CodedShardGroup(ShardGroup):
     Same interface as :class:`ShardGroup` (the trainer modes do not know about parity)."""
 
     def __init__(self, spec: RowSpec, client: Client, code: ErasureCode, members: list, futures: list,
-                 workers: list[str], *, rebuild_chunk: int = 65536,
+                 workers: list[str], *, rebuild_chunk: int = 262144,
                  recovery_runner: Callable[[Callable[[], dict], dict], dict] | None = None) -> None:
         super().__init__(spec, members[: code.k], futures[: code.k])
         self.client, self.code = client, code
@@ -289,6 +296,8 @@ class CodedShardGroup(ShardGroup):
         self.replacement_workers: dict[int, str] = {}
         self.dead_workers: set[str] = set()
         self.cursor = 0  # stripes [0, cursor) of every lost member are rebuilt on its replacement
+        self.unsettled: list[tuple[int, Any]] = []  # parity applies sent but not yet acknowledged
+        self.dirty: list[np.ndarray] | None = None  # while a rebuild copies a chunk: stripes written since
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
         self.fatal: BaseException | None = None
@@ -306,11 +315,17 @@ class CodedShardGroup(ShardGroup):
             out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
         with self.lock:
             self._raise_fatal()
+            try:
+                self._settle()  # the previous batch is applied everywhere before this one is sent
+            except LostMembersError as exc:
+                self.on_lost(exc.members)
             seq, delta = 0, None
             if len(write_ids):
                 self.seq += 1
                 seq = self.seq
                 old = self.checked_out.take(write_ids)
+                if self.dirty is not None:  # a rebuild is copying a chunk: it re-reads these stripes
+                    self.dirty.append(write_ids // self.code.k)
                 delta = self._parity_delta(write_ids, old, write_rows)
                 self.write_batches += 1
             while True:
@@ -363,11 +378,11 @@ class CodedShardGroup(ShardGroup):
                     continue  # the write reaches parity; the rebuild decodes it from survivors
             call = remote(target, "exchange_seq", seq, write_ids[w], np.ascontiguousarray(write_rows[w]), fetch_ids[f])
             calls.append((i, call, f))
-        if delta is not None:
+        if delta is not None:  # sent now, awaited by _settle: the parity shards work while the trainer does
             for p in range(self.code.r):
                 target = self._target(k + p)
                 if target is not None:
-                    calls.append((k + p, remote(target, "apply", seq, delta.stripes, delta.parity[p]), None))
+                    self.unsettled.append((k + p, remote(target, "apply", seq, delta.stripes, delta.parity[p])))
         results, error = _wait_all([(s, c) for s, c, _ in calls])
         if error:
             raise error
@@ -383,6 +398,7 @@ class CodedShardGroup(ShardGroup):
         if not degraded:
             return
         k = self.code.k
+        self._settle()  # parity takes part in the decode: it must hold this batch
         stripes = np.unique(np.concatenate([fetch_ids[f] // k for _, f in degraded]))
         survivors = self.code.survivors_for([s for s in range(self.code.n_shards) if s not in self.lost])
         pieces, error = _wait_all([(s, remote(self.members[s], "gather", stripes)) for s in survivors])
@@ -394,6 +410,13 @@ class CodedShardGroup(ShardGroup):
             self.degraded_rows += len(f)
 
     # ---- failures ---------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Wait for the parity acknowledgements still out (lock held); raises LostMembersError."""
+        calls, self.unsettled = self.unsettled, []
+        _, error = _wait_all(calls)
+        if error:
+            raise error
+
     def _raise_fatal(self) -> None:
         if self.fatal is not None:
             raise self.fatal
@@ -432,10 +455,27 @@ class CodedShardGroup(ShardGroup):
             self.recovering = True
             self.recovery_thread = start_recovery_thread(self)
 
+    def find_dead(self) -> set[int]:
+        """Members (or replacements) whose workers do not answer. Called with the lock held."""
+        dead = set()
+        try:
+            self._settle()
+        except LostMembersError as exc:
+            dead |= exc.members
+        calls = [(s, remote(self._target(s), "pid")) for s in range(self.code.n_shards)
+                 if self._target(s) is not None]
+        _, error = _wait_all(calls)
+        return dead | (set() if error is None else error.members)
+
     def probe(self) -> None:
         """Ping every member so a dead one is noticed (the end of a run touches all of them)."""
         with self.lock:
             self._raise_fatal()
+            try:
+                self._settle()
+            except LostMembersError as exc:
+                self.on_lost(exc.members)
+                return
             calls = [(s, remote(self._target(s), "applied_batches")) for s in range(self.code.n_shards)
                      if self._target(s) is not None]
             _, error = _wait_all(calls)
@@ -462,9 +502,18 @@ class CodedShardGroup(ShardGroup):
         return self.members[s].all_local_rows().result()
 
     def all_rows(self) -> np.ndarray:
-        self.wait_recovered()
-        with self.lock:
-            return super().all_rows()
+        while True:  # a member lost while its rows are read is rebuilt, then read again
+            self.wait_recovered()
+            with self.lock:
+                calls = [(s, remote(self.members[s], "local_rows")) for s in range(self.code.k)]
+                rows, error = _wait_all(calls)
+                if error is None:
+                    break
+                self.on_lost(error.members)
+        out = np.empty((self.spec.total_rows, self.spec.width), dtype=np.float32)
+        for s in range(self.code.k):
+            out[s :: self.code.k] = rows[s]
+        return out
 
     def stats(self):
         self.wait_recovered()
@@ -474,6 +523,7 @@ class CodedShardGroup(ShardGroup):
         """Recompute parity from the data shards and compare bit for bit with the parity shards."""
         self.wait_recovered()
         with self.lock:
+            self._settle()
             calls = [self.members[s].all_local_rows() for s in range(self.code.n_shards)]
             rows = [c.result() for c in calls]
         data, parity = rows[: self.code.k], rows[self.code.k :]
@@ -508,13 +558,12 @@ class CodedShardGroup(ShardGroup):
 
 
 def place_members(client: Client, n: int) -> tuple[list[str], bool]:
-    """One worker per member when the cluster has enough (separate fault domains); else round robin.
+    """Workers for the ``n`` members by :func:`~dlrmflow.engine.placement.place`: those with the
+    ``embedding_server`` resource when any has it; distinct hosts, then distinct workers, then round robin.
 
     Returns the addresses and whether some members share a worker."""
-    workers = sorted(client.scheduler_info()["workers"])
-    if not workers:
-        raise RuntimeError("the Dask cluster has no workers to host embedding shards")
-    return [workers[s % len(workers)] for s in range(n)], len(workers) < n
+    placement = place(client.scheduler_info()["workers"], n)
+    return placement.workers, placement.shares_worker
 
 
 def start_member(client: Client, spec: RowSpec, code: ErasureCode, s: int, worker: str, *, initialise: bool):
@@ -528,12 +577,20 @@ def start_member(client: Client, spec: RowSpec, code: ErasureCode, s: int, worke
 
 
 def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: int, *,
-                       rebuild_chunk: int = 65536, recovery_runner=None) -> CodedShardGroup:
-    """K coded data shards and R parity shards (parity = the encoding of the initial rows)."""
+                       rebuild_chunk: int = 262144, recovery_runner=None,
+                       rows: np.ndarray | None = None) -> CodedShardGroup:
+    """K coded data shards and R parity shards: parity = the encoding of the initial rows, or of
+    ``rows`` ``[total_rows, width]`` when given (a resumed run's checkpoint)."""
     code = ErasureCode(num_shards, parity)
     workers, shared = place_members(client, code.n_shards)
-    futures = [start_member(client, spec, code, s, w, initialise=True) for s, w in enumerate(workers)]
+    warm_up_workers(client, "dlrmflow.engine.recovery")  # every worker, spares included: a rebuild starts at once
+    futures = [start_member(client, spec, code, s, w, initialise=rows is None) for s, w in enumerate(workers)]
     actors = [f.result() for f in futures]
+    if rows is not None:
+        data = [np.ascontiguousarray(rows[i :: code.k]) for i in range(code.k)]
+        pieces = [*data, *code.encode(data)]  # shorter data shards count as zero-padded, as in the group
+        for call in [actors[s].install(0, piece) for s, piece in enumerate(pieces)]:
+            call.result()
     group = CodedShardGroup(spec, client, code, actors, futures, workers, rebuild_chunk=rebuild_chunk,
                             recovery_runner=recovery_runner)
     group.shared_workers = shared

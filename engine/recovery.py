@@ -4,15 +4,34 @@ On a loss the group calls :func:`start_recovery_thread`. The thread (1) starts a
 actor for every lost member on a worker that hosts no live member (a fresh worker: with a
 LocalCluster the nanny restarts the killed worker, which then qualifies; it waits a little for
 one and otherwise takes the least loaded worker), then (2) rebuilds the lost members chunk by
-chunk: read the chunk's stripes from K survivors, decode, install on the replacements. Each
-chunk is read, decoded and installed while holding the group's lock, i.e. strictly between two
-write-back batches; see :mod:`.parity` for why that makes every stripe one consistent version.
-Between chunks the lock is released, so training continues, and the trainer reads rows of
-stripes not yet rebuilt by degraded reads. When every chunk is installed the replacements take
-the lost members' places and reads go to them.
+chunk. The bulk of a chunk never passes through the trainer: a Dask task on the replacement's
+worker (:func:`rebuild_chunk_task`) pulls the chunk's stripes from K survivors worker to worker,
+decodes and installs them, while training goes on. The tasks of all chunks are submitted at once
+and run in chunk order; the thread takes each as it finishes. When every chunk is installed the
+replacements take the lost members' places and reads go to them. Meanwhile the trainer reads
+rows of stripes not yet rebuilt by degraded reads.
 
-A further loss during a rebuild restarts it from stripe 0 for everything lost (the decode of
-a chunk needs one fixed set of survivors); more than R lost is fatal (TooManyErasuresError).
+Why every rebuilt stripe is one consistent version, although the bulk read runs while training
+writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
+
+1. Under the group's lock, the thread settles the last batch (every acknowledgement in, parity
+   included) and opens a *dirty log*. Every write-back batch appends the stripes it touches to
+   the log, under the same lock, before it sends anything. So no batch is in flight when the log
+   opens, and every batch after it is logged (until the rebuild ends).
+2. A task copies a chunk (no lock). A stripe that is not in the log when the task has finished
+   was written by no batch between the log's opening and the end of the copy: every survivor's
+   copy of it is the same version, so its decode is exact. A stripe in the log may have been read
+   half before, half after a batch: its decode, and whatever the install wrote over, is not
+   trusted.
+3. Under the lock again (strictly between two batches, after settling), the thread re-reads just
+   the chunk's logged stripes from the survivors, decodes them and installs them on the
+   replacements. Now every stripe of the chunk is the current version; the cursor moves past the
+   chunk, and from then on every batch writes through to the replacement (it receives all writes
+   and parity deltas from the moment it exists, so a rebuilt stripe stays current).
+
+The trainer waits only for step 3 (a few logged stripes), not for the bulk copy. A further loss
+during a rebuild restarts it from stripe 0 for everything lost (the decode of a chunk needs one
+fixed set of survivors); more than R lost is fatal (TooManyErasuresError).
 
 :func:`rebuild_lost` is a plain function (tested without Prefect); the train flow wraps it in
 the ``recover-shard`` subflow through ``group.recovery_runner``.
@@ -26,7 +45,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dlrmflow.engine.erasure import rows_in_stripes, stripe_chunks
+import numpy as np
+
+from dlrmflow.engine.erasure import ErasureCode, rows_in_stripes, stripe_chunks
 from dlrmflow.engine.parity import (
     CodedShardGroup,
     LostMembersError,
@@ -35,9 +56,11 @@ from dlrmflow.engine.parity import (
     remote,
     start_member,
 )
+from dlrmflow.engine.placement import choose_rebuild_worker, least_loaded_worker
 
 FRESH_WORKER_WAIT_S = 10.0  # how long a rebuild waits for a worker that hosts no live member
-YIELD_S = 0.0005  # pause between chunks, so the trainer gets the lock (Python locks are not fair)
+YIELD_S = 0.0  # pause between chunks (tests raise it to catch degraded reads)
+COPY_PAUSE_S = 0.0  # pause between a bulk copy's survivor reads (tests raise it: writes land in between)
 
 
 def start_recovery_thread(group: CodedShardGroup) -> threading.Thread:
@@ -64,20 +87,22 @@ def _run(group: CodedShardGroup) -> None:
 
 
 def choose_worker(group: CodedShardGroup, wait_s: float = FRESH_WORKER_WAIT_S) -> str:
-    """A worker hosting no live member (waiting up to ``wait_s`` for one), else the least loaded."""
+    """A worker hosting no live member, on a host without one if possible (waiting up to ``wait_s``
+    for one), else the least loaded."""
     deadline = time.perf_counter() + wait_s
     while True:
         with group.lock:
             busy = [group.worker_of[s] for s in range(group.code.n_shards) if s not in group.lost]
             busy += [w for s, w in group.replacement_workers.items() if s in group.replacement]
-        workers = sorted(group.client.scheduler_info()["workers"])
-        free = [w for w in workers if w not in busy and w not in group.dead_workers]
-        if free:
-            return free[0]
+        info = group.client.scheduler_info()["workers"]
+        worker = choose_rebuild_worker(info, busy, group.dead_workers)
+        if worker is not None:
+            return worker
         if time.perf_counter() > deadline:
-            if not workers:
+            worker = least_loaded_worker(info, busy, group.dead_workers)  # shares a fault domain: better than none
+            if worker is None:
                 raise RuntimeError(f"no Dask worker to rebuild a lost shard on (waited {wait_s:.0f} s)")
-            return min(workers, key=busy.count)  # shares a fault domain with a live member: better than nothing
+            return worker
         time.sleep(0.1)
 
 
@@ -91,19 +116,101 @@ def _place_replacements(group: CodedShardGroup, need: list[int]) -> dict[int, tu
     return placed
 
 
-def _rebuild_chunk(group: CodedShardGroup, lost: list[int], start: int, stop: int) -> int:
-    """Read ``[start, stop)`` from K survivors, decode the lost members, install. Lock held."""
-    code = group.code
-    survivors = code.survivors_for([s for s in range(code.n_shards) if s not in lost])
-    pieces, error = _wait_all([(s, remote(group.members[s], "read_stripes", start, stop)) for s in survivors])
-    if error:
-        raise error
-    n_rows = {s: rows_in_stripes(group.rows_of[s], start, stop) for s in lost}
-    decoded = code.decode(pieces, lost, n_rows=n_rows)
-    _, error = _wait_all([(s, remote(group.replacement[s], "install", start, decoded[s])) for s in lost])
-    if error:
-        raise error
+def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: dict[int, Any],
+                       start: int, stop: int, n_rows: dict[int, int], pause_s: float = 0.0) -> int:
+    """Runs as a Dask task on a replacement's worker: read stripes ``[start, stop)`` from the
+    survivors (worker to worker), decode the lost members, install them on their replacements.
+
+    No lock is held: the caller fixes up the stripes written meanwhile (see the module docstring)."""
+    code = ErasureCode(k, r)
+    pieces = {}
+    for s, actor in survivors.items():  # one after the other when a test stretches the window
+        if pause_s and pieces:
+            time.sleep(pause_s)
+        pieces[s] = actor.read_stripes(start, stop)
+    pieces = {s: call.result() for s, call in pieces.items()}
+    decoded = code.decode(pieces, sorted(replacements), n_rows=n_rows)
+    installs = []
+    for s in sorted(replacements):
+        local = _local_actor(replacements[s])
+        if local is not None:  # this worker hosts it: copy in memory, not through a socket to itself
+            local.install(start, decoded[s])
+        else:
+            installs.append(replacements[s].install(start, decoded[s]))
+    for call in installs:
+        call.result()
     return sum(n_rows.values())
+
+
+def _local_actor(actor: Any) -> Any:
+    """The object behind ``actor`` when this worker hosts it, else None.
+
+    Installing from this task's thread races with write-backs that the actor's thread applies to
+    the same rows; that is the race the dirty log covers: a stripe written meanwhile is logged and
+    re-installed under the lock (step 3), and no other stripe is written during the copy."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().state.actors.get(actor.key)
+    except (ValueError, AttributeError):  # not on a worker, or another distributed version
+        return None
+
+
+def _survivors(group: CodedShardGroup, lost: list[int]) -> tuple[int, ...]:
+    return group.code.survivors_for([s for s in range(group.code.n_shards) if s not in lost])
+
+
+def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[tuple[int, int]], worker: str) -> list:
+    """Step 2 for every chunk at once: bulk-copy tasks on ``worker``, in chunk order (no lock held).
+
+    They run one after the other on the replacement's worker while the rebuild thread fixes up the
+    chunks already copied, so the per-task round trip is paid once, not per chunk."""
+    with group.lock:
+        survivors = {s: group.members[s] for s in _survivors(group, lost)}
+        replacements = {s: group.replacement[s] for s in lost}
+    futures = []
+    for i, (start, stop) in enumerate(chunks):
+        n_rows = {s: rows_in_stripes(group.rows_of[s], start, stop) for s in lost}
+        futures.append(group.client.submit(
+            rebuild_chunk_task, group.code.k, group.code.r, survivors, replacements, start, stop, n_rows,
+            COPY_PAUSE_S, workers=[worker], allow_other_workers=False, pure=False, priority=len(chunks) - i))
+    return futures
+
+
+class _Superseded(Exception):
+    """A new loss (or a fatal one) came in while a chunk was being copied: start over."""
+
+
+def _wait_copy(group: CodedShardGroup, future, generation: int, worker: str, poll_s: float = 0.2) -> int:
+    """The chunk's row count once its copy task is done. A task pinned to a worker that died would
+    wait for it forever, so this also watches for that worker's loss and for a new generation."""
+    while True:
+        try:
+            return future.result(timeout=poll_s)
+        except TimeoutError:
+            pass
+        with group.lock:
+            if group.generation != generation or group.fatal is not None:
+                raise _Superseded()
+        if worker not in group.client.scheduler_info()["workers"]:
+            raise OSError(f"the worker {worker} copying the rebuild is gone")
+
+
+def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> None:
+    """Step 3 (lock held): re-read, decode and install ``stripes`` written during the bulk copy."""
+    if not len(stripes):
+        return
+    survivors = _survivors(group, lost)
+    pieces, error = _wait_all([(s, remote(group.members[s], "gather", stripes)) for s in survivors])
+    if error:
+        raise error
+    decoded = group.code.decode(pieces, lost)
+    # Stripes past a short data shard's end decode to zero rows that the shard does not hold.
+    calls = [(s, remote(group.replacement[s], "install_stripes", stripes[stripes < group.rows_of[s]],
+                        decoded[s][stripes < group.rows_of[s]])) for s in lost]
+    _, error = _wait_all(calls)
+    if error:
+        raise error
 
 
 def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -117,36 +224,76 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             if not lost:  # decided under the lock: a later loss starts a new recovery thread
                 group.recovering = False
                 return record.as_dict(group.code.k, group.started_at)
+        placing = time.perf_counter()
         placed = _place_replacements(group, need)  # outside the lock: may wait for a fresh worker
         with group.lock:
             for s, (worker, future, actor) in placed.items():
                 if s in group.lost and s not in group.replacement:
                     group.replacement[s], group.replacement_future[s] = actor, future
                     record.workers[s] = worker
+            record.placement_seconds += time.perf_counter() - placing
             if group.generation != generation:
                 continue
             group.cursor = 0
         chunks = stripe_chunks(group.n_stripes, group.rebuild_chunk)
+        worker = record.workers.get(lost[0]) or group.replacement_workers[lost[0]]
+        with group.lock:
+            group._raise_fatal()
+            if group.generation != generation:
+                continue
+            try:
+                group._settle()  # no batch in flight when the log opens
+            except LostMembersError as exc:
+                group.on_lost(exc.members)
+                continue
+            group.dirty = []  # step 1: from now on every write-back logs its stripes
+        copying = time.perf_counter()
+        futures = _submit_copies(group, lost, chunks, worker)
         complete = True
-        for start, stop in chunks:
-            with group.lock:
-                group._raise_fatal()
-                if group.generation != generation:
-                    complete = False
-                    break
+        try:
+            for (start, stop), future in zip(chunks, futures, strict=True):
                 try:
-                    rows = _rebuild_chunk(group, lost, start, stop)
-                except LostMembersError as exc:
-                    group.on_lost(exc.members)  # raises when more than R are lost
+                    rows, failure = _wait_copy(group, future, generation, worker), None
+                except _Superseded:
                     complete = False
                     break
-                group.cursor = stop
-                record.chunks += 1
-                record.stripes += stop - start
-                record.rows_rebuilt += rows
-            if progress is not None:
-                progress(stop, group.n_stripes)
-            time.sleep(YIELD_S)
+                except Exception as exc:  # noqa: BLE001 - a dead survivor or replacement; found below
+                    rows, failure = 0, exc
+                with group.lock:
+                    locked = time.perf_counter()
+                    group._raise_fatal()
+                    if group.generation != generation:
+                        complete = False
+                        break
+                    try:
+                        group._settle()
+                        if failure is not None:
+                            dead = group.find_dead()
+                            if not dead:
+                                raise failure
+                            raise LostMembersError(dead, failure)
+                        logged = np.unique(np.concatenate(group.dirty)) if group.dirty else np.zeros(0, np.int64)
+                        group.dirty = [logged]
+                        stripes = logged[(logged >= start) & (logged < stop)]
+                        _fix_up(group, lost, stripes)  # step 3
+                    except LostMembersError as exc:
+                        group.on_lost(exc.members)  # raises when more than R are lost
+                        complete = False
+                        break
+                    group.cursor = stop
+                    record.chunks += 1
+                    record.stripes += stop - start
+                    record.rows_rebuilt += rows
+                    record.stripes_fixed_up += len(stripes)
+                    record.locked_seconds += time.perf_counter() - locked
+                if progress is not None:
+                    progress(stop, group.n_stripes)
+                time.sleep(YIELD_S)
+        finally:
+            with group.lock:
+                group.dirty = None
+            group.client.cancel([f for f in futures if not f.done()])
+            record.copy_seconds += time.perf_counter() - copying
         if not complete:
             continue
         with group.lock:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -38,7 +40,18 @@ import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import Batch, BatchStream, global_ids
-from dlrmflow.engine.checkpoint import CHECKPOINT_MODES, checkpoint_train_loop, start_placed_shards
+from dlrmflow.engine.checkpoint import (
+    CHECKPOINT_MODES,
+    Checkpointer,
+    check_resumable,
+    config_sha256,
+    finish_run_dir,
+    load_resume_point,
+    refuse_unfinished_run,
+    restore_dense,
+    start_placed_shards,
+    start_run_dir,
+)
 from dlrmflow.engine.embedding_rows import EMBEDDING_OPTIMIZERS, RowSpec, apply_update
 from dlrmflow.engine.embedding_server import start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
@@ -84,8 +97,9 @@ class TrainConfig:
     save_state: bool = True  # write final_state.pt (the hash is always computed)
     parity: int = 0  # R parity shards (erasure-coded embedding servers; 0: none)
     kills: tuple[str, ...] = ()  # failure injection: "shard:I@ITER" / "parity:J@ITER"
-    rebuild_chunk: int = 65536  # stripes per recovery chunk (one chunk is read while write-backs wait)
-    checkpoint_every: int | None = None  # the baseline: checkpoint every N iterations, reload + replay on a loss
+    rebuild_chunk: int = 262144  # stripes per recovery task (bounds a rebuild's memory per chunk)
+    checkpoint_every: int | None = None  # checkpoint every N iterations: reload + replay on a loss, resume a crash
+    resume: bool = False  # continue the unfinished run in output_dir from its checkpoint (same configuration)
 
 
 class TrainConfigError(UserInputError):
@@ -106,6 +120,8 @@ class RunSetup:
     plan: Any = None
     checks: dict[str, Any] = field(default_factory=dict)
     kills: list = field(default_factory=list)  # parsed --kill specs (dlrmflow.engine.faults.Kill)
+    plan_fingerprint: str | None = None
+    resume_at: int | None = None  # resume: the iteration of the checkpoint the run continues from
 
 
 def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:
@@ -165,8 +181,8 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     if config.checkpoint_every is not None:
         if config.checkpoint_every < 1:
             raise TrainConfigError(f"--checkpoint-every must be >= 1, got {config.checkpoint_every}")
-        if config.mode not in CHECKPOINT_MODES or config.parity:
-            raise TrainConfigError("--checkpoint-every works with --mode remote or lru and without --parity")
+        if config.mode not in CHECKPOINT_MODES:
+            raise TrainConfigError("--checkpoint-every works with --mode remote or lru")
     if config.rebuild_chunk < 1:
         raise TrainConfigError(f"rebuild_chunk must be >= 1, got {config.rebuild_chunk}")
     if config.capacity is not None and config.mode in ("local", "remote"):
@@ -237,20 +253,38 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
                                 "distinct embedding rows")
     kills = check_kills(tuple(config.kills), num_shards=config.num_shards, parity=config.parity,
                         iterations=iterations)
-    return RunSetup(config, meta, stream, iterations, eval_start, model_config, spec, plan, checks, kills)
+    plan_fp = plan_fingerprint(plan)
+    resume_at = None
+    if config.resume:  # ResumeError: no checkpoint, a finished run, changed data or plan, another configuration
+        resume_at = check_resumable(config.output_dir, asdict(config), dataset_fingerprint=meta.fingerprint,
+                                    plan_fingerprint=plan_fp, iterations=iterations)
+    else:
+        refuse_unfinished_run(config.output_dir)  # names `dlrmflow resume RUN_DIR`
+    return RunSetup(config, meta, stream, iterations, eval_start, model_config, spec, plan, checks, kills, plan_fp,
+                    resume_at)
 
 
-def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=None) -> RowStore:
+def plan_fingerprint(plan) -> str | None:
+    """SHA-256 of a plan's plan.json (its dataset, settings, counts and files); None without a plan."""
+    info = getattr(plan, "info", None)
+    if info is None:
+        return None
+    return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=None,
+               rows: np.ndarray | None = None) -> RowStore:
+    """The mode's row store; ``rows``: the shards start from these rows (a resumed checkpoint's)."""
     config = setup.config
     if config.mode == "local":
         return LocalRows(setup.spec, device)
     if client is None:
         raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
-    if config.checkpoint_every:
-        shards = start_placed_shards(client, setup.spec, config.num_shards)
-    elif config.parity:
-        shards = start_coded_shards(client, setup.spec, config.num_shards, config.parity,
+    if config.parity:
+        shards = start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
                                     rebuild_chunk=config.rebuild_chunk, recovery_runner=recovery_runner)
+    elif config.checkpoint_every:
+        shards = start_placed_shards(client, setup.spec, config.num_shards, rows)
     else:
         shards = start_shards(client, setup.spec, config.num_shards)
     if config.mode == "remote":
@@ -375,26 +409,46 @@ def train(
 
     With ``parity``: ``recovery_runner(rebuild, info)`` runs each shard rebuild (the flow wraps it in
     a Prefect subflow); losing more shards than the parity covers raises TooManyErasuresError and
-    writes nothing."""
+    writes nothing. With ``checkpoint_every``: the run directory records the configuration and that
+    the run is unfinished before any work, and ``resume`` continues such a run from its checkpoint
+    (see :mod:`dlrmflow.engine.checkpoint`)."""
     setup = setup or prepare_run(config)
     config = setup.config
     device = torch.device(config.device)
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
+    resumed = None
+    if config.resume:
+        resumed = load_resume_point(output, asdict(config), setup.spec, setup.iterations)
+    elif config.checkpoint_every:
+        start_run_dir(output, asdict(config), dataset_fingerprint=setup.meta.fingerprint,
+                      plan_fingerprint=setup.plan_fingerprint, iterations=setup.iterations)
     with deterministic_torch(device):
         model = DLRM(setup.model_config, seed=config.seed).to(device)
         optimizer = make_dense_optimizer(config, model)
-        store = make_store(setup, device, client, recovery_runner)
+        history = TrainLog.empty(setup.iterations)
+        rows = None
+        if resumed is not None:
+            restore_dense(resumed, model, optimizer)
+            history = TrainLog.restore(setup.iterations, resumed["log"], device)
+            rows = resumed.pop("rows").numpy()
+        store = make_store(setup, device, client, recovery_runner, rows)
+        if resumed is not None:
+            store.bytes_fetched, store.bytes_written = (resumed["traffic"]["bytes_fetched"],
+                                                        resumed["traffic"]["bytes_written"])
+        del rows
         group = getattr(store, "shards", None)
         injector = FaultInjector(setup.kills, client, lambda s: store.shards.worker_of[s], config.num_shards) \
             if setup.kills else None
+        checkpoints = None
+        if config.checkpoint_every:
+            checkpoints = Checkpointer(output, config.checkpoint_every, client,
+                                       config_sha256=config_sha256(asdict(config)), reload_on_loss=not config.parity,
+                                       resumed_at=None if resumed is None else history.start)
         try:
             try:
-                if config.checkpoint_every:
-                    log = checkpoint_train_loop(setup, model, optimizer, store, device, progress, on_metrics,
-                                                injector, client, output)
-                else:
-                    log = _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector)
+                log = _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector,
+                                  checkpoints, history)
                 start = time.perf_counter()
                 store.finish()
             except PrefetchError as exc:  # the oracle's worker met the fatal loss first: name the loss
@@ -413,59 +467,122 @@ def train(
         save_state(output, state)
     _write_iterations(output / ITERATIONS_FILE, log)
     summary = _summary(setup, store, log, metrics, digest)
-    if "checkpoint" in log:
-        summary["checkpoint"] = {**log["checkpoint"], "kills": [
+    if checkpoints is not None:
+        summary["checkpoint"] = {**checkpoints.report, "kills": [
             {k: v for k, v in kill.items() if k != "at"} for kill in (injector.log if injector else [])]}
+        if resumed is not None:
+            summary["checkpoint"]["resumed_from"] = int(resumed["iteration"])
     if parity is not None:
         summary["parity"] = {**parity, "kills": [
             {**k, "at_s": k["at"] - group.started_at} for k in (injector.log if injector else [])]}
         for k in summary["parity"]["kills"]:
             k.pop("at")
     write_summary(output, summary)
+    if config.checkpoint_every:
+        finish_run_dir(output)  # after summary.json: a crash in between leaves a resumable run
     return summary
 
 
-def _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector=None) -> dict[str, Any]:
-    config, n = setup.config, setup.iterations
-    offsets = setup.stream.offsets
-    losses: list[torch.Tensor] = []
-    iteration_seconds = np.zeros(n)
-    stall_seconds = np.zeros(n)
-    window: list[dict[str, Any]] = []
-    lo = 0  # first iteration of the current metrics window
-    begin = time.perf_counter()
-    # An iteration's time is its train step (gather, compute, update, scatter); reading the batch
-    # from Parquet happens between steps and is the same work in every mode.
-    for batch in setup.stream.iter_range(0, n):
-        t = batch.index
-        if injector is not None:
-            injector.before_iteration(t)  # failure injection: SIGKILL a shard's worker
-        start, stall_before = time.perf_counter(), store.stall_seconds
-        losses.append(train_step(t, batch, offsets, model, optimizer, setup.spec, store, device))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # honest per-iteration times
-        iteration_seconds[t] = time.perf_counter() - start
-        stall_seconds[t] = store.stall_seconds - stall_before
-        if progress is not None:
-            progress(t + 1, n)
-        if (t + 1) % config.metrics_every == 0 or t + 1 == n:
-            row = {
-                "iteration": t + 1,
-                "loss": float(torch.stack(losses[lo:]).mean()),
-                "iteration_ms": 1e3 * float(iteration_seconds[lo : t + 1].mean()),
-                "stall_ms": 1e3 * float(stall_seconds[lo : t + 1].mean()),
-            }
-            window.append(row)
-            lo = t + 1
-            if on_metrics is not None:
-                on_metrics(row)
-    return {
-        "losses": torch.stack(losses).cpu().numpy().astype(np.float64),
-        "iteration_seconds": iteration_seconds,
-        "stall_seconds": stall_seconds,
-        "train_seconds": time.perf_counter() - begin,
-        "metrics": window,
-    }
+@dataclass
+class TrainLog:
+    """What the loop records per iteration. A checkpoint carries it (:meth:`snapshot`), so a resumed
+    run reports every iteration's loss, not only those after the resume."""
+
+    losses: list  # 0-d loss tensors (None: not trained yet)
+    iteration_seconds: np.ndarray
+    stall_seconds: np.ndarray
+    metrics: list[dict[str, Any]]
+    start: int = 0  # the first iteration this process trains (a resume: the checkpoint's)
+    done: int = 0  # iterations reported (progress, metrics): a replay does not report them again
+    seconds_before: float = 0.0  # training time before the resume
+    begin: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, n: int) -> TrainLog:
+        return cls([None] * n, np.zeros(n), np.zeros(n), [])
+
+    def record(self, t: int, loss: torch.Tensor, seconds: float, stall: float) -> None:
+        self.losses[t], self.iteration_seconds[t], self.stall_seconds[t] = loss, seconds, stall
+
+    def snapshot(self, t: int) -> dict[str, Any]:
+        """The log of iterations ``0..t-1`` (what a checkpoint before iteration ``t`` holds)."""
+        return {"losses": torch.stack(self.losses[:t]).cpu() if t else torch.zeros(0),
+                "iteration_seconds": torch.from_numpy(self.iteration_seconds[:t].copy()),
+                "stall_seconds": torch.from_numpy(self.stall_seconds[:t].copy()),
+                "metrics": [dict(m) for m in self.metrics if m["iteration"] <= t],
+                "seconds": self.seconds_before + time.perf_counter() - self.begin}
+
+    @classmethod
+    def restore(cls, n: int, snap: dict[str, Any], device: torch.device) -> TrainLog:
+        log = cls.empty(n)
+        t = len(snap["losses"])
+        log.losses[:t] = list(snap["losses"].to(device).unbind())
+        log.iteration_seconds[:t] = snap["iteration_seconds"].numpy()
+        log.stall_seconds[:t] = snap["stall_seconds"].numpy()
+        log.metrics = [dict(m) for m in snap["metrics"]]
+        log.start = log.done = t
+        log.seconds_before = float(snap["seconds"])
+        return log
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "losses": torch.stack(self.losses).cpu().numpy().astype(np.float64),
+            "iteration_seconds": self.iteration_seconds,
+            "stall_seconds": self.stall_seconds,
+            "train_seconds": self.seconds_before + time.perf_counter() - self.begin,
+            "metrics": self.metrics,
+        }
+
+
+def _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector=None,
+                checkpoints: Checkpointer | None = None, log: TrainLog | None = None) -> dict[str, Any]:
+    """Iterations ``log.start .. n-1``. With ``checkpoints``: a checkpoint before every N-th iteration,
+    and after a lost shard the loop goes back to the reloaded checkpoint and replays from there."""
+    config, n, offsets = setup.config, setup.iterations, setup.stream.offsets
+    log = log or TrainLog.empty(n)
+    log.begin = time.perf_counter()
+    t, batches = log.start, None
+    while True:
+        try:
+            if t >= n:
+                if checkpoints is not None:
+                    checkpoints.before_finish(store)
+                break
+            if checkpoints is not None:
+                checkpoints.before_iteration(t, store, model, optimizer, log)
+            if batches is None:
+                batches = setup.stream.iter_range(t, n)
+            batch = next(batches)
+            if injector is not None:
+                injector.before_iteration(t)  # failure injection: SIGKILL a shard's worker
+            # An iteration's time is its train step (gather, compute, update, scatter); reading the batch
+            # from Parquet happens between steps and is the same work in every mode.
+            start, stall_before = time.perf_counter(), store.stall_seconds
+            loss = train_step(t, batch, offsets, model, optimizer, setup.spec, store, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # honest per-iteration times
+            log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall_before)
+            t += 1
+        except Exception as exc:
+            if checkpoints is None or not checkpoints.can_recover(exc):
+                raise
+            t, batches = checkpoints.recover(t, store, model, optimizer), None
+            continue
+        if checkpoints is not None:
+            checkpoints.after_iteration(t)
+        if t > log.done:  # progress and metrics once per iteration, not again on a replay
+            log.done = t
+            if progress is not None:
+                progress(t, n)
+            if t % config.metrics_every == 0 or t == n:
+                lo = log.metrics[-1]["iteration"] if log.metrics else 0
+                row = {"iteration": t, "loss": float(torch.stack(log.losses[lo:t]).mean()),
+                       "iteration_ms": 1e3 * float(log.iteration_seconds[lo:t].mean()),
+                       "stall_ms": 1e3 * float(log.stall_seconds[lo:t].mean())}
+                log.metrics.append(row)
+                if on_metrics is not None:
+                    on_metrics(row)
+    return log.result()
 
 
 def _write_iterations(path: Path, log: dict[str, Any]) -> None:

@@ -1,13 +1,23 @@
 """The recover-shard subflow: one flow run per shard recovery, started by the train flow.
 
 The engine rebuilds lost shards in a background thread of the trainer
-(:mod:`dlrmflow.engine.recovery`); the train task hands it :func:`run_recovery_subflow` as its
+(:mod:`dlrmflow.engine.recovery`); the train task hands it ``recovery_runner()`` (below) as its
 ``recovery_runner``, so each rebuild is its own Prefect flow run (a child of the training run)
 with its logs, duration, progress artifact and a table of what was rebuilt.
+
+Why the runner carries its own context: Prefect makes a flow called inside another flow run its
+child only when it finds that parent's ``FlowRunContext`` in the calling thread's context
+(``FlowRunEngine.create_flow_run``); with none it creates a top-level run. The loss is noticed by
+whichever thread talks to the shards: the train task's own thread in ``remote`` mode, but the
+prefetch worker's plain ``threading.Thread`` in ``oracle`` mode, whose context is empty, and the
+recovery thread copies *that* (in process and under a Prefect worker alike). So the runner
+captures the train task's context when it is made and runs every rebuild in a copy of it,
+whichever thread calls it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import threading
 import time
@@ -45,13 +55,29 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
     return result
 
 
+Runner = Callable[[Callable[..., dict[str, Any]], dict[str, Any]], dict[str, Any]]
+
+
+def recovery_runner() -> Runner:
+    """The trainer's ``recovery_runner``, made inside the train task: every recover-shard run it starts
+    is a child of the calling flow run, whichever thread (prefetch worker, recovery thread) calls it."""
+    context = contextvars.copy_context()
+
+    def run_in_train_context(rebuild: Callable[..., dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
+        # A copy per call: one Context cannot be entered by two threads at once (two recoveries).
+        return context.copy().run(run_recovery_subflow, rebuild, info)
+
+    return run_in_train_context
+
+
 def run_recovery_subflow(rebuild: Callable[..., dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's ``recovery_runner``: run ``rebuild`` inside a recover-shard flow run."""
+    """Run ``rebuild`` inside a recover-shard flow run: a child of the flow run in the calling thread's
+    context, if any (see :func:`recovery_runner` for a runner that brings that context along)."""
     recovery_id = f"recovery-{next(_IDS)}"
     with _LOCK:
         _REBUILDS[recovery_id] = rebuild
-    # The rebuild thread runs in a copy of the train task's context; without the task run in it,
-    # the subflow's logs and artifacts belong to the subflow run (a child of the train flow run).
+    # The context is the train task's; without the task run in it, the subflow's logs and artifacts
+    # belong to the subflow run (a child of the train flow run), not to the train task.
     token = TaskRunContext.__var__.set(None)
     try:
         return recover_shard_flow(recovery_id, info["lost"], info["stripes"], info["chunk"])

@@ -1,4 +1,9 @@
-"""The train flow: check the configuration, train (with embedding servers unless local), report."""
+"""The train flow: check the configuration, train (with embedding servers unless local), report.
+
+A run with ``checkpoint_every`` that fails or crashes leaves a checkpoint; the flow's hooks then
+log the command that resumes it (``dlrmflow resume RUN_DIR``, or this flow with ``resume=True``)
+in the flow run's logs.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,25 @@ from dataclasses import asdict
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.logging.loggers import flow_run_logger
 
+from dlrmflow.engine.checkpoint import unfinished_run_message
 from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.engine.trainer import TrainConfig
 from dlrmflow.tasks.train import check_task, publish_metrics_task, train_task
 
 
-@flow(name="train")
+def log_resume_command(flow, flow_run, state) -> None:
+    """on_failure / on_crashed: when the run dir holds an unfinished run with a checkpoint, say how to resume it."""
+    try:
+        message = unfinished_run_message(flow_run.parameters.get("output_dir"))
+    except Exception as exc:  # a hook must not hide the failure it reports on
+        message = f"the checkpoint cannot be read ({exc})"
+    if message:
+        flow_run_logger(flow_run, flow).error("%s", message)
+
+
+@flow(name="train", on_failure=[log_resume_command], on_crashed=[log_resume_command])
 def train_flow(
     dataset_dir: str,
     mode: str,
@@ -35,11 +52,15 @@ def train_flow(
     metrics_every: int = 50,
     parity: int = 0,
     kills: list[str] | None = None,
-    rebuild_chunk: int = 65536,
+    rebuild_chunk: int = 262144,
     checkpoint_every: int | None = None,
+    resume: bool = False,
     dask_address: str | None = None,
 ) -> dict[str, Any]:
-    """Train a DLRM in ``mode`` (local | remote | lru | oracle); writes final_state.pt and summary.json."""
+    """Train a DLRM in ``mode`` (local | remote | lru | oracle); writes final_state.pt and summary.json.
+
+    ``resume``: continue the unfinished run in ``output_dir`` from its checkpoint; every other parameter
+    must be the run's own (``dlrmflow resume RUN_DIR`` reads them from its run_config.json)."""
     config = TrainConfig(
         dataset_dir=dataset_dir, mode=mode, output_dir=output_dir, batch_size=batch_size, iterations=iterations,
         num_shards=num_shards, capacity=capacity, plan_dir=plan_dir, device=device, seed=seed,
@@ -47,12 +68,15 @@ def train_flow(
         top_mlp=tuple(top_mlp) if top_mlp else TrainConfig.top_mlp, embedding_optimizer=embedding_optimizer,
         dense_optimizer=dense_optimizer, lr=lr, embedding_lr=embedding_lr, eval_fraction=eval_fraction,
         metrics_every=metrics_every, parity=parity, kills=tuple(kills or ()), rebuild_chunk=rebuild_chunk,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=checkpoint_every, resume=resume,
     )
     params = asdict(config)
-    n = check_task(params)
+    checked = check_task(params)
+    n = checked["iterations"]
     logger = get_run_logger()
     logger.info("%s training: %d iterations of batch %d on %s", mode, n, batch_size, device)
+    if resume:
+        logger.info("resuming %s from its checkpoint at iteration %d", output_dir, checked["resume_at"])
     if mode == "local":
         summary = train_task(params, None)
     else:

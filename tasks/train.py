@@ -25,9 +25,11 @@ PARITY_ROWS = [
 
 
 @task(name="check-train-config")
-def check_task(config: dict[str, Any]) -> int:
-    """Every input check before any work (dataset, plan, capacity, iterations); the iteration count."""
-    return prepare_run(TrainConfig(**config)).iterations
+def check_task(config: dict[str, Any]) -> dict[str, Any]:
+    """Every input check before any work (dataset, plan, capacity, iterations, the run dir's checkpoint);
+    the iteration count and, for a resume, the checkpoint's iteration."""
+    setup = prepare_run(TrainConfig(**config))
+    return {"iterations": setup.iterations, "resume_at": setup.resume_at}
 
 
 @task(name="train-dlrm")
@@ -44,9 +46,10 @@ def train_task(config: dict[str, Any], dask_address: str | None) -> dict[str, An
         return train(config, progress=progress, on_metrics=on_metrics)
     runner = None
     if config.parity:
-        from dlrmflow.flows.recovery import run_recovery_subflow
+        from dlrmflow.flows.recovery import recovery_runner
 
-        runner = run_recovery_subflow  # each shard rebuild is a recover-shard subflow run
+        # Each rebuild is a recover-shard child of this train flow run, whatever thread notices the loss.
+        runner = recovery_runner()
     with dask_client(dask_address) as client:
         return train(config, client=client, progress=progress, on_metrics=on_metrics, recovery_runner=runner)
 

@@ -1,8 +1,9 @@
-"""The dataset commands on an existing Dask cluster: a scheduler and two workers started as separate processes.
+"""dlrmflow on an existing Dask cluster: a scheduler and three workers started as separate processes.
 
 A user points dlrmflow at a running cluster with ``--dask-address`` or ``DLRMFLOW_DASK_ADDRESS``. The
 work must run on that cluster's workers (not on a LocalCluster started on the side) and give exactly
-the bytes a LocalCluster run gives.
+the bytes a LocalCluster run gives. Two of the workers advertise the ``embedding_server`` resource:
+embedding-server and parity actors go there and nowhere else; data work goes everywhere.
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ import pytest
 from cli_helpers import run_json
 from dask.utils import key_split
 from distributed import Client
+from test_trainers import make_dataset
 
 from dlrmflow.datasets.meta import read_meta
+from dlrmflow.engine.placement import RESOURCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
 DASK = Path(sys.executable).parent / "dask"
 START_TIMEOUT_S = 120
+WORKERS = {"w0": [], "w1": ["--resources", f"{RESOURCE}=1"], "w2": ["--resources", f"{RESOURCE}=1"]}
+SERVER_WORKERS = {"w1", "w2"}
+ACTOR_CLASSES = {"EmbeddingShard", "CodedShard", "ParityShard"}
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -59,7 +65,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 @pytest.fixture(scope="module")
 def external_cluster(tmp_path_factory):
-    """``dask scheduler`` + 2 x ``dask worker --nthreads 1``, each its own OS process on loopback."""
+    """``dask scheduler`` + 3 x ``dask worker --nthreads 1`` (two with the embedding_server resource),
+    each its own OS process on loopback."""
     home = tmp_path_factory.mktemp("dask-cluster")
     scheduler_file = home / "scheduler.json"
     env = {k: v for k, v in os.environ.items() if k != "DLRMFLOW_DASK_ADDRESS"}
@@ -84,14 +91,14 @@ def external_cluster(tmp_path_factory):
             if time.monotonic() > deadline or procs[0].poll() is not None:
                 pytest.fail(f"dask scheduler did not start:\n{_tail(logs[0])}")
             time.sleep(0.5)
-        for i in range(2):
-            start(f"worker{i}", [str(DASK), "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1",
-                                 "--nworkers", "1", "--host", "127.0.0.1", "--no-dashboard", "--name", f"w{i}",
-                                 "--local-directory", str(home / f"w{i}"), "--death-timeout", "120"])
+        for name, extra in WORKERS.items():
+            start(name, [str(DASK), "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1",
+                         "--nworkers", "1", "--host", "127.0.0.1", "--no-dashboard", "--name", name,
+                         "--local-directory", str(home / name), "--death-timeout", "120", *extra])
         client = Client(scheduler_file=str(scheduler_file), timeout="60s")
         try:
             try:
-                client.wait_for_workers(2, timeout=START_TIMEOUT_S)
+                client.wait_for_workers(len(WORKERS), timeout=START_TIMEOUT_S)
             except TimeoutError:
                 pytest.fail("dask workers did not join:\n" + "\n".join(_tail(log) for log in logs))
             yield client
@@ -131,9 +138,9 @@ def test_dataset_commands_run_on_the_external_workers_and_match_a_local_cluster(
     prof = run_json(capsys, ["profile", str(ext), *on_cluster])
     assert prep["rows"] == 16000 and not prep["skipped"] and prof["samples"] == 16000
 
-    # The work ran on the two worker processes started above: their own logs show the tasks.
+    # The work ran on the worker processes started above: their own logs show the tasks.
     executed = _executed_prefixes(external_cluster)
-    assert set(executed) == {"w0", "w1"}
+    assert set(executed) == set(WORKERS)
     ran = set().union(*executed.values())
     assert {"chunk_payload", "parse_piece", "build_vocabulary", "write_part", "count_table"} <= ran, ran
 
@@ -170,3 +177,36 @@ def test_relative_paths_work_when_the_workers_run_elsewhere(external_cluster, tm
     prep = run_json(capsys, ["preprocess", "day.csv", "--format", "avazu", "--output", "ds", *on_cluster])
     prof = run_json(capsys, ["profile", "ds", *on_cluster])
     assert read_meta(tmp_path / "ds").rows == prep["rows"] == prof["samples"] > 0
+
+
+def test_embedding_servers_and_parity_run_only_on_the_workers_with_the_resource(
+        external_cluster, tmp_path, capsys, monkeypatch):
+    """Training against the cluster: every shard actor (data and parity) is constructed on a worker that
+    advertises embedding_server, spread over both of them; the plain worker hosts none."""
+    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+    dataset = make_dataset(tmp_path / "data", 0)
+    workers = external_cluster.scheduler_info()["workers"]
+    address_of = {w["name"]: a for a, w in workers.items()}
+    assert {n for n, a in address_of.items() if workers[a]["resources"].get(RESOURCE)} == SERVER_WORKERS
+    common = ["train", str(dataset), "--mode", "remote", "--batch-size", "16", "--iterations", "6",
+              "--embedding-dim", "4", "--bottom-mlp", "8-4", "--top-mlp", "8-1",
+              "--dask-address", external_cluster.scheduler.address]
+
+    def actors_by_worker() -> dict[str, set[str]]:
+        return {name: prefixes & ACTOR_CLASSES for name, prefixes in _executed_prefixes(external_cluster).items()}
+
+    # Two shards, no parity: one on each resource worker.
+    external_cluster.run(lambda dask_worker: dask_worker.state.log.clear())
+    run_json(capsys, [*common, "--shards", "2", "--output", str(tmp_path / "plain")])
+    placed = actors_by_worker()
+    assert placed == {"w0": set(), "w1": {"EmbeddingShard"}, "w2": {"EmbeddingShard"}}, placed
+
+    # Two data shards + one parity shard: three members on the two resource workers (so they share one).
+    external_cluster.run(lambda dask_worker: dask_worker.state.log.clear())
+    summary = run_json(capsys, [*common, "--shards", "2", "--parity", "1", "--output", str(tmp_path / "parity")])
+    placed = actors_by_worker()
+    assert not placed["w0"] and placed["w1"] | placed["w2"] == {"CodedShard", "ParityShard"}, placed
+    members = summary["parity"]["member_workers"]
+    assert len(members) == 3 and set(members.values()) == {address_of[n] for n in SERVER_WORKERS}, members
+    assert summary["parity"]["members_share_workers"] is True
+    assert summary["parity"]["verify"]["ok"] is True

@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,6 +131,42 @@ def test_rows_not_yet_rebuilt_are_served_by_degraded_reads(cluster, tmp_path, mo
     assert summary["parity"]["recoveries"][0]["chunks"] > 20
 
 
+def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monkeypatch):
+    """The bulk copy of a chunk runs while training writes: a pause between the survivors' reads
+    lets batches land between them (so the copy decodes mixed versions of those stripes); the
+    stripes those batches logged are re-read under the lock and the run still ends exact."""
+    monkeypatch.setattr(recovery_module, "COPY_PAUSE_S", 0.3)
+    copying = threading.Event()
+    submit_copies, step = recovery_module._submit_copies, trainer_module.train_step
+
+    def flagged_copy(*args, **kwargs):
+        copying.set()
+        return submit_copies(*args, **kwargs)
+
+    def step_during_copy(*args, **kwargs):  # once the loss is noticed, train only while the copy runs
+        if lost.is_set():
+            assert copying.wait(60), "the rebuild never started its bulk copy"
+            time.sleep(0.1)
+        return step(*args, **kwargs)
+
+    lost, start_thread = threading.Event(), recovery_module.start_recovery_thread
+
+    def flagged_start(group):
+        lost.set()
+        return start_thread(group)
+
+    monkeypatch.setattr(recovery_module, "start_recovery_thread", flagged_start)
+    monkeypatch.setattr(recovery_module, "_submit_copies", flagged_copy)
+    monkeypatch.setattr(trainer_module, "train_step", step_during_copy)
+    dataset = make_dataset(tmp_path / "data", 30)
+    _run(tmp_path, dataset, "local", "local")
+    summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=("shard:1@1",),
+                   rebuild_chunk=10**6)
+    _check_recovered(tmp_path, summary, {"shard:1"})
+    (record,) = summary["parity"]["recoveries"]
+    assert record["chunks"] == 1 and record["stripes_fixed_up"] > 0
+
+
 def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path, monkeypatch):
     """SIGKILL data shard 1's worker after a write-back batch was sent to every member but before
     the answers are read: some members applied it, the dead one maybe; the resend and the rebuild
@@ -148,7 +186,8 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
     def kill_then_wait(calls):
         state["calls"] += 1
         group = groups[-1]
-        if state["killed"] is None and group.seq >= 6 and len(calls) == 3:  # a batch to 2 shards + parity
+        # A batch's calls to the 2 data shards, its parity delta already sent (awaited later):
+        if state["killed"] is None and group.seq >= 6 and len(calls) == 2 and group.unsettled:
             address = group.worker_of[1]
             pid = cluster.run(os.getpid, workers=[address])[address]
             os.kill(pid, signal.SIGKILL)

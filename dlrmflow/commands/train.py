@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
+
+from dlrmflow.errors import UserInputError
 
 NAME = "train"
 HELP = "train a DLRM (modes: local, remote, lru, oracle); writes final_state.pt and summary.json"
@@ -56,11 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER|parity:J@ITER",
                         help="failure injection (repeatable): SIGKILL the worker of data shard I or parity "
                              "shard J when iteration ITER starts; needs --parity")
-    parser.add_argument("--rebuild-chunk", type=int, default=65536, metavar="STRIPES",
-                        help="stripes per recovery chunk (default 65536; training waits while one chunk is read)")
+    parser.add_argument("--rebuild-chunk", type=int, default=262144, metavar="STRIPES",
+                        help="stripes per recovery task (default 262144; bounds the rebuild's memory per chunk)")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
-                        help="the baseline to parity: checkpoint all shards + dense state every N iterations; "
-                             "after a --kill, reload and replay (modes remote and lru)")
+                        help="checkpoint all shards + dense state every N iterations (modes remote and lru): "
+                             "without --parity a lost shard is reloaded and replayed; a crashed run continues "
+                             "with `dlrmflow resume RUN_DIR`")
     add_dask_argument(parser)
 
 
@@ -77,21 +81,50 @@ def flow_parameters(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+class TrainingStopped(UserInputError):
+    """Training failed after a checkpoint: one line with the cause and the command that resumes the run."""
+
+
+def config_of(params: dict[str, Any]):
+    """The TrainConfig the train flow builds from its parameters."""
     from dataclasses import fields
 
-    from dlrmflow.engine.trainer import TrainConfig, prepare_run
+    from dlrmflow.engine.trainer import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k in names})
+
+
+def run_training(params: dict[str, Any]) -> dict[str, Any]:
+    """Check, then run the train flow. A failure that leaves a resumable run names `dlrmflow resume RUN_DIR`."""
+    from dlrmflow.engine.checkpoint import ResumeError, unfinished_run_message
+    from dlrmflow.engine.trainer import prepare_run
     from dlrmflow.flows.train import train_flow
 
+    prepare_run(config_of(params))  # every input check (UserInputError), before Prefect or Dask start
+    try:
+        summary = train_flow(**params)
+    except ResumeError:
+        raise
+    except Exception as exc:
+        message = unfinished_run_message(params["output_dir"])
+        if message is None:
+            raise
+        raise TrainingStopped(f"training stopped ({type(exc).__name__}: {exc}); {message}") from exc
+    except KeyboardInterrupt:
+        message = unfinished_run_message(params["output_dir"])
+        if message:
+            print(message, file=sys.stderr)
+        raise
+    summary.pop("metrics", None)  # in summary.json and the Prefect table; keep the JSON line short
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     params = flow_parameters(args)
     if params["bottom_mlp"] is None:
         params["bottom_mlp"] = [512, 256, 64, args.embedding_dim]
-    names = {f.name for f in fields(TrainConfig)}
-    config = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k in names}
-    prepare_run(TrainConfig(**config))  # every input check (UserInputError), before Prefect or Dask start
-    summary = train_flow(**params)
-    summary.pop("metrics", None)  # in summary.json and the Prefect table; keep the JSON line short
-    return summary
+    return run_training(params)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -125,6 +158,8 @@ def _checkpoint_lines(c: dict[str, Any] | None) -> list[str]:
         return []
     lines = [f"  checkpoints        {len(c['checkpoints'])} (every {c['every']} iterations), "
              f"{sum(x['seconds'] for x in c['checkpoints']):.3f} s writing {c['file']}"]
+    if c.get("resumed_from") is not None:
+        lines.append(f"  resumed            from the checkpoint at iteration {c['resumed_from']}")
     for rec in c["recoveries"]:
         lines.append(f"  recovered          reloaded iteration {rec['replay_from']}, replayed to {rec['failed_at']}: "
                      f"{rec['seconds']:.3f} s after detection")

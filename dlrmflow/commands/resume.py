@@ -1,0 +1,44 @@
+"""dlrmflow resume: continue an unfinished training run from its last checkpoint.
+
+The run directory says everything: run_config.json holds the configuration the run started with
+(``dlrmflow train ... --checkpoint-every N``), checkpoint.pt the state to continue from. The
+resumed run ends bit-identical to an uninterrupted one and writes the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from typing import Any
+
+from dlrmflow.commands import train
+
+NAME = "resume"
+HELP = "resume an unfinished training run (trained with --checkpoint-every) from its last checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dlrmflow.cli import add_dask_argument
+
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output of the unfinished `dlrmflow train` run")
+    add_dask_argument(parser)
+
+
+def flow_parameters(run_dir: str, dask_address: str | None) -> dict[str, Any]:
+    """The train flow's parameters of the run in ``run_dir``, with ``resume=True``."""
+    from dlrmflow.engine.checkpoint import read_run_config
+    from dlrmflow.flows.train import train_flow
+
+    config = read_run_config(run_dir)["config"]  # ResumeError if the directory holds no checkpointed run
+    names = inspect.signature(train_flow.fn).parameters
+    params = {k: v for k, v in config.items() if k in names}
+    params.update(output_dir=str(run_dir), resume=True, dask_address=dask_address)
+    return params
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return train.run_training(flow_parameters(args.run_dir, args.dask_address))
+
+
+def summarize(result: dict[str, Any]) -> str:
+    return train.summarize(result)

@@ -1,0 +1,119 @@
+"""Where embedding-server and parity actors go: on separate machines when the cluster has them.
+
+A cluster says which workers may host embedding servers with a Dask worker resource::
+
+    dask worker tcp://scheduler:8786 --resources "embedding_server=1"
+
+When any worker advertises ``embedding_server`` only those workers are eligible; when none does (a
+LocalCluster, a plain cluster) every worker is, so the embedded default works unchanged. Members
+(K data + R parity shards) are spread over distinct hosts first, then distinct workers, then round
+robin: one machine failure takes at most one member whenever the eligible workers span at least as
+many hosts as there are members, and the placement says when it cannot promise that.
+
+Everything here is a pure function of the scheduler's worker info (``client.scheduler_info()
+["workers"]``: address -> {"host", "resources", ...}), so it is tested without a cluster. Actors are
+then submitted with ``workers=[address]``, which the scheduler treats as a hard restriction
+(``Scheduler.valid_workers``). No ``resources=`` goes with the submit: a resource is held only while
+the actor's constructor runs, adds nothing to an explicit address, and would leave the actor
+unschedulable on a cluster where no worker advertises it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from distributed.comm import get_address_host
+
+from dlrmflow.errors import UserInputError
+
+RESOURCE = "embedding_server"
+
+WorkerInfo = Mapping[str, Mapping[str, Any]]  # address -> the scheduler's info on that worker
+
+
+class NoWorkersError(UserInputError):
+    """The Dask cluster has no worker that may host an embedding server."""
+
+
+def host_of(address: str, worker_info: WorkerInfo) -> str:
+    """The machine of a worker: its reported host, else the host part of its address (a dead worker)."""
+    return (worker_info.get(address) or {}).get("host") or get_address_host(address)
+
+
+def eligible_workers(worker_info: WorkerInfo, resource: str = RESOURCE) -> list[str]:
+    """Workers advertising ``resource`` when any does, else every worker; sorted."""
+    advertised = [a for a, info in worker_info.items() if (info.get("resources") or {}).get(resource, 0) > 0]
+    return sorted(advertised or worker_info)
+
+
+def spread_order(worker_info: WorkerInfo, addresses: Collection[str]) -> list[str]:
+    """``addresses`` interleaved across hosts: each host's first worker, then each host's second, ...
+
+    Any prefix of this order uses as many distinct hosts, then workers, as it can."""
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for address in sorted(addresses):
+        by_host[host_of(address, worker_info)].append(address)
+    order = []
+    for rank in range(max(map(len, by_host.values()), default=0)):
+        order += [by_host[h][rank] for h in sorted(by_host) if rank < len(by_host[h])]
+    return order
+
+
+@dataclass(frozen=True)
+class Placement:
+    workers: list[str]  # member i -> worker address
+    hosts: list[str]  # member i -> host of that worker
+    by_resource: bool  # only the workers advertising the resource were eligible
+
+    @property
+    def shares_worker(self) -> bool:
+        return len(set(self.workers)) < len(self.workers)
+
+    @property
+    def shares_host(self) -> bool:
+        return len(set(self.hosts)) < len(self.hosts)
+
+    def warning(self) -> str | None:
+        """What one failure can take, when it can take more than one member; None otherwise."""
+        if self.shares_worker:
+            return (f"{len(self.workers)} embedding-server members on {len(set(self.workers))} workers: "
+                    "one worker failure can take several members")
+        if self.shares_host:
+            return (f"{len(self.hosts)} embedding-server members on {len(set(self.hosts))} hosts: "
+                    "one machine failure can take several members")
+        return None
+
+
+def place(worker_info: WorkerInfo, n: int, resource: str = RESOURCE) -> Placement:
+    """Workers for ``n`` members: eligible ones only, distinct hosts first, then distinct workers."""
+    if n < 1:
+        raise ValueError(f"need at least one member to place, got {n}")
+    eligible = eligible_workers(worker_info, resource)
+    if not eligible:
+        raise NoWorkersError("the Dask cluster has no workers to host embedding servers")
+    order = spread_order(worker_info, eligible)
+    workers = [order[i % len(order)] for i in range(n)]
+    by_resource = any((info.get("resources") or {}).get(resource, 0) > 0 for info in worker_info.values())
+    return Placement(workers, [host_of(w, worker_info) for w in workers], by_resource)
+
+
+def choose_rebuild_worker(worker_info: WorkerInfo, busy: Collection[str], dead: Collection[str] = (),
+                          resource: str = RESOURCE) -> str | None:
+    """An eligible worker for a rebuilt member that hosts no live member (``busy``) and is not ``dead``:
+    one on a host without live members when there is one. None when every eligible worker is busy."""
+    busy_hosts = Counter(host_of(w, worker_info) for w in busy)
+    free = [w for w in eligible_workers(worker_info, resource) if w not in busy and w not in dead]
+    return min(free, key=lambda w: (busy_hosts[host_of(w, worker_info)], w), default=None)
+
+
+def least_loaded_worker(worker_info: WorkerInfo, busy: Collection[str], dead: Collection[str] = (),
+                        resource: str = RESOURCE) -> str | None:
+    """The fallback when no free worker turned up: the live eligible worker with the fewest members
+    (then the fewest on its host). It shares a fault domain with a live member: better than nothing."""
+    on_worker = Counter(busy)
+    busy_hosts = Counter(host_of(w, worker_info) for w in busy)
+    live = [w for w in eligible_workers(worker_info, resource) if w not in dead]
+    return min(live, key=lambda w: (on_worker[w], busy_hosts[host_of(w, worker_info)], w), default=None)
