@@ -1,9 +1,10 @@
 """Checkpoints: the baseline parity must beat, and what lets a crashed trainer resume.
 
-``--checkpoint-every N`` (modes remote and lru, with or without ``--parity``): before iterations
-``0, N, 2N, ...`` the trainer writes ``RUN_DIR/checkpoint.pt`` atomically (temp file + rename)
-with every embedding row (the shards' rows overlaid with the rows the trainer holds newer copies
-of: the pending write-back or the LRU cache), the dense parameters, the dense optimizer state,
+``--checkpoint-every N`` (modes remote, lru and oracle, with or without ``--parity``): before
+iterations ``0, N, 2N, ...`` the trainer writes ``RUN_DIR/checkpoint.pt`` atomically (temp file +
+rename) with every embedding row (the shards' rows overlaid with the rows the trainer holds newer
+copies of: the pending write-back, the LRU cache, or the oracle's cache once its prefetch worker
+is idle, i.e. every eviction before the checkpoint written back), the dense parameters, the dense optimizer state,
 the plan position (the next iteration) and the training log so far (losses, timings, metrics).
 
 Two failures use it:
@@ -14,6 +15,10 @@ Two failures use it:
 - the trainer itself dies (SIGKILL, a crashed flow-run process): ``dlrmflow resume RUN_DIR``
   starts a new trainer from the file (with parity, the parity shards are re-encoded from the
   restored rows).
+
+The oracle's cache is not in the file: at plan position ``t`` the plan alone says which ids are
+cached in which slots (replay its prefetches and evictions of ``0 .. t-1``), and the file holds
+their values; the prefetch worker then starts at ``t``.
 
 Training is deterministic, so a replay or a resume recomputes the same bits: the run ends
 bit-identical to a failure-free one.
@@ -48,14 +53,15 @@ from distributed import Client
 from dlrmflow.engine.embedding_rows import RowSpec
 from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, warm_up_workers
 from dlrmflow.engine.placement import place
+from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.run_state import SUMMARY_FILE
-from dlrmflow.engine.trainer_modes import LruRows, RemoteRows, SlotDirectory
+from dlrmflow.engine.trainer_modes import LruRows, OracleRows, RemoteRows, SlotDirectory
 from dlrmflow.errors import UserInputError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_CONFIG_FILE = "run_config.json"
 UNFINISHED_FILE = "UNFINISHED"
-CHECKPOINT_MODES = ("remote", "lru")
+CHECKPOINT_MODES = ("remote", "lru", "oracle")
 CHECKPOINT_FORMAT_VERSION = 1
 # Not part of a run's identity: where its directory is now, the resume flag itself, and where the
 # data and plan lie (their fingerprints say whether they are the same).
@@ -95,7 +101,9 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
 
 
 def is_lost_shard(exc: BaseException) -> bool:
-    """A failed call to an actor whose worker died."""
+    """A failed call to an actor whose worker died (also when the oracle's prefetch worker made it)."""
+    if isinstance(exc, PrefetchError) and exc.__cause__ is not None:
+        exc = exc.__cause__
     return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "Worker holding Actor was lost" in str(exc))
 
 
@@ -104,12 +112,17 @@ def is_lost_shard(exc: BaseException) -> bool:
 
 def logical_rows(store) -> np.ndarray:
     """Every row's current value: the shards' rows overlaid with the trainer's newer copies."""
+    if isinstance(store, OracleRows):
+        store.quiesce()  # before reading the shards: their rows must not change under the read
     rows = store.shards.all_rows()
     if isinstance(store, RemoteRows):
         rows[store._pending_ids] = store._pending_rows
     elif isinstance(store, LruRows):
         ids = store.directory.cached_ids()
         rows[ids] = store._rows_in_slots(store.directory.slot_of[ids])
+    elif isinstance(store, OracleRows):
+        ids, held = store.held_rows()  # after quiesce(): no write-back in flight
+        rows[ids] = held
     return rows
 
 
@@ -117,9 +130,14 @@ def _traffic(store) -> dict[str, int]:
     """The store's traffic so far; a remote store's pending write-back is in the checkpoint's rows and
     counted as written (the run it resumes then counts exactly what an uninterrupted one does)."""
     written = store.bytes_written
+    fetched = store.bytes_fetched
     if isinstance(store, RemoteRows):
         written += len(store._pending_ids) * store.spec.row_bytes
-    return {"bytes_fetched": int(store.bytes_fetched), "bytes_written": int(written)}
+    elif isinstance(store, OracleRows):  # idle worker: its traffic so far, less what it fetched ahead
+        store.quiesce()
+        fetched += store.worker.bytes_fetched - store.worker.bytes_fetched_ahead()
+        written += store.worker.bytes_written
+    return {"bytes_fetched": int(fetched), "bytes_written": int(written)}
 
 
 def save_checkpoint(path: Path, t: int, store, model: torch.nn.Module, optimizer, log=None,
@@ -164,10 +182,14 @@ def restore_dense(state: dict[str, Any], model: torch.nn.Module, optimizer) -> N
 def restore_checkpoint(path: Path, client: Client, store, model: torch.nn.Module, optimizer) -> int:
     """Reload ``path`` into fresh shards, an empty cache and the dense model; the iteration to replay from."""
     state = load_checkpoint(path)
+    if isinstance(store, OracleRows):
+        store.worker.stop()  # before its shards go away
     old = store.shards
     store.shards = start_placed_shards(client, store.spec, old.num_shards, state["rows"].numpy())
     old.close()  # the survivors hold newer rows than the checkpoint: drop them
-    if isinstance(store, RemoteRows):
+    if isinstance(store, OracleRows):
+        store.restart_at(int(state["iteration"]), state["rows"].numpy())
+    elif isinstance(store, RemoteRows):
         store._pending_ids, store._pending_rows = store._pending_ids[:0], store._pending_rows[:0]
     elif isinstance(store, LruRows):
         store.cache.zero_()

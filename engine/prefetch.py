@@ -17,6 +17,11 @@ of training on a stale row. Any exception in the worker is re-raised in the main
 the next :meth:`PrefetchWorker.wait_ready` / :meth:`PrefetchWorker.join` (no hang, no silent
 fallback).
 
+A checkpoint before iteration ``t`` first waits until the worker is idle (:meth:`PrefetchWorker.wait_idle`):
+with iterations ``0 .. t-1`` done it has then written back every eviction before ``t`` and
+prefetched ``t .. t+P``, and has no round trip in flight. A worker made with ``start=t`` and the
+slots the plan implies at ``t`` continues from there (a resume, or a replay after a lost shard).
+
 On CPU the worker moves rows with NumPy on the cache's memory (disjoint rows from compute's);
 on a GPU it copies on a side CUDA stream and hands compute a CUDA event to wait on.
 """
@@ -70,7 +75,12 @@ class PrefetchWorker:
         cache: torch.Tensor,
         shards: ShardGroup,
         total_rows: int,
+        *,
+        start: int = 0,
+        cached: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
+        """``start``: the first iteration to prepare (``plan_iterations`` begins there); ``cached``: the
+        (ids, slots) already in the cache at ``start``, whose write-backs are all applied."""
         if distance < 1:
             raise ValueError(f"prefetch distance must be >= 1, got {distance}")
         self.plans = plan_iterations
@@ -85,6 +95,10 @@ class PrefetchWorker:
         # The worker's view: a row occupies its slot from prefetch until its write-back is acknowledged.
         self.slot_of = np.full(total_rows, -1, dtype=np.int64)
         self.owner = np.full(cache.shape[0], -1, dtype=np.int64)
+        self.start_at = start
+        if cached is not None:
+            self.slot_of[cached[0]] = cached[1]
+            self.owner[cached[1]] = cached[0]
         self.bytes_fetched = 0
         self.bytes_written = 0
         self.busy_seconds = 0.0  # time spent in shard round trips and cache copies
@@ -96,6 +110,7 @@ class PrefetchWorker:
         self._error_at = ""
         self._finished = False
         self._stop = False
+        self._waiting = False  # blocked for an iteration's evictions that compute has not posted
         self._thread = threading.Thread(target=self._run, name="dlrmflow-prefetch", daemon=True)
 
     # ---- main-thread side -------------------------------------------------------------
@@ -133,6 +148,23 @@ class PrefetchWorker:
             self._raise_if_failed()
         self._thread.join()
 
+    def wait_idle(self) -> None:
+        """Block until the worker waits for evictions not yet posted (or has finished): every posted
+        eviction is written back and no round trip is in flight. Re-raise a worker failure."""
+        with self._cond:
+            while not (self._finished or (self._waiting and not self._done)):
+                self._raise_if_failed()
+                if not self._thread.is_alive():
+                    raise PrefetchError("the prefetch worker stopped while a checkpoint waited for it")
+                self._cond.wait(WAIT_POLL_SECONDS)
+        if self.cuda:
+            self.stream.synchronize()  # its last copies into the cache have landed
+
+    def bytes_fetched_ahead(self) -> int:
+        """Bytes fetched for iterations prepared but not yet handed to compute."""
+        with self._cond:
+            return sum(len(r.plan.prefetch_ids) for r in self._ready.values()) * self.row_bytes
+
     def stop(self) -> None:
         """Ask the worker to stop (after an error in compute) and wait for it."""
         with self._cond:
@@ -157,12 +189,16 @@ class PrefetchWorker:
     def _next_done(self) -> Done | None:
         with self._cond:
             while not self._done and not self._stop:
+                if not self._waiting:
+                    self._waiting = True
+                    self._cond.notify_all()  # a checkpoint may be waiting for this
                 self._cond.wait(WAIT_POLL_SECONDS)
+            self._waiting = False
             return None if self._stop else self._done.popleft()
 
     def _loop(self) -> None:
-        written = 0  # iterations whose evictions are written back
-        for t in range(self.iterations):
+        written = self.start_at  # iterations whose evictions are written back
+        for t in range(self.start_at, self.iterations):
             self._error_at = f"while preparing iteration {t}"
             step = next(self.plans)
             if step.t != t:

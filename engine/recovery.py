@@ -106,12 +106,18 @@ def choose_worker(group: CodedShardGroup, wait_s: float = FRESH_WORKER_WAIT_S) -
         time.sleep(0.1)
 
 
-def _place_replacements(group: CodedShardGroup, need: list[int]) -> dict[int, tuple[str, Any, Any]]:
+def _place_replacements(group: CodedShardGroup, need: list[int], generation: int) -> dict[int, tuple[str, Any, Any]]:
     placed = {}
     for s in need:
-        worker = choose_worker(group)
-        future = start_member(group.client, group.spec, group.code, s, worker, initialise=False)
-        placed[s] = (worker, future, future.result())
+        while True:
+            worker = choose_worker(group)
+            future = start_member(group.client, group.spec, group.code, s, worker, initialise=False)
+            try:
+                placed[s] = (worker, future, _wait_done(group, future, generation, worker))
+                break
+            except OSError:  # the chosen worker died before the actor started: choose again
+                with group.lock:
+                    group.dead_workers.add(worker)
         group.replacement_workers[s] = worker
     return placed
 
@@ -181,9 +187,9 @@ class _Superseded(Exception):
     """A new loss (or a fatal one) came in while a chunk was being copied: start over."""
 
 
-def _wait_copy(group: CodedShardGroup, future, generation: int, worker: str, poll_s: float = 0.2) -> int:
-    """The chunk's row count once its copy task is done. A task pinned to a worker that died would
-    wait for it forever, so this also watches for that worker's loss and for a new generation."""
+def _wait_done(group: CodedShardGroup, future, generation: int, worker: str, poll_s: float = 0.2) -> Any:
+    """The result of a task or actor pinned to ``worker``. Pinned to a worker that died, it would wait
+    for it forever, so this also watches for that worker's loss (OSError) and for a new generation."""
     while True:
         try:
             return future.result(timeout=poll_s)
@@ -193,7 +199,7 @@ def _wait_copy(group: CodedShardGroup, future, generation: int, worker: str, pol
             if group.generation != generation or group.fatal is not None:
                 raise _Superseded()
         if worker not in group.client.scheduler_info()["workers"]:
-            raise OSError(f"the worker {worker} copying the rebuild is gone")
+            raise OSError(f"the worker {worker} the rebuild uses is gone")
 
 
 def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> None:
@@ -225,7 +231,10 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                 group.recovering = False
                 return record.as_dict(group.code.k, group.started_at)
         placing = time.perf_counter()
-        placed = _place_replacements(group, need)  # outside the lock: may wait for a fresh worker
+        try:
+            placed = _place_replacements(group, need, generation)  # outside the lock: may wait for a fresh worker
+        except _Superseded:
+            continue
         with group.lock:
             for s, (worker, future, actor) in placed.items():
                 if s in group.lost and s not in group.replacement:
@@ -253,7 +262,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
         try:
             for (start, stop), future in zip(chunks, futures, strict=True):
                 try:
-                    rows, failure = _wait_copy(group, future, generation, worker), None
+                    rows, failure = _wait_done(group, future, generation, worker), None
                 except _Superseded:
                     complete = False
                     break

@@ -182,7 +182,7 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         if config.checkpoint_every < 1:
             raise TrainConfigError(f"--checkpoint-every must be >= 1, got {config.checkpoint_every}")
         if config.mode not in CHECKPOINT_MODES:
-            raise TrainConfigError("--checkpoint-every works with --mode remote or lru")
+            raise TrainConfigError("--checkpoint-every works with --mode remote, lru or oracle")
     if config.rebuild_chunk < 1:
         raise TrainConfigError(f"rebuild_chunk must be >= 1, got {config.rebuild_chunk}")
     if config.capacity is not None and config.mode in ("local", "remote"):
@@ -273,8 +273,9 @@ def plan_fingerprint(plan) -> str | None:
 
 
 def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=None,
-               rows: np.ndarray | None = None) -> RowStore:
-    """The mode's row store; ``rows``: the shards start from these rows (a resumed checkpoint's)."""
+               rows: np.ndarray | None = None, start_at: int = 0) -> RowStore:
+    """The mode's row store; ``rows``: the shards start from these rows (a resumed checkpoint's, taken
+    before iteration ``start_at``: the oracle store starts at that plan position)."""
     config = setup.config
     if config.mode == "local":
         return LocalRows(setup.spec, device)
@@ -291,7 +292,7 @@ def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=No
         return RemoteRows(setup.spec, device, shards)
     if config.mode == "lru":
         return LruRows(setup.spec, device, shards, config.capacity)
-    return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations)
+    return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start_at, rows=rows)
 
 
 def make_dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
@@ -432,7 +433,8 @@ def train(
             restore_dense(resumed, model, optimizer)
             history = TrainLog.restore(setup.iterations, resumed["log"], device)
             rows = resumed.pop("rows").numpy()
-        store = make_store(setup, device, client, recovery_runner, rows)
+        store = make_store(setup, device, client, recovery_runner, rows,
+                           start_at=0 if resumed is None else int(resumed["iteration"]))
         if resumed is not None:
             store.bytes_fetched, store.bytes_written = (resumed["traffic"]["bytes_fetched"],
                                                         resumed["traffic"]["bytes_written"])

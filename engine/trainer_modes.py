@@ -289,18 +289,69 @@ class LruRows(CachedRows):
 
 
 class OracleRows(CachedRows):
-    """Executes a lookahead plan: prefetches ``P`` iterations ahead in a background worker."""
+    """Executes a lookahead plan: prefetches ``P`` iterations ahead in a background worker.
+
+    ``start``/``rows``: begin at iteration ``start`` (a resume) with the cache the plan implies
+    there, filled from ``rows`` (every row's value at ``start``: a checkpoint's image)."""
 
     def __init__(
-        self, spec: RowSpec, device: torch.device, shards: ShardGroup, plan, iterations: int
+        self, spec: RowSpec, device: torch.device, shards: ShardGroup, plan, iterations: int, *,
+        start: int = 0, rows: np.ndarray | None = None,
     ) -> None:
         super().__init__(spec, device, shards, plan.num_slots)
         self.plan = plan
+        self.iterations = iterations
+        self.worker: PrefetchWorker | None = None
+        self._step = None
+        self.restart_at(start, rows)
+
+    def restart_at(self, t: int, rows: np.ndarray | None) -> None:
+        """Stop any running worker, rebuild the slot directory the plan implies before iteration ``t``
+        (its prefetches and evictions of ``0 .. t-1`` replayed, no data moved), load those cached rows
+        from ``rows`` and start a worker at ``t`` that does not fetch them again."""
+        if self.worker is not None:
+            self.worker.stop()
+            self._collect_worker_traffic()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy of the old worker still lands in the cache
+        self.directory = SlotDirectory(self.spec.total_rows, self.plan.num_slots)
+        self.cache.zero_()
+        ids = slots = np.zeros(0, dtype=np.int64)
+        if t > 0:
+            if rows is None:
+                raise ValueError(f"starting the oracle store at iteration {t} needs every row's value there")
+            for step in self.plan.iterations():
+                if step.t >= t:
+                    break
+                self.directory.place(np.asarray(step.prefetch_ids, dtype=np.int64),
+                                     np.asarray(step.prefetch_slots, dtype=np.int64))
+                self.directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
+            ids = self.directory.cached_ids()
+            slots = self.directory.slot_of[ids]
+            if len(ids):
+                self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
+                                       torch.from_numpy(np.ascontiguousarray(rows[ids])).to(self.device))
         self.worker = PrefetchWorker(
-            plan.iterations(), iterations, plan.config.prefetch_distance, self.cache, shards, spec.total_rows
+            self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
+            self.spec.total_rows, start=t, cached=(ids, slots),
         )
         self._step = None
         self.worker.start()
+
+    def quiesce(self) -> None:
+        """Wait until the worker has written back every posted eviction and has no round trip in flight."""
+        self.worker.wait_idle()
+
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """After :meth:`quiesce`: (ids, rows) of every row in the cache. Rows prefetched for iterations
+        not yet computed equal the shards' copies; the others are newer."""
+        ids = np.flatnonzero(self.worker.slot_of >= 0)
+        return ids, self._rows_in_slots(self.worker.slot_of[ids])
+
+    def _collect_worker_traffic(self) -> None:
+        self.bytes_fetched += self.worker.bytes_fetched
+        self.bytes_written += self.worker.bytes_written
+        self.worker.bytes_fetched = self.worker.bytes_written = 0
 
     def gather(self, t: int, ids: np.ndarray) -> torch.Tensor:
         start = time.perf_counter()
@@ -332,8 +383,7 @@ class OracleRows(CachedRows):
     def finish(self) -> None:
         self.worker.join()
         self._write_back_all()  # a run shorter than its plan stops with rows still cached
-        self.bytes_fetched += self.worker.bytes_fetched
-        self.bytes_written += self.worker.bytes_written
+        self._collect_worker_traffic()  # once: finish may be called again
 
     def close(self) -> None:
         self.worker.stop()

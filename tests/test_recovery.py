@@ -167,6 +167,30 @@ def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monk
     assert record["chunks"] == 1 and record["stripes_fixed_up"] > 0
 
 
+def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(cluster, tmp_path, monkeypatch):
+    """SIGKILL the worker the rebuild copies onto while its copy tasks run: the rebuild notices
+    (the tasks are pinned to a worker that is gone), starts over on another worker, ends exact."""
+    monkeypatch.setattr(recovery_module, "COPY_PAUSE_S", 0.2)  # the copy is still running when the kill lands
+    submit_copies, killed = recovery_module._submit_copies, []
+
+    def submit_then_kill(group, lost, chunks, worker):
+        futures = submit_copies(group, lost, chunks, worker)
+        if not killed:
+            pid = cluster.run(os.getpid, workers=[worker])[worker]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(worker)
+        return futures
+
+    monkeypatch.setattr(recovery_module, "_submit_copies", submit_then_kill)
+    dataset = make_dataset(tmp_path / "data", 31)
+    _run(tmp_path, dataset, "local", "local")
+    summary = _run(tmp_path, dataset, "run", "lru", cluster, num_shards=2, parity=1, kills=("shard:0@3",))
+    _check_recovered(tmp_path, summary, {"shard:0"})
+    (record,) = summary["parity"]["recoveries"]
+    assert killed and record["restarts"] >= 1
+    assert killed[0] not in record["new_workers"].values()
+
+
 def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path, monkeypatch):
     """SIGKILL data shard 1's worker after a write-back batch was sent to every member but before
     the answers are read: some members applied it, the dead one maybe; the resend and the rebuild

@@ -108,6 +108,77 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(cluster, tmp_pat
         prepare_run(replace(crashed, resume=True))
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_oracle_resumes_at_its_plan_position_bit_identical(cluster, tmp_path, monkeypatch, seed):
+    """Crash an oracle run after a checkpoint; the resume rebuilds the cache the plan implies there and
+    ends bit-identical (state, every loss, traffic) to the uninterrupted oracle run and to local."""
+    from dlrmflow.engine import planner
+
+    rng = np.random.default_rng(900 + seed)
+    dataset = make_dataset(tmp_path / "data", 80 + seed)
+    n, batch_size = 16, int(rng.integers(8, 20))
+    lookahead = int(rng.integers(1, 6))
+    distance = int(rng.integers(1, lookahead + 1))
+    planner.make_plan(dataset, planner.PlanConfig(batch_size=batch_size, lookahead=lookahead,
+                                                  prefetch_distance=distance), tmp_path / "plan")
+    every = int(rng.integers(1, 6))
+    crash = int(rng.integers(every, n))  # after a checkpoint past 0: the resume starts with a warm cache
+    common = dict(iterations=n, batch_size=batch_size, seed=seed, embedding_lr=0.05,
+                  embedding_optimizer=["adagrad", "sgd"][seed % 2], dense_optimizer=["sgd", "adam"][seed % 2])
+    local = train(small_config(dataset, tmp_path / "local", "local", **common))
+    config = small_config(dataset, tmp_path / "full", "oracle", plan_dir=str(tmp_path / "plan"), checkpoint_every=every,
+                          num_shards=int(rng.integers(1, 3)), **common)
+    full = train(config, client=cluster)
+    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
+    with monkeypatch.context() as patch:
+        crash_at(patch, crash)
+        with pytest.raises(Crash):
+            train(crashed, client=cluster)
+    run_dir = tmp_path / "crashed"
+    assert checkpoint_iteration(run_dir / CHECKPOINT_FILE) == crash // every * every
+    resumed = train(replace(crashed, resume=True), client=cluster)
+
+    what = f"oracle L={lookahead} P={distance} every {every} crash {crash}"
+    assert_bit_identical(load_state(tmp_path / "full"), load_state(run_dir), what)
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(run_dir), what)
+    assert resumed["state_sha256"] == full["state_sha256"] == local["state_sha256"]
+    assert losses(run_dir) == losses(tmp_path / "full") == losses(tmp_path / "local")
+    # The cached rows come from the checkpoint, not the shards: the same traffic as the uninterrupted run.
+    assert (resumed["bytes_fetched"], resumed["bytes_written_back"]) == (full["bytes_fetched"],
+                                                                       full["bytes_written_back"])
+    assert resumed["checkpoint"]["resumed_from"] == crash // every * every
+    assert not (run_dir / UNFINISHED_FILE).exists()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(cluster, tmp_path, seed):
+    """Without parity, a shard's worker killed mid-run: the oracle store restarts its prefetch worker at
+    the checkpoint's plan position on fresh shards, replays, and ends bit-identical to local."""
+    from dlrmflow.engine import planner
+
+    rng = np.random.default_rng(950 + seed)
+    dataset = make_dataset(tmp_path / "data", 90 + seed)
+    lookahead = int(rng.integers(1, 6))
+    distance = int(rng.integers(1, lookahead + 1))
+    planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=lookahead, prefetch_distance=distance),
+                      tmp_path / "plan")
+    n, every = 14, int(rng.integers(1, 6))
+    at = int(rng.integers(every, n))
+    common = dict(iterations=n, seed=seed, embedding_lr=0.05)
+    local = train(small_config(dataset, tmp_path / "local", "local", **common))
+    try:
+        run = train(small_config(dataset, tmp_path / "run", "oracle", plan_dir=str(tmp_path / "plan"), num_shards=2,
+                                 checkpoint_every=every, kills=(f"shard:{int(rng.integers(0, 2))}@{at}",), **common),
+                    client=cluster)
+    finally:
+        cluster.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker for the next tests
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), f"oracle kill at {at}")
+    assert run["state_sha256"] == local["state_sha256"]
+    assert losses(tmp_path / "run") == losses(tmp_path / "local")
+    (recovery,) = run["checkpoint"]["recoveries"]
+    assert 0 < recovery["replay_from"] == at // every * every <= at <= recovery["failed_at"]
+
+
 def test_resume_with_parity_re_encodes_parity_from_the_restored_rows(cluster, tmp_path, monkeypatch):
     dataset = make_dataset(tmp_path / "data", 50)
     config = small_config(dataset, tmp_path / "full", "remote", iterations=14, checkpoint_every=4, parity=1,
