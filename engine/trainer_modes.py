@@ -331,6 +331,8 @@ class OracleRows(CachedRows):
             if len(ids):
                 self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
                                        torch.from_numpy(np.ascontiguousarray(rows[ids])).to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the worker's side stream must not race the loads above
         self.worker = PrefetchWorker(
             self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
             self.spec.total_rows, start=t, cached=(ids, slots),

@@ -151,7 +151,7 @@ def test_oracle_resumes_at_its_plan_position_bit_identical(cluster, tmp_path, mo
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(cluster, tmp_path, seed):
+def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(tmp_path, seed):
     """Without parity, a shard's worker killed mid-run: the oracle store restarts its prefetch worker at
     the checkpoint's plan position on fresh shards, replays, and ends bit-identical to local."""
     from dlrmflow.engine import planner
@@ -166,12 +166,12 @@ def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(cluster, t
     at = int(rng.integers(every, n))
     common = dict(iterations=n, seed=seed, embedding_lr=0.05)
     local = train(small_config(dataset, tmp_path / "local", "local", **common))
-    try:
+    # A cluster of its own: the killed worker's restart (slow on a busy machine) delays no other test.
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      silence_logs=logging.CRITICAL) as c, Client(c) as client:
         run = train(small_config(dataset, tmp_path / "run", "oracle", plan_dir=str(tmp_path / "plan"), num_shards=2,
                                  checkpoint_every=every, kills=(f"shard:{int(rng.integers(0, 2))}@{at}",), **common),
-                    client=cluster)
-    finally:
-        cluster.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker for the next tests
+                    client=client)
     assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), f"oracle kill at {at}")
     assert run["state_sha256"] == local["state_sha256"]
     assert losses(tmp_path / "run") == losses(tmp_path / "local")

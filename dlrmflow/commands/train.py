@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rebuild-chunk", type=int, default=262144, metavar="STRIPES",
                         help="stripes per recovery task (default 262144; bounds the rebuild's memory per chunk)")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
-                        help="checkpoint all shards + dense state every N iterations (modes remote and lru): "
+                        help="checkpoint all shards + dense state every N iterations (modes remote, lru, oracle): "
                              "without --parity a lost shard is reloaded and replayed; a crashed run continues "
                              "with `dlrmflow resume RUN_DIR`")
     add_dask_argument(parser)
