@@ -68,6 +68,20 @@ def losses(run_dir: Path) -> list[str]:
 # ---- engine: crash, resume, compare with the uninterrupted run -------------------------------------
 
 
+def crash_then_resume(config, tmp_path, monkeypatch, cluster, crash: int, every: int):
+    """Train ``config`` into tmp_path/crashed until it crashes at iteration ``crash``, check what the crash
+    left (an unfinished run, the last checkpoint), resume it: (crashed config, run dir, resumed summary)."""
+    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
+    with monkeypatch.context() as patch:
+        crash_at(patch, crash)
+        with pytest.raises(Crash):
+            train(crashed, client=cluster)
+    run_dir = tmp_path / "crashed"
+    assert (run_dir / UNFINISHED_FILE).is_file() and not (run_dir / SUMMARY_FILE).exists()
+    assert checkpoint_iteration(run_dir / CHECKPOINT_FILE) == crash // every * every
+    return crashed, run_dir, train(replace(crashed, resume=True), client=cluster)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(cluster, tmp_path, monkeypatch, seed):
     rng = np.random.default_rng(700 + seed)
@@ -80,15 +94,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(cluster, tmp_pat
                           embedding_lr=0.05, dense_optimizer=["sgd", "adam"][int(rng.integers(0, 2))],
                           metrics_every=int(rng.integers(1, 7)), **extra)
     full = train(config, client=cluster)
-    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
-    with monkeypatch.context() as patch:
-        crash_at(patch, crash)
-        with pytest.raises(Crash):
-            train(crashed, client=cluster)
-    run_dir = tmp_path / "crashed"
-    assert (run_dir / UNFINISHED_FILE).is_file() and not (run_dir / SUMMARY_FILE).exists()
-    assert checkpoint_iteration(run_dir / CHECKPOINT_FILE) == crash // every * every
-    resumed = train(replace(crashed, resume=True), client=cluster)
+    crashed, run_dir, resumed = crash_then_resume(config, tmp_path, monkeypatch, cluster, crash, every)
 
     assert_bit_identical(load_state(tmp_path / "full"), load_state(run_dir), f"{mode} every {every} crash {crash}")
     assert resumed["state_sha256"] == full["state_sha256"]
@@ -129,14 +135,7 @@ def test_oracle_resumes_at_its_plan_position_bit_identical(cluster, tmp_path, mo
     config = small_config(dataset, tmp_path / "full", "oracle", plan_dir=str(tmp_path / "plan"), checkpoint_every=every,
                           num_shards=int(rng.integers(1, 3)), **common)
     full = train(config, client=cluster)
-    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
-    with monkeypatch.context() as patch:
-        crash_at(patch, crash)
-        with pytest.raises(Crash):
-            train(crashed, client=cluster)
-    run_dir = tmp_path / "crashed"
-    assert checkpoint_iteration(run_dir / CHECKPOINT_FILE) == crash // every * every
-    resumed = train(replace(crashed, resume=True), client=cluster)
+    crashed, run_dir, resumed = crash_then_resume(config, tmp_path, monkeypatch, cluster, crash, every)
 
     what = f"oracle L={lookahead} P={distance} every {every} crash {crash}"
     assert_bit_identical(load_state(tmp_path / "full"), load_state(run_dir), what)
