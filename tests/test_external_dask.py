@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from cli_helpers import run_json
 from dask.utils import key_split
 from distributed import Client
+from process_helpers import stop_process_groups
 from test_trainers import make_dataset
 
 from dlrmflow.datasets.meta import read_meta
@@ -33,30 +32,6 @@ START_TIMEOUT_S = 120
 WORKERS = {"w0": [], "w1": ["--resources", f"{RESOURCE}=1"], "w2": ["--resources", f"{RESOURCE}=1"]}
 SERVER_WORKERS = {"w1", "w2"}
 ACTOR_CLASSES = {"EmbeddingShard", "CodedShard", "ParityShard"}
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each process group (and every descendant, wherever its group), then SIGKILL what is left."""
-    victims: list[psutil.Process] = []
-    for proc in procs:
-        try:
-            victims += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=15)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-    for proc in procs:
-        proc.wait(timeout=10)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -105,7 +80,7 @@ def external_cluster(tmp_path_factory):
         finally:
             client.close()
     finally:
-        _stop(procs)
+        stop_process_groups(procs, grace_s=15)
 
 
 

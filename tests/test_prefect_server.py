@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
+from process_helpers import stop_process_groups
 
 pytestmark = pytest.mark.slow
 
@@ -47,30 +47,6 @@ def _free_port() -> int:
 
 def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
-
-
-def _stop(proc: subprocess.Popen, first_signal: int = signal.SIGTERM, grace_s: float = 20) -> None:
-    """Signal the process group, wait, then SIGKILL every survivor, descendants in other groups included.
-
-    The worker starts each flow run in a process group of its own, with the run's Dask LocalCluster
-    under it; so the descendants are collected before anything is signalled.
-    """
-    try:
-        victims = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        victims = []
-    try:
-        os.killpg(proc.pid, first_signal)
-    except ProcessLookupError:
-        pass
-    _, alive = psutil.wait_procs(victims, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-    proc.wait(timeout=10)
 
 
 @dataclass
@@ -131,7 +107,7 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
             time.sleep(1)
         yield server
     finally:
-        _stop(proc)
+        stop_process_groups([proc])
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +122,7 @@ def worker(prefect_server) -> Iterator[Path]:
         yield log
     finally:
         # The worker turns SIGTERM into SIGINT and stops its flow runs; a hung one gets SIGKILL.
-        _stop(proc, signal.SIGINT)
+        stop_process_groups([proc], signal.SIGINT)
 
 
 def _declared_deployments() -> set[tuple[str, str]]:
