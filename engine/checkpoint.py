@@ -51,7 +51,7 @@ import torch
 from distributed import Client
 
 from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, warm_up_workers
+from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, is_lost_actor_error, warm_up_workers
 from dlrmflow.engine.placement import place
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.run_state import SUMMARY_FILE
@@ -104,7 +104,7 @@ def is_lost_shard(exc: BaseException) -> bool:
     """A failed call to an actor whose worker died (also when the oracle's prefetch worker made it)."""
     if isinstance(exc, PrefetchError) and exc.__cause__ is not None:
         exc = exc.__cause__
-    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "Worker holding Actor was lost" in str(exc))
+    return is_lost_actor_error(exc)
 
 
 # ---- the checkpoint file ----------------------------------------------------------------------------
@@ -154,9 +154,9 @@ def save_checkpoint(path: Path, t: int, store, model: torch.nn.Module, optimizer
     return {"iteration": t, "seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
     except Exception as exc:  # a truncated or foreign file: say which, not a pickle traceback
@@ -166,12 +166,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def checkpoint_iteration(path: Path) -> int | None:
     """The iteration a checkpoint file resumes at (memory-mapped: the rows are not read); None if absent."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(load_checkpoint(path, mmap=True)["iteration"])
     except FileNotFoundError:
         return None
-    except Exception as exc:
-        raise ResumeError(f"{path} cannot be read as a checkpoint ({exc}); delete it to start the run over") from exc
-    return int(state["iteration"])
 
 
 def restore_dense(state: dict[str, Any], model: torch.nn.Module, optimizer) -> None:

@@ -166,6 +166,12 @@ class ShardGroup:
         self.futures = []
 
 
+def is_lost_actor_error(exc: BaseException) -> bool:
+    """An actor call failed because the actor's worker is gone: a broken connection (OSError, which
+    CommClosedError is too), or Dask refusing to send to a worker it knows is lost."""
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "Worker holding Actor was lost" in str(exc))
+
+
 def _import(module: str) -> None:
     importlib.import_module(module)
 

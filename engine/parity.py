@@ -41,7 +41,7 @@ from distributed import Client
 
 from dlrmflow.engine import gf256
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, warm_up_workers
+from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, is_lost_actor_error, warm_up_workers
 from dlrmflow.engine.erasure import ErasureCode, RowUpdate, gather_stripes
 from dlrmflow.engine.placement import place
 from dlrmflow.errors import UserInputError
@@ -248,10 +248,8 @@ def remote(actor, method: str, *args):
     Dask already knows the worker is lost (it then refuses to even send the call)."""
     try:
         return getattr(actor, method)(*args)
-    except OSError as exc:
-        return _DeadCall(exc)
-    except RuntimeError as exc:
-        if "Worker holding Actor was lost" in str(exc):
+    except (OSError, RuntimeError) as exc:
+        if is_lost_actor_error(exc):
             return _DeadCall(exc)
         raise
 

@@ -201,13 +201,18 @@ def test_id_reader_equals_batch_stream(tmp_path, monkeypatch, block_rows):
 # ---- plans equal the naive reference, chunked equals sequential -------------------------------
 
 
+def capacity_bounds(batches, L: int, P: int) -> tuple[int, int]:
+    """The fewest slots any plan needs (the rows of P + 1 consecutive batches) and the unbounded plan's peak."""
+    need = max((len(set().union(*batches[u : u + P + 1])) for u in range(len(batches))), default=1)
+    return need, naive_plan(batches, L, P, None)[4]
+
+
 def test_sequential_plan_equals_naive_reference(tmp_path):
     rng = np.random.default_rng(1)
     for i in range(40):
         dataset, B, L, P, drop_last = random_case(rng, tmp_path, i)
         batches = stream_sets(dataset, B, drop_last)
-        need = max((len(set().union(*batches[u : u + P + 1])) for u in range(len(batches))), default=1)
-        peak = naive_plan(batches, L, P, None)[4]  # between need and peak the bound bites
+        need, peak = capacity_bounds(batches, L, P)  # between need and peak the bound bites
         for capacity in (None, need, int(rng.integers(need, max(peak, need) + 1)), max(need - 1, 1)):
             config = PlanConfig(B, L, P, capacity, drop_last)
             naive = naive_plan(batches, L, P, capacity)
@@ -225,8 +230,7 @@ def test_chunked_plan_equals_sequential(tmp_path):
     for i in range(40):
         dataset, B, L, P, drop_last = random_case(rng, tmp_path, i)
         batches = stream_sets(dataset, B, drop_last)
-        need = max((len(set().union(*batches[u : u + P + 1])) for u in range(len(batches))), default=1)
-        peak = naive_plan(batches, L, P, None)[4]
+        need, peak = capacity_bounds(batches, L, P)
         capacity = [None, need, max(1, (need + peak) // 2)][i % 3]
         config = PlanConfig(B, L, P, capacity, drop_last)
         reference = plan_sequential(dataset, config)
