@@ -75,7 +75,10 @@ def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: b
 @contextlib.contextmanager
 def process_cluster(n_workers: int) -> Iterator[Client]:
     """``dask scheduler`` + ``n_workers`` x ``dask worker --no-nanny --nthreads 1``, each its own process."""
-    dask = str(Path(sys.executable).parent / "dask")
+    # ``python -m distributed.cli...`` rather than the ``dask`` script: it works wherever distributed
+    # imports from (a venv, or a ``pip install --target`` directory on PYTHONPATH).
+    scheduler_cli = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    worker_cli = [sys.executable, "-m", "distributed.cli.dask_worker"]
     home = Path(tempfile.mkdtemp(prefix="dlrmflow-bench-cluster-"))
     scheduler_file = home / "scheduler.json"
     procs: list[subprocess.Popen] = []
@@ -86,7 +89,7 @@ def process_cluster(n_workers: int) -> Iterator[Client]:
                                           start_new_session=True))
 
     try:
-        start("scheduler", [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+        start("scheduler", [*scheduler_cli, "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                             "--scheduler-file", str(scheduler_file)])
         deadline = time.monotonic() + 120
         while not scheduler_file.is_file():
@@ -94,22 +97,29 @@ def process_cluster(n_workers: int) -> Iterator[Client]:
                 raise RuntimeError(f"dask scheduler did not start; see {home / 'scheduler.log'}")
             time.sleep(0.2)
         for i in range(n_workers):
-            start(f"w{i}", [dask, "worker", "--scheduler-file", str(scheduler_file), "--nthreads", "1",
+            start(f"w{i}", [*worker_cli, "--scheduler-file", str(scheduler_file), "--nthreads", "1",
                             "--no-nanny", "--host", "127.0.0.1", "--no-dashboard", "--name", f"w{i}",
                             "--local-directory", str(home / f"w{i}")])
         with Client(scheduler_file=str(scheduler_file), timeout="60s", direct_to_workers=True) as client:
             client.wait_for_workers(n_workers, timeout=120)
             yield client
     finally:
-        for proc in procs:
+        stop_processes(procs[::-1])  # workers first: a worker whose scheduler is gone hangs in close
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM every process group, give them ``grace_s`` together, then SIGKILL what is left."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
 
 
 @contextlib.contextmanager

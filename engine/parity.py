@@ -29,6 +29,7 @@ the batch is settled.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -41,7 +42,13 @@ from distributed import Client
 
 from dlrmflow.engine import gf256
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, is_lost_actor_error, warm_up_workers
+from dlrmflow.engine.embedding_server import (
+    EmbeddingShard,
+    ShardGroup,
+    answer,
+    is_lost_actor_error,
+    warm_up_workers,
+)
 from dlrmflow.engine.erasure import ErasureCode, RowUpdate, gather_stripes
 from dlrmflow.engine.placement import place
 from dlrmflow.errors import UserInputError
@@ -259,7 +266,7 @@ def _wait_all(calls: list[tuple[int, Any]]) -> tuple[dict[int, Any], LostMembers
     results, lost, cause = {}, set(), None
     for s, call in calls:
         try:
-            results[s] = call.result()
+            results[s] = answer(call)
         except OSError as exc:  # CommClosedError is an OSError too: the member's worker is gone
             lost.add(s)
             cause = exc
@@ -321,10 +328,11 @@ class CodedShardGroup(ShardGroup):
             if len(write_ids):
                 self.seq += 1
                 seq = self.seq
-                old = self.checked_out.take(write_ids)
                 if self.dirty is not None:  # a rebuild is copying a chunk: it re-reads these stripes
                     self.dirty.append(write_ids // self.code.k)
-                delta = self._parity_delta(write_ids, old, write_rows)
+                # Computed once, after the data shards' calls are sent (so it overlaps their round
+                # trip), and kept for a resend.
+                delta = functools.cache(lambda: self._parity_delta(write_ids, write_rows))
                 self.write_batches += 1
             while True:
                 try:
@@ -338,7 +346,9 @@ class CodedShardGroup(ShardGroup):
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
 
-    def _parity_delta(self, ids: np.ndarray, old: np.ndarray, new: np.ndarray):
+    def _parity_delta(self, ids: np.ndarray, new: np.ndarray):
+        """The combined parity message of one write-back: ``new`` against the rows as fetched."""
+        old = self.checked_out.take(ids)
         k = self.code.k
         shard_of = ids % k
         updates = []
@@ -377,10 +387,11 @@ class CodedShardGroup(ShardGroup):
             call = remote(target, "exchange_seq", seq, write_ids[w], np.ascontiguousarray(write_rows[w]), fetch_ids[f])
             calls.append((i, call, f))
         if delta is not None:  # sent now, awaited by _settle: the parity shards work while the trainer does
+            message = delta()
             for p in range(self.code.r):
                 target = self._target(k + p)
                 if target is not None:
-                    self.unsettled.append((k + p, remote(target, "apply", seq, delta.stripes, delta.parity[p])))
+                    self.unsettled.append((k + p, remote(target, "apply", seq, message.stripes, message.parity[p])))
         results, error = _wait_all([(s, c) for s, c, _ in calls])
         if error:
             raise error

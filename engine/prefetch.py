@@ -282,6 +282,8 @@ class PrefetchWorker:
         if len(ids):
             if self.cuda:
                 with torch.cuda.stream(self.stream):
+                    # A plan's slots can be read-only (Arrow buffers); torch wants a writable array.
+                    slots = np.require(slots, requirements="W")
                     index = torch.from_numpy(slots).to(self.cache.device, non_blocking=True)
                     self.cache.index_copy_(0, index, rows.to(self.cache.device, non_blocking=True))
                     event = torch.cuda.Event()
