@@ -83,7 +83,10 @@ class _Sequenced:
     applied: set[int]
 
     def read_stripes(self, start: int, stop: int) -> np.ndarray:
-        return self.rows[start:stop].copy()
+        """Rows of stripes ``[start, stop)``, not copied: only a rebuild's bulk copy reads them, and a
+        stripe written while its bytes are on the way is in the rebuild's dirty log and re-read
+        under the lock (see :mod:`dlrmflow.engine.recovery`)."""
+        return self.rows[start:stop]
 
     def gather(self, stripes: np.ndarray) -> np.ndarray:
         return gather_stripes(self.rows, stripes)

@@ -122,20 +122,39 @@ def _place_replacements(group: CodedShardGroup, need: list[int], generation: int
     return placed
 
 
+# Reads that a chunk's task issued for the next chunk, taken by the next chunk's task: per worker
+# process, keyed by (rebuild id, first stripe). Owned by the rebuild tasks on this worker (they run
+# one after the other: each depends on the previous one); a task drops what another rebuild left.
+_READ_AHEAD: dict[tuple[str, int], dict[int, Any]] = {}
+
+
+def _read_chunk(survivors: dict[int, Any], start: int, stop: int, pause_s: float) -> dict[int, Any]:
+    calls = {}
+    for s, actor in survivors.items():  # one after the other when a test stretches the window
+        if pause_s and calls:
+            time.sleep(pause_s)
+        calls[s] = actor.read_stripes(start, stop)
+    return calls
+
+
 def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: dict[int, Any],
-                       start: int, stop: int, n_rows: dict[int, int], pause_s: float = 0.0) -> int:
+                       start: int, stop: int, n_rows: dict[int, int], pause_s: float = 0.0, *,
+                       rebuild_id: str = "", next_chunk: tuple[int, int] | None = None,
+                       previous: Any = None) -> int:
     """Runs as a Dask task on a replacement's worker: read stripes ``[start, stop)`` from the
     survivors (worker to worker), decode the lost members, install them on their replacements.
 
-    No lock is held: the caller fixes up the stripes written meanwhile (see the module docstring)."""
-    code = ErasureCode(k, r)
-    pieces = {}
-    for s, actor in survivors.items():  # one after the other when a test stretches the window
-        if pause_s and pieces:
-            time.sleep(pause_s)
-        pieces[s] = actor.read_stripes(start, stop)
-    pieces = {s: call.result() for s, call in pieces.items()}
-    decoded = code.decode(pieces, sorted(replacements), n_rows=n_rows)
+    Before decoding it sends the reads of ``next_chunk``, so they travel while this chunk is
+    decoded and installed (two chunks in memory at most). ``previous`` is the previous chunk's
+    task: depending on it keeps the tasks in chunk order. No lock is held: the caller fixes up the
+    stripes written meanwhile (see the module docstring; a read-ahead is inside the same window)."""
+    for key in [key for key in _READ_AHEAD if key[0] != rebuild_id]:
+        del _READ_AHEAD[key]
+    calls = _READ_AHEAD.pop((rebuild_id, start), None) or _read_chunk(survivors, start, stop, pause_s)
+    if next_chunk is not None:
+        _READ_AHEAD[(rebuild_id, next_chunk[0])] = _read_chunk(survivors, *next_chunk, pause_s)
+    pieces = {s: call.result() for s, call in calls.items()}
+    decoded = ErasureCode(k, r).decode(pieces, sorted(replacements), n_rows=n_rows)
     installs = []
     for s in sorted(replacements):
         local = _local_actor(replacements[s])
@@ -170,16 +189,20 @@ def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[tuple[i
     """Step 2 for every chunk at once: bulk-copy tasks on ``worker``, in chunk order (no lock held).
 
     They run one after the other on the replacement's worker while the rebuild thread fixes up the
-    chunks already copied, so the per-task round trip is paid once, not per chunk."""
+    chunks already copied, so the per-task round trip is paid once, not per chunk; each task sends
+    the next chunk's reads before it decodes its own."""
     with group.lock:
         survivors = {s: group.members[s] for s in _survivors(group, lost)}
         replacements = {s: group.replacement[s] for s in lost}
+        rebuild_id = f"{id(group)}-{group.generation}-{time.monotonic_ns()}"
     futures = []
     for i, (start, stop) in enumerate(chunks):
         n_rows = {s: rows_in_stripes(group.rows_of[s], start, stop) for s in lost}
         futures.append(group.client.submit(
             rebuild_chunk_task, group.code.k, group.code.r, survivors, replacements, start, stop, n_rows,
-            COPY_PAUSE_S, workers=[worker], allow_other_workers=False, pure=False, priority=len(chunks) - i))
+            COPY_PAUSE_S, rebuild_id=rebuild_id, next_chunk=chunks[i + 1] if i + 1 < len(chunks) else None,
+            previous=futures[-1] if futures else None, workers=[worker], allow_other_workers=False, pure=False,
+            priority=len(chunks) - i))
     return futures
 
 
