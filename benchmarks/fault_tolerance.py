@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 from bench_data import synthetic_dataset
 from distributed import Client
 
@@ -73,8 +74,9 @@ def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: b
 
 
 @contextlib.contextmanager
-def process_cluster(n_workers: int) -> Iterator[Client]:
-    """``dask scheduler`` + ``n_workers`` x ``dask worker --no-nanny --nthreads 1``, each its own process."""
+def process_cluster(n_workers: int, cores: list[int] | None = None) -> Iterator[Client]:
+    """``dask scheduler`` + ``n_workers`` x ``dask worker --no-nanny --nthreads 1``, each its own process
+    (pinned to ``cores`` when given)."""
     # ``python -m distributed.cli...`` rather than the ``dask`` script: it works wherever distributed
     # imports from (a venv, or a ``pip install --target`` directory on PYTHONPATH).
     scheduler_cli = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
@@ -86,7 +88,8 @@ def process_cluster(n_workers: int) -> Iterator[Client]:
     def start(name: str, argv: list[str]) -> None:
         with open(home / f"{name}.log", "wb") as log:
             procs.append(subprocess.Popen(argv, cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+                                          start_new_session=True,
+                                          preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None))
 
     try:
         start("scheduler", [*scheduler_cli, "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
@@ -123,9 +126,9 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None
 
 
 @contextlib.contextmanager
-def cluster_for(kind: str, n_workers: int) -> Iterator[Client]:
+def cluster_for(kind: str, n_workers: int, cores: list[int] | None = None) -> Iterator[Client]:
     if kind == "processes":
-        with process_cluster(n_workers) as client:
+        with process_cluster(n_workers, cores) as client:
             yield client
         return
     with local_cluster(n_workers) as cluster, Client(cluster, direct_to_workers=True) as client:
@@ -185,7 +188,11 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="failure-free runs per mode (default 3)")
     parser.add_argument("--work", default="/tmp/dlrmflow-bench-fault")
+    parser.add_argument("--trainer-cores", type=int, default=0,
+                        help="give the trainer the first N cores (and torch N threads) and the Dask processes the "
+                             "rest, as if they ran on machines of their own (default 0: everything shares every core)")
     args = parser.parse_args()
+    server_cores = partition_cores(args.trainer_cores, args.cluster)
     global MODES
     MODES = ("none", *(f"checkpoint/{int(n)}" for n in args.checkpoint_every.split(",")), "parity R=1",
              "parity R=2")
@@ -205,7 +212,7 @@ def main() -> None:
     # One worker per member (K data + 2 parity) plus a spare for the rebuild.
     n_workers = args.shards + 3
     free: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    with cluster_for(args.cluster, n_workers) as client:
+    with cluster_for(args.cluster, n_workers, server_cores) as client:
         run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
         for round_ in range(args.repeats):
             for mode in MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]:
@@ -222,12 +229,33 @@ def main() -> None:
                 show(mode, "kill", results[mode][True])
     if args.cluster == "processes":  # a killed worker stays dead: each kill run on a fresh cluster
         for mode in MODES[1:]:
-            with cluster_for(args.cluster, n_workers) as client:
+            with cluster_for(args.cluster, n_workers, server_cores) as client:
                 run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
                 results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
                                                           capacity, True), client)
                 show(mode, "kill", results[mode][True])
     print_table(results, table_bytes, args.kill_at)
+
+
+def partition_cores(trainer_cores: int, cluster: str) -> list[int] | None:
+    """Pin this process (the trainer) to its first ``trainer_cores`` cores; the cores left for the
+    Dask processes (None: no partition). A trainer whose torch threads share cores with the servers
+    waits for its slowest thread whenever a server works, which a deployment with servers on their
+    own machines does not see."""
+    cores = sorted(os.sched_getaffinity(0))
+    print(f"machine: {len(cores)} cores, torch {torch.__version__}", end="")
+    if not trainer_cores:
+        print(f" ({torch.get_num_threads()} threads); trainer and Dask processes share every core", flush=True)
+        return None
+    if cluster != "processes":
+        raise SystemExit("--trainer-cores needs --cluster processes (a LocalCluster's workers inherit the trainer's)")
+    if not 0 < trainer_cores < len(cores):
+        raise SystemExit(f"--trainer-cores must be between 1 and {len(cores) - 1} on this machine, got {trainer_cores}")
+    os.sched_setaffinity(0, cores[:trainer_cores])
+    torch.set_num_threads(trainer_cores)
+    print(f"; trainer on cores {cores[0]}-{cores[trainer_cores - 1]} ({trainer_cores} torch threads), "
+          f"Dask scheduler and workers on cores {cores[trainer_cores]}-{cores[-1]}", flush=True)
+    return cores[trainer_cores:]
 
 
 def slug(mode: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine import trainer as trainer_module
 from dlrmflow.engine.batches import BatchStream, global_ids
 from dlrmflow.engine.embedding_rows import RowSpec, apply_update, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, start_shards
+from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, answer, start_shards
 from dlrmflow.engine.prefetch import PlanViolation, PrefetchError, PrefetchWorker
 from dlrmflow.engine.run_state import bit_equal, load_state, read_summary, state_differences
 from dlrmflow.engine.trainer import TrainConfig, TrainConfigError, prepare_run, train
@@ -214,6 +215,27 @@ def test_shard_group_fetch_and_write_back(client):
         everything[ids] = new
         assert np.array_equal(group.all_rows(), everything)
         assert group.bytes_fetched == 100 * spec.row_bytes and group.bytes_written == 50 * spec.row_bytes
+    finally:
+        group.close()
+
+
+def test_answer_is_the_calls_result_or_error_whether_or_not_it_is_in(client):
+    """``answer`` (the shard group's way to read an actor call) gives what ``result()`` gives: the rows,
+    or the shard's own error, taken before the answer arrived and after."""
+    spec = _spec()
+    group = start_shards(client, spec, 3)
+    try:
+        shard, ids = group.actors[1], np.array([1, 4, 7])
+        for wait_first in (False, True):
+            good, bad = shard.fetch(ids), shard.fetch(np.array([1, 3]))
+            if wait_first:
+                deadline = time.monotonic() + 30
+                while not (good.done() and bad.done()):
+                    assert time.monotonic() < deadline, "the calls never finished"
+                    time.sleep(0.01)
+            assert np.array_equal(answer(good), init_rows(spec, ids))
+            with pytest.raises(ValueError, match="does not hold"):
+                answer(bad)
     finally:
         group.close()
 
