@@ -1,7 +1,9 @@
 """Fault tolerance side by side: no protection, checkpoint + replay (two intervals), parity R = 1, 2.
 
 One run, same data, same kill (SIGKILL of the Dask worker hosting data shard 0 when iteration
-``--kill-at`` starts). Every mode trains ``--iterations`` LRU-cached iterations twice: failure-free
+``--kill-at`` starts). Every mode trains ``--iterations`` cached iterations (``--cache lru``, the default:
+write-backs on the training step's path; ``--cache oracle``: the lookahead plan, whose prefetch worker
+does the write-backs, with their parity, in the background) twice: failure-free
 (its overhead), and with the kill (its recovery); ``none`` cannot recover, so it only has the
 failure-free run, which is the baseline of every ratio.
 
@@ -52,6 +54,7 @@ from bench_data import synthetic_dataset
 from distributed import Client
 
 from dlrmflow.engine.cluster import local_cluster
+from dlrmflow.engine.planner import PlanConfig, make_plan
 from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
 
 MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each --checkpoint-every N, parity R=1, R=2
@@ -60,15 +63,15 @@ MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each --chec
 
 
 def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: bool) -> TrainConfig:
-    extra: dict = {}
+    extra: dict = {"capacity": capacity} if args.cache == "lru" else {"plan_dir": str(Path(args.work) / "plan")}
     if mode.startswith("checkpoint"):
         extra["checkpoint_every"] = int(mode.split("/")[1])
     elif mode.startswith("parity"):
         extra.update(parity=int(mode[-1]), rebuild_chunk=args.rebuild_chunk)
     if kill:
         extra["kills"] = (f"shard:0@{args.kill_at}",)
-    return TrainConfig(dataset_dir=str(dataset), mode="lru", output_dir=str(out), batch_size=args.batch,
-                       iterations=args.iterations, num_shards=args.shards, capacity=capacity,
+    return TrainConfig(dataset_dir=str(dataset), mode=args.cache, output_dir=str(out), batch_size=args.batch,
+                       iterations=args.iterations, num_shards=args.shards,
                        embedding_dim=args.dim, bottom_mlp=(64, args.dim), top_mlp=(64, 1), eval_fraction=0.0,
                        metrics_every=args.iterations, save_state=False, **extra)
 
@@ -182,6 +185,8 @@ def main() -> None:
                         help="checkpoint intervals to compare (default 20,100: the kill at 150 replays 10 and 50 "
                              "iterations; 100 costs about what parity costs per iteration)")
     parser.add_argument("--rebuild-chunk", type=int, default=262144)
+    parser.add_argument("--cache", choices=["lru", "oracle"], default="lru",
+                        help="lru (default): write-backs on the step's path; oracle: in the prefetch worker")
     parser.add_argument("--cluster", choices=["processes", "local"], default="processes",
                         help="processes: dask scheduler + dask worker --no-nanny processes, a fresh cluster per kill "
                              "(default); local: one LocalCluster whose nanny restarts a killed worker")
@@ -205,8 +210,13 @@ def main() -> None:
                                     eval_fraction=0.0, embedding_dim=args.dim))
     capacity = 2 * probe.checks["max_distinct_rows_per_batch"]
     table_bytes = probe.spec.total_rows * probe.spec.row_bytes
+    if args.cache == "oracle":
+        plan = make_plan(dataset, PlanConfig(args.batch, lookahead=20, prefetch_distance=2), work / "plan")
+        cache = f"oracle cache (plan L=20, P=2: {plan['num_slots']:,} slots)"
+    else:
+        cache = f"LRU cache {capacity:,} rows"
     print(f"data: {rows:,} rows, {probe.spec.total_rows:,} embedding rows x {probe.spec.row_bytes} B = "
-          f"{table_bytes / 1e6:.1f} MB; LRU cache {capacity:,} rows; K={args.shards}; kill shard:0@{args.kill_at}; "
+          f"{table_bytes / 1e6:.1f} MB; {cache}; K={args.shards}; kill shard:0@{args.kill_at}; "
           f"ready in {time.perf_counter() - start:.1f} s", flush=True)
     results = {}
     # One worker per member (K data + 2 parity) plus a spare for the rebuild.
