@@ -29,7 +29,6 @@ the batch is settled.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -331,11 +330,10 @@ class CodedShardGroup(ShardGroup):
             if len(write_ids):
                 self.seq += 1
                 seq = self.seq
+                old = self.checked_out.take(write_ids)
                 if self.dirty is not None:  # a rebuild is copying a chunk: it re-reads these stripes
                     self.dirty.append(write_ids // self.code.k)
-                # Computed once, after the data shards' calls are sent (so it overlaps their round
-                # trip), and kept for a resend.
-                delta = functools.cache(lambda: self._parity_delta(write_ids, write_rows))
+                delta = self._parity_delta(write_ids, old, write_rows)
                 self.write_batches += 1
             while True:
                 try:
@@ -349,9 +347,7 @@ class CodedShardGroup(ShardGroup):
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
 
-    def _parity_delta(self, ids: np.ndarray, new: np.ndarray):
-        """The combined parity message of one write-back: ``new`` against the rows as fetched."""
-        old = self.checked_out.take(ids)
+    def _parity_delta(self, ids: np.ndarray, old: np.ndarray, new: np.ndarray):
         k = self.code.k
         shard_of = ids % k
         updates = []
@@ -390,11 +386,10 @@ class CodedShardGroup(ShardGroup):
             call = remote(target, "exchange_seq", seq, write_ids[w], np.ascontiguousarray(write_rows[w]), fetch_ids[f])
             calls.append((i, call, f))
         if delta is not None:  # sent now, awaited by _settle: the parity shards work while the trainer does
-            message = delta()
             for p in range(self.code.r):
                 target = self._target(k + p)
                 if target is not None:
-                    self.unsettled.append((k + p, remote(target, "apply", seq, message.stripes, message.parity[p])))
+                    self.unsettled.append((k + p, remote(target, "apply", seq, delta.stripes, delta.parity[p])))
         results, error = _wait_all([(s, c) for s, c, _ in calls])
         if error:
             raise error
