@@ -51,7 +51,13 @@ import torch
 from distributed import Client
 
 from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, is_lost_actor_error, warm_up_workers
+from dlrmflow.engine.embedding_server import (
+    EmbeddingShard,
+    ShardGroup,
+    answer,
+    is_lost_actor_error,
+    warm_up_workers,
+)
 from dlrmflow.engine.placement import place
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.run_state import SUMMARY_FILE
@@ -76,12 +82,22 @@ class ResumeError(UserInputError):
 
 
 class RestoredShard(EmbeddingShard):
-    """An embedding shard that starts from given rows (a checkpoint's) instead of the initial ones."""
+    """An embedding shard that starts from given rows (a checkpoint's) instead of the initial ones:
+    created empty, then :meth:`restore` receives its rows in an actor call, straight from the
+    trainer to the worker (as task arguments they would travel inside the graph, via the scheduler)."""
 
-    def __init__(self, spec: RowSpec, shard: int, num_shards: int, rows: np.ndarray) -> None:
+    def __init__(self, spec: RowSpec, shard: int, num_shards: int) -> None:
         self.spec, self.shard, self.num_shards = spec, shard, num_shards
-        self.rows = np.array(rows, dtype=np.float32, copy=True)
+        self.rows = np.empty((len(range(shard, spec.total_rows, num_shards)), spec.width), dtype=np.float32)
         self.rows_fetched = self.rows_written = 0
+
+    def restore(self, rows: np.ndarray) -> int:
+        """All of this shard's rows, copied as bytes."""
+        if rows.shape != self.rows.shape or rows.dtype != np.float32:
+            raise ValueError(f"shard {self.shard} holds float32 rows of shape {self.rows.shape}, "
+                             f"got {rows.dtype} {rows.shape}")
+        self.rows.view(np.uint8)[:] = np.ascontiguousarray(rows).view(np.uint8)
+        return len(rows)
 
 
 def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None) -> ShardGroup:
@@ -89,13 +105,13 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
     each is (``worker_of``)."""
     placed = place(client.scheduler_info()["workers"], k).workers
     warm_up_workers(client)
-    if rows is None:
-        futures = [client.submit(EmbeddingShard, spec, i, k, actor=True, workers=[w], pure=False)
-                   for i, w in enumerate(placed)]
-    else:
-        futures = [client.submit(RestoredShard, spec, i, k, np.ascontiguousarray(rows[i::k]), actor=True,
-                                 workers=[w], pure=False) for i, w in enumerate(placed)]
+    shard_class = EmbeddingShard if rows is None else RestoredShard
+    futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)
+               for i, w in enumerate(placed)]
     group = ShardGroup(spec, [f.result() for f in futures], futures)
+    if rows is not None:
+        for call in [actor.restore(np.ascontiguousarray(rows[i::k])) for i, actor in enumerate(group.actors)]:
+            answer(call)
     group.worker_of = placed
     return group
 

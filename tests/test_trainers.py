@@ -22,6 +22,7 @@ from dlrmflow.datasets.meta import DatasetError
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine import trainer as trainer_module
 from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.checkpoint import RestoredShard
 from dlrmflow.engine.embedding_rows import RowSpec, apply_update, init_rows
 from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, answer, start_shards
 from dlrmflow.engine.prefetch import PlanViolation, PrefetchError, PrefetchWorker
@@ -199,6 +200,18 @@ def test_shard_refuses_rows_it_does_not_hold():
         shard.fetch(np.array([1, 3]))
     with pytest.raises(ValueError, match="float32 rows of shape"):
         shard.write_back(np.array([1, 4]), np.zeros((2, 2), np.float32))
+
+
+def test_a_restored_shard_holds_exactly_the_rows_it_was_given():
+    spec = _spec()
+    shard = RestoredShard(spec, 1, 3)
+    ids = np.arange(1, spec.total_rows, 3)
+    rows = np.random.default_rng(0).standard_normal((len(ids), spec.width)).astype(np.float32)
+    rows.view(np.uint32)[0, 0] = 0x7FC00001  # a NaN payload survives: bytes are copied, not floats
+    assert shard.restore(rows) == len(ids)
+    assert np.array_equal(shard.fetch(ids).view(np.uint32), rows.view(np.uint32))
+    with pytest.raises(ValueError, match="shard 1 holds float32 rows of shape"):
+        shard.restore(rows[1:])
 
 
 def test_shard_group_fetch_and_write_back(client):
