@@ -87,9 +87,7 @@ class RestoredShard(EmbeddingShard):
     trainer to the worker (as task arguments they would travel inside the graph, via the scheduler)."""
 
     def __init__(self, spec: RowSpec, shard: int, num_shards: int) -> None:
-        self.spec, self.shard, self.num_shards = spec, shard, num_shards
-        self.rows = np.empty((len(range(shard, spec.total_rows, num_shards)), spec.width), dtype=np.float32)
-        self.rows_fetched = self.rows_written = 0
+        super().__init__(spec, shard, num_shards, initialise=False)
 
     def restore(self, rows: np.ndarray) -> int:
         """All of this shard's rows, copied as bytes."""

@@ -29,15 +29,16 @@ INIT_CHUNK_ROWS = 1 << 18  # rows initialised per step (bounds the hash's tempor
 class EmbeddingShard:
     """Shard ``shard`` of ``num_shards``: the rows ``shard, shard + K, shard + 2K, ...``."""
 
-    def __init__(self, spec: RowSpec, shard: int, num_shards: int) -> None:
+    def __init__(self, spec: RowSpec, shard: int, num_shards: int, initialise: bool = True) -> None:
+        """``initialise=False``: zero rows, for a shard whose rows arrive later (a rebuild, a checkpoint)."""
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
         self.spec = spec
         self.shard = shard
         self.num_shards = num_shards
         n_local = len(range(shard, spec.total_rows, num_shards))
-        self.rows = np.empty((n_local, spec.width), dtype=np.float32)
-        for lo in range(0, n_local, INIT_CHUNK_ROWS):
+        self.rows = np.zeros((n_local, spec.width), dtype=np.float32)
+        for lo in range(0, n_local, INIT_CHUNK_ROWS) if initialise else ():
             hi = min(lo + INIT_CHUNK_ROWS, n_local)
             ids = np.arange(lo, hi, dtype=np.int64) * num_shards + shard
             self.rows[lo:hi] = init_rows(spec, ids)

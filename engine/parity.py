@@ -114,12 +114,7 @@ class CodedShard(_Sequenced, EmbeddingShard):
     """A data shard that applies each numbered write-back batch once."""
 
     def __init__(self, spec: RowSpec, shard: int, num_shards: int, initialise: bool = True) -> None:
-        if initialise:
-            EmbeddingShard.__init__(self, spec, shard, num_shards)
-        else:  # a rebuild target: the rows come from the rebuild
-            self.spec, self.shard, self.num_shards = spec, shard, num_shards
-            self.rows = np.zeros((len(range(shard, spec.total_rows, num_shards)), spec.width), np.float32)
-            self.rows_fetched = self.rows_written = 0
+        EmbeddingShard.__init__(self, spec, shard, num_shards, initialise)  # not initialised: a rebuild target
         self.applied = set()
 
     def exchange_seq(self, seq: int, write_ids: np.ndarray, write_rows: np.ndarray,
