@@ -7,6 +7,10 @@ does the write-backs, with their parity, in the background) twice: failure-free
 (its overhead), and with the kill (its recovery); ``none`` cannot recover, so it only has the
 failure-free run, which is the baseline of every ratio.
 
+Modes: none, checkpoint every N (``--checkpoint-every``), parity R = 1 and R = 2, and R = 1 with the
+rebuild capped at ``--paced-rate`` MB/s (``--rebuild-rate``: it trades a longer rebuild for training
+during it; its failure-free runs are R = 1's, which it equals until a failure).
+
 Reported per mode:
 
 - ms/iteration failure-free: the median train step plus the checkpoint writes spread over the
@@ -57,7 +61,15 @@ from dlrmflow.engine.cluster import local_cluster
 from dlrmflow.engine.planner import PlanConfig, make_plan
 from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
 
-MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each --checkpoint-every N, parity R=1, R=2
+MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each N, parity R=1, R=2, R=1 rate-limited
+
+
+def paced_mode(rate: float) -> str:
+    return f"R=1 @{rate:g}MB/s"
+
+
+def rebuild_rate(mode: str) -> float:
+    return float(mode.split("@")[1].removesuffix("MB/s")) if "@" in mode else 0.0
 
 
 
@@ -66,8 +78,9 @@ def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: b
     extra: dict = {"capacity": capacity} if args.cache == "lru" else {"plan_dir": str(Path(args.work) / "plan")}
     if mode.startswith("checkpoint"):
         extra["checkpoint_every"] = int(mode.split("/")[1])
-    elif mode.startswith("parity"):
-        extra.update(parity=int(mode[-1]), rebuild_chunk=args.rebuild_chunk)
+    elif "R=" in mode:
+        extra.update(parity=int(mode.split("R=")[1][0]), rebuild_chunk=args.rebuild_chunk,
+                     rebuild_rate=rebuild_rate(mode))
     if kill:
         extra["kills"] = (f"shard:0@{args.kill_at}",)
     return TrainConfig(dataset_dir=str(dataset), mode=args.cache, output_dir=str(out), batch_size=args.batch,
@@ -185,6 +198,8 @@ def main() -> None:
                         help="checkpoint intervals to compare (default 20,100: the kill at 150 replays 10 and 50 "
                              "iterations; 100 costs about what parity costs per iteration)")
     parser.add_argument("--rebuild-chunk", type=int, default=262144)
+    parser.add_argument("--paced-rate", type=float, default=100.0, metavar="MB/S",
+                        help="also run R=1 with the rebuild capped at MB/S (--rebuild-rate; default 100; 0: skip)")
     parser.add_argument("--cache", choices=["lru", "oracle"], default="lru",
                         help="lru (default): write-backs on the step's path; oracle: in the prefetch worker")
     parser.add_argument("--cluster", choices=["processes", "local"], default="processes",
@@ -200,7 +215,7 @@ def main() -> None:
     server_cores = partition_cores(args.trainer_cores, args.cluster)
     global MODES
     MODES = ("none", *(f"checkpoint/{int(n)}" for n in args.checkpoint_every.split(",")), "parity R=1",
-             "parity R=2")
+             "parity R=2", *([paced_mode(args.paced_rate)] if args.paced_rate else []))
     work = Path(args.work)
     rows = args.batch * args.iterations
     start = time.perf_counter()
@@ -221,17 +236,20 @@ def main() -> None:
     results = {}
     # One worker per member (K data + 2 parity) plus a spare for the rebuild.
     n_workers = args.shards + 3
-    free: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    # A rebuild rate changes nothing until a failure: the rate-limited mode shares R=1's failure-free runs.
+    free_modes = [mode for mode in MODES if not rebuild_rate(mode)]
+    free: dict[str, list[dict]] = {mode: [] for mode in free_modes}
     with cluster_for(args.cluster, n_workers, server_cores) as client:
         run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
         for round_ in range(args.repeats):
-            for mode in MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]:
+            for mode in free_modes[round_ % len(free_modes):] + free_modes[: round_ % len(free_modes)]:
                 out = work / f"run-{slug(mode)}-free"
                 free[mode].append(run_once(config_for(mode, args, dataset, out, capacity, False), client))
                 show(mode, "free", free[mode][-1])
         for mode in MODES:
-            results[mode] = {False: median_run(free[mode]),
-                             "free_seconds": float(np.median([r["train_seconds"] for r in free[mode]]))}
+            runs = free[mode if mode in free else "parity R=1"]
+            results[mode] = {False: median_run(runs),
+                             "free_seconds": float(np.median([r["train_seconds"] for r in runs]))}
             if mode != "none" and args.cluster == "local":
                 client.wait_for_workers(n_workers, timeout=60)  # the nanny restarted the killed one
                 results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",

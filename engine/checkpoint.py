@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from distributed import Client
 
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.embedding_rows import RowSpec
 from dlrmflow.engine.embedding_server import (
     EmbeddingShard,
@@ -101,7 +102,7 @@ class RestoredShard(EmbeddingShard):
 def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None) -> ShardGroup:
     """K shards placed like every group's (:func:`~dlrmflow.engine.placement.place`), remembering where
     each is (``worker_of``)."""
-    placed = place(client.scheduler_info()["workers"], k).workers
+    placed = place(cluster_workers(client), k).workers
     warm_up_workers(client)
     shard_class = EmbeddingShard if rows is None else RestoredShard
     futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)

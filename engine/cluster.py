@@ -72,3 +72,13 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None) -> 
         raise UserInputError(f"cannot reach the Dask scheduler at {address!r}: {exc}") from exc
     with client:
         yield client
+
+
+def cluster_workers(client: Client) -> dict[str, dict]:
+    """The scheduler's info on every worker, keyed by address (as ``client.scheduler_info()["workers"]``).
+
+    Asked of the scheduler each time, not read from the client's cached identity: the client's
+    own periodic refresh stores an identity without workers (``n_workers=0``), and when it lands
+    between ``scheduler_info()``'s fetch and its return, the cluster looks empty (seen here:
+    "no workers to host embedding servers" on a cluster with five)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]

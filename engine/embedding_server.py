@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from distributed import Client
 
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.placement import place
 
@@ -200,7 +201,7 @@ def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
     (workers with the ``embedding_server`` resource when any has it; distinct hosts, then workers)."""
     if num_shards < 1:
         raise ValueError(f"need at least one shard, got {num_shards}")
-    workers = place(client.scheduler_info()["workers"], num_shards).workers
+    workers = place(cluster_workers(client), num_shards).workers
     warm_up_workers(client)
     futures = [
         client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False)

@@ -10,14 +10,19 @@ index ``s`` names both kinds: ``0..K-1`` data, ``K..K+R-1`` parity.
 Write-backs. The trainer is the only writer. Every fetch of a row leaves a copy of what was
 fetched in the group (:class:`CheckedOutRows`: "the old row the trainer fetched"); when the row
 is written back, the group takes that copy, and the parity change of the whole batch is
-``combine_deltas`` of (old, new) per data shard: one message per parity shard with each touched
-stripe once. A write-back batch gets a sequence number; data shards and parity shards record the
-numbers they applied and ignore a batch they have already applied, so a resent batch (after a
-shard died mid-batch) is applied exactly once. :meth:`CodedShardGroup.exchange` returns once the
-data shards have acknowledged (their answer carries the fetched rows); the parity shards'
-acknowledgements are awaited at the start of the next batch, or before anything reads parity
-(*settled*), so parity shards apply a batch while the trainer computes. Between two batches,
-once settled, data and parity are a consistent codeword.
+``combine_deltas`` of (old, new) per data shard: each touched stripe once. A write-back batch gets
+a sequence number; data shards and parity shards record the numbers they applied and ignore a
+batch they have already applied, so a resent batch (after a shard died mid-batch) is applied
+exactly once. :meth:`CodedShardGroup.exchange` returns once the data shards have acknowledged
+(their answer carries the fetched rows). The parity deltas of up to ``parity_batches``
+consecutive batches travel in one message per parity shard (each batch with its number), and
+that message's acknowledgement is awaited when the next one is sent: an actor call costs the
+trainer and the servers far more than its few kilobytes of deltas, so a message per batch was
+most of parity's overhead. Before anything reads parity (a degraded read, a rebuild, verify) the
+pending deltas are sent and acknowledged (*settled*). Once settled, data and parity are a
+consistent codeword. Deltas still pending live only in the trainer: losing them with the trainer
+loses nothing, since a crashed trainer resumes from its checkpoint and re-encodes parity; a parity
+shard that dies with deltas pending is rebuilt from the data shards, which hold those batches.
 
 Failures and recovery. A call to a member whose worker died raises ``OSError``: the group marks
 the member lost, resends the batch to the survivors (idempotent) and starts a background rebuild
@@ -40,6 +45,7 @@ import numpy as np
 from distributed import Client
 
 from dlrmflow.engine import gf256
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.embedding_server import (
     EmbeddingShard,
@@ -53,6 +59,7 @@ from dlrmflow.engine.placement import place
 from dlrmflow.errors import UserInputError
 
 ENCODE_CHUNK_STRIPES = 1 << 16
+PARITY_BATCHES = 8  # write-back batches whose parity deltas share one message per parity shard
 
 
 def num_stripes(spec: RowSpec, k: int) -> int:
@@ -117,12 +124,15 @@ class CodedShard(_Sequenced, EmbeddingShard):
         EmbeddingShard.__init__(self, spec, shard, num_shards, initialise)  # not initialised: a rebuild target
         self.applied = set()
 
-    def exchange_seq(self, seq: int, write_ids: np.ndarray, write_rows: np.ndarray,
-                     fetch_ids: np.ndarray) -> np.ndarray:
+    def exchange_seq(self, seq: int, write_ids: np.ndarray, write_rows: np.ndarray, fetch_ids: np.ndarray,
+                     gather: np.ndarray | None = None):
+        """Apply write-back batch ``seq`` (once), fetch rows; with ``gather``, also return this shard's
+        rows of those stripes, after the batch (a degraded read's survivor piece): ``(rows, stripes)``."""
         if len(write_ids) and seq not in self.applied:
             self.write_back(write_ids, write_rows)
             self.applied.add(seq)
-        return self.fetch(fetch_ids)
+        rows = self.fetch(fetch_ids)
+        return rows if gather is None else (rows, self.gather(gather))
 
 
 def encode_parity_of_initial_rows(spec: RowSpec, code: ErasureCode, p: int) -> np.ndarray:
@@ -163,6 +173,16 @@ class ParityShard(_Sequenced):
         self.applied.add(seq)
         self.stripes_updated += len(stripes)
         return len(stripes)
+
+    def apply_batches(self, seqs: list[int], stripes: list[np.ndarray], deltas: list[np.ndarray]) -> int:
+        """:meth:`apply` for several batches that came in one message, in order."""
+        return sum(self.apply(*batch) for batch in zip(seqs, stripes, deltas, strict=True))
+
+    def apply_and_gather(self, seqs: list[int], stripes: list[np.ndarray], deltas: list[np.ndarray],
+                         gather: np.ndarray) -> np.ndarray:
+        """:meth:`apply_batches`, then the parity rows of stripes ``gather`` (for a degraded read)."""
+        self.apply_batches(seqs, stripes, deltas)
+        return self.gather(gather)
 
 
 class CheckedOutRows:
@@ -276,7 +296,8 @@ class CodedShardGroup(ShardGroup):
     Same interface as :class:`ShardGroup` (the trainer modes do not know about parity)."""
 
     def __init__(self, spec: RowSpec, client: Client, code: ErasureCode, members: list, futures: list,
-                 workers: list[str], *, rebuild_chunk: int = 262144,
+                 workers: list[str], *, rebuild_chunk: int = 262144, parity_batches: int = PARITY_BATCHES,
+                 rebuild_rate: float = 0.0,
                  recovery_runner: Callable[[Callable[[], dict], dict], dict] | None = None) -> None:
         super().__init__(spec, members[: code.k], futures[: code.k])
         self.client, self.code = client, code
@@ -288,6 +309,9 @@ class CodedShardGroup(ShardGroup):
         self.write_batches = 0
         self.degraded_rows = 0
         self.rebuild_chunk = rebuild_chunk
+        self.parity_batches = parity_batches
+        self.rebuild_rate = rebuild_rate  # bytes of rebuilt rows per second (0: as fast as it goes)
+        self.parity_messages = 0
         self.recovery_runner = recovery_runner
         self.n_stripes = num_stripes(spec, code.k)
         self.rows_of = shard_row_counts(spec, code.k) + [self.n_stripes] * code.r
@@ -298,7 +322,8 @@ class CodedShardGroup(ShardGroup):
         self.replacement_workers: dict[int, str] = {}
         self.dead_workers: set[str] = set()
         self.cursor = 0  # stripes [0, cursor) of every lost member are rebuilt on its replacement
-        self.unsettled: list[tuple[int, Any]] = []  # parity applies sent but not yet acknowledged
+        self.pending: list[tuple[int, Any]] = []  # (seq, StripeDelta) of batches whose deltas are not sent yet
+        self.unsettled: list[tuple[int, Any]] = []  # parity messages sent but not yet acknowledged
         self.dirty: list[np.ndarray] | None = None  # while a rebuild copies a chunk: stripes written since
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
@@ -317,25 +342,26 @@ class CodedShardGroup(ShardGroup):
             out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
         with self.lock:
             self._raise_fatal()
-            try:
-                self._settle()  # the previous batch is applied everywhere before this one is sent
-            except LostMembersError as exc:
-                self.on_lost(exc.members)
-            seq, delta = 0, None
+            seq = 0
             if len(write_ids):
                 self.seq += 1
                 seq = self.seq
                 old = self.checked_out.take(write_ids)
                 if self.dirty is not None:  # a rebuild is copying a chunk: it re-reads these stripes
                     self.dirty.append(write_ids // self.code.k)
-                delta = self._parity_delta(write_ids, old, write_rows)
+                self.pending.append((seq, self._parity_delta(write_ids, old, write_rows)))
                 self.write_batches += 1
             while True:
                 try:
-                    self._exchange_once(seq, write_ids, write_rows, fetch_ids, delta, out)
+                    self._exchange_once(seq, write_ids, write_rows, fetch_ids, out)
                     break
                 except LostMembersError as exc:
                     self.on_lost(exc.members)  # raises TooManyErasuresError past R; else resend
+            if len(self.pending) >= self.parity_batches:
+                try:
+                    self._send_parity()
+                except LostMembersError as exc:
+                    self.on_lost(exc.members)
             if len(fetch_ids):
                 self.checked_out.put(fetch_ids, out)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
@@ -360,64 +386,96 @@ class CodedShardGroup(ShardGroup):
             return self.members[s]
         return self.replacement.get(s)
 
-    def _exchange_once(self, seq, write_ids, write_rows, fetch_ids, delta, out) -> None:
+    def _exchange_once(self, seq, write_ids, write_rows, fetch_ids, out) -> None:
+        """One round trip: every data shard's write-back and fetch; with rows of a lost data shard to
+        read (a *degraded read*), the survivors' stripes for their decode come in the same round trip:
+        a surviving data shard gathers them after applying this batch, a surviving parity shard after
+        applying the pending deltas (this batch's included)."""
         k = self.code.k
-        calls, degraded = [], []
+        plan, degraded = [], []
         for i, (w, f) in enumerate(zip(self._split(write_ids), self._split(fetch_ids), strict=True)):
             w, f = w[1], f[1]
-            if not len(w) and not len(f):
-                continue
             target = self._target(i)
             if i in self.lost:  # rebuilt stripes come from the replacement, the rest by degraded reads
-                stripes = fetch_ids[f] // k
-                if target is None:
-                    degraded.append((i, f))
-                    f = f[:0]
-                else:
-                    degraded.append((i, f[stripes >= self.cursor]))
-                    f = f[stripes < self.cursor]
+                rebuilt = fetch_ids[f] // k < self.cursor if target is not None else np.zeros(len(f), dtype=bool)
+                if not rebuilt.all():
+                    degraded.append((i, f[~rebuilt]))
+                f = f[rebuilt]
                 if target is None:
                     continue  # the write reaches parity; the rebuild decodes it from survivors
-            call = remote(target, "exchange_seq", seq, write_ids[w], np.ascontiguousarray(write_rows[w]), fetch_ids[f])
-            calls.append((i, call, f))
-        if delta is not None:  # sent now, awaited by _settle: the parity shards work while the trainer does
-            for p in range(self.code.r):
-                target = self._target(k + p)
-                if target is not None:
-                    self.unsettled.append((k + p, remote(target, "apply", seq, delta.stripes, delta.parity[p])))
+            plan.append((i, target, w, f))
+        stripes, survivors = None, ()
+        if degraded:
+            stripes = np.unique(np.concatenate([fetch_ids[f] // k for _, f in degraded]))
+            survivors = self.code.survivors_for([s for s in range(self.code.n_shards) if s not in self.lost])
+            self._await_acks()  # earlier parity messages land before this read of parity
+        calls = []
+        for i, target, w, f in plan:
+            gather = stripes if i in survivors else None
+            if len(w) or len(f) or gather is not None:
+                rows = np.ascontiguousarray(write_rows[w])
+                calls.append((i, remote(target, "exchange_seq", seq, write_ids[w], rows, fetch_ids[f], gather), f))
+        if stripes is not None:  # the other parity shards' acknowledgements are awaited later
+            for s, call in self._send_pending(gather=stripes, to=survivors):
+                if s in survivors:
+                    calls.append((s, call, None))
+                else:
+                    self.unsettled.append((s, call))
         results, error = _wait_all([(s, c) for s, c, _ in calls])
         if error:
             raise error
+        pieces = {}
         for s, _, f in calls:
-            if f is not None and len(f):
+            if s in survivors:
+                if s >= k:
+                    pieces[s] = results[s]
+                    continue
+                results[s], pieces[s] = results[s]
+            if len(f):
                 out[f] = results[s]
         if degraded:
-            self._degraded_reads(fetch_ids, degraded, out)
-
-    def _degraded_reads(self, fetch_ids, degraded, out) -> None:
-        """Decode lost rows on demand from K survivors (after this batch's writes are applied)."""
-        degraded = [(i, f) for i, f in degraded if len(f)]
-        if not degraded:
-            return
-        k = self.code.k
-        self._settle()  # parity takes part in the decode: it must hold this batch
-        stripes = np.unique(np.concatenate([fetch_ids[f] // k for _, f in degraded]))
-        survivors = self.code.survivors_for([s for s in range(self.code.n_shards) if s not in self.lost])
-        pieces, error = _wait_all([(s, remote(self.members[s], "gather", stripes)) for s in survivors])
-        if error:
-            raise error
-        decoded = self.code.decode(pieces, sorted(self.lost))
-        for i, f in degraded:
-            out[f] = decoded[i][np.searchsorted(stripes, fetch_ids[f] // k)]
-            self.degraded_rows += len(f)
+            decoded = self.code.decode(pieces, sorted(self.lost))
+            for i, f in degraded:
+                out[f] = decoded[i][np.searchsorted(stripes, fetch_ids[f] // k)]
+                self.degraded_rows += len(f)
 
     # ---- failures ---------------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Wait for the parity acknowledgements still out (lock held); raises LostMembersError."""
+    def _send_parity(self) -> None:
+        """Send the pending deltas, one message per parity shard, once the previous message is
+        acknowledged (lock held; raises LostMembersError)."""
+        self._await_acks()
+        self.unsettled += self._send_pending()
+
+    def _send_pending(self, gather: np.ndarray | None = None, to: tuple[int, ...] = ()) -> list[tuple[int, Any]]:
+        """Calls that hand every parity shard the pending deltas; those in ``to`` also return their
+        rows of stripes ``gather`` once the deltas are applied. A parity shard that is lost, and not
+        yet replaced, gets nothing: its rebuild decodes these batches from the data shards."""
+        batches, self.pending = self.pending, []
+        seqs, stripes = [seq for seq, _ in batches], [delta.stripes for _, delta in batches]
+        k, calls = self.code.k, []
+        for p in range(self.code.r):
+            target = self._target(k + p)
+            if target is None or not (batches or k + p in to):
+                continue
+            parity = [delta.parity[p] for _, delta in batches]
+            if k + p in to:
+                calls.append((k + p, remote(target, "apply_and_gather", seqs, stripes, parity, gather)))
+            else:
+                calls.append((k + p, remote(target, "apply_batches", seqs, stripes, parity)))
+        self.parity_messages += bool(batches)
+        return calls
+
+    def _await_acks(self) -> None:
         calls, self.unsettled = self.unsettled, []
         _, error = _wait_all(calls)
         if error:
             raise error
+
+    def _settle(self) -> None:
+        """Send the pending parity deltas and wait for every acknowledgement (lock held); raises
+        LostMembersError."""
+        self._send_parity()
+        self._await_acks()
 
     def _raise_fatal(self) -> None:
         if self.fatal is not None:
@@ -545,6 +603,7 @@ class CodedShardGroup(ShardGroup):
         return {
             "parity_shards": self.code.r,
             "write_back_batches": self.write_batches,
+            "parity_messages": self.parity_messages,  # per parity shard: up to parity_batches batches each
             "parity_bytes_sent": int(self.parity_bytes),
             "degraded_rows_read": int(self.degraded_rows),
             "checked_out_rows_bytes": self.checked_out.nbytes,
@@ -564,7 +623,7 @@ def place_members(client: Client, n: int) -> tuple[list[str], bool]:
     ``embedding_server`` resource when any has it; distinct hosts, then distinct workers, then round robin.
 
     Returns the addresses and whether some members share a worker."""
-    placement = place(client.scheduler_info()["workers"], n)
+    placement = place(cluster_workers(client), n)
     return placement.workers, placement.shares_worker
 
 
@@ -579,7 +638,8 @@ def start_member(client: Client, spec: RowSpec, code: ErasureCode, s: int, worke
 
 
 def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: int, *,
-                       rebuild_chunk: int = 262144, recovery_runner=None,
+                       rebuild_chunk: int = 262144, parity_batches: int = PARITY_BATCHES, rebuild_rate: float = 0.0,
+                       recovery_runner=None,
                        rows: np.ndarray | None = None) -> CodedShardGroup:
     """K coded data shards and R parity shards: parity = the encoding of the initial rows, or of
     ``rows`` ``[total_rows, width]`` when given (a resumed run's checkpoint)."""
@@ -594,7 +654,7 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
         for call in [actors[s].install(0, piece) for s, piece in enumerate(pieces)]:
             call.result()
     group = CodedShardGroup(spec, client, code, actors, futures, workers, rebuild_chunk=rebuild_chunk,
-                            recovery_runner=recovery_runner)
+                            parity_batches=parity_batches, rebuild_rate=rebuild_rate, recovery_runner=recovery_runner)
     group.shared_workers = shared
     return group
 

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.lookahead import (
     RangeDecisions,
     assign_slots,
@@ -198,7 +199,7 @@ def plan_chunked(
     if chunk < 1:
         raise PlanError(f"chunk_iterations must be >= 1, got {chunk}")
     if table_groups is None:
-        table_groups = len(client.scheduler_info()["workers"]) if client is not None else 1
+        table_groups = len(cluster_workers(client)) if client is not None else 1
     chunks = split_ranges(n, -(-n // chunk)) or [(0, 0)]  # equal chunks of at most ``chunk`` iterations
     groups = split_ranges(n_tables, table_groups)
     tasks = [(c, g) for c in chunks for g in groups]

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.erasure import ErasureCode, rows_in_stripes, stripe_chunks
 from dlrmflow.engine.parity import (
     CodedShardGroup,
@@ -60,6 +61,7 @@ from dlrmflow.engine.placement import choose_rebuild_worker, least_loaded_worker
 
 FRESH_WORKER_WAIT_S = 10.0  # how long a rebuild waits for a worker that hosts no live member
 YIELD_S = 0.0  # pause between chunks (tests raise it to catch degraded reads)
+PACED_CHUNK_S = 0.05  # with a rebuild rate: chunks this long, so the copy's sends come in small pieces
 COPY_PAUSE_S = 0.0  # pause between a bulk copy's survivor reads (tests raise it: writes land in between)
 
 
@@ -75,7 +77,7 @@ def _run(group: CodedShardGroup) -> None:
     try:
         with group.lock:
             info = {"lost": [member_name(s, group.code.k) for s in sorted(group.lost)],
-                    "stripes": group.n_stripes, "chunk": group.rebuild_chunk}
+                    "stripes": group.n_stripes, "chunk": chunk_stripes(group, len(group.lost))}
         if group.recovery_runner is not None:
             group.recovery_runner(lambda progress=None: rebuild_lost(group, progress), info)
         else:
@@ -94,7 +96,7 @@ def choose_worker(group: CodedShardGroup, wait_s: float = FRESH_WORKER_WAIT_S) -
         with group.lock:
             busy = [group.worker_of[s] for s in range(group.code.n_shards) if s not in group.lost]
             busy += [w for s, w in group.replacement_workers.items() if s in group.replacement]
-        info = group.client.scheduler_info()["workers"]
+        info = cluster_workers(group.client)
         worker = choose_rebuild_worker(info, busy, group.dead_workers)
         if worker is not None:
             return worker
@@ -140,18 +142,22 @@ def _read_chunk(survivors: dict[int, Any], start: int, stop: int, pause_s: float
 def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: dict[int, Any],
                        start: int, stop: int, n_rows: dict[int, int], pause_s: float = 0.0, *,
                        rebuild_id: str = "", next_chunk: tuple[int, int] | None = None,
-                       previous: Any = None) -> int:
+                       previous: Any = None, seconds: float = 0.0) -> int:
     """Runs as a Dask task on a replacement's worker: read stripes ``[start, stop)`` from the
     survivors (worker to worker), decode the lost members, install them on their replacements.
 
     Before decoding it sends the reads of ``next_chunk``, so they travel while this chunk is
     decoded and installed (two chunks in memory at most). ``previous`` is the previous chunk's
     task: depending on it keeps the tasks in chunk order. No lock is held: the caller fixes up the
-    stripes written meanwhile (see the module docstring; a read-ahead is inside the same window)."""
+    stripes written meanwhile (see the module docstring; a read-ahead is inside the same window).
+
+    ``seconds`` > 0 paces the rebuild (a rate limit): the task lasts at least that long, and the
+    next chunk's reads go out at its end, so the survivors' sends are spread out as well."""
+    began = time.perf_counter()
     for key in [key for key in _READ_AHEAD if key[0] != rebuild_id]:
         del _READ_AHEAD[key]
     calls = _READ_AHEAD.pop((rebuild_id, start), None) or _read_chunk(survivors, start, stop, pause_s)
-    if next_chunk is not None:
+    if next_chunk is not None and not seconds:
         _READ_AHEAD[(rebuild_id, next_chunk[0])] = _read_chunk(survivors, *next_chunk, pause_s)
     pieces = {s: call.result() for s, call in calls.items()}
     decoded = ErasureCode(k, r).decode(pieces, sorted(replacements), n_rows=n_rows)
@@ -164,6 +170,10 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
             installs.append(replacements[s].install(start, decoded[s]))
     for call in installs:
         call.result()
+    if seconds:
+        time.sleep(max(0.0, seconds - (time.perf_counter() - began)))
+        if next_chunk is not None:
+            _READ_AHEAD[(rebuild_id, next_chunk[0])] = _read_chunk(survivors, *next_chunk, pause_s)
     return sum(n_rows.values())
 
 
@@ -202,8 +212,19 @@ def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[tuple[i
             rebuild_chunk_task, group.code.k, group.code.r, survivors, replacements, start, stop, n_rows,
             COPY_PAUSE_S, rebuild_id=rebuild_id, next_chunk=chunks[i + 1] if i + 1 < len(chunks) else None,
             previous=futures[-1] if futures else None, workers=[worker], allow_other_workers=False, pure=False,
+            seconds=sum(n_rows.values()) * group.spec.row_bytes / group.rebuild_rate if group.rebuild_rate else 0.0,
             priority=len(chunks) - i))
     return futures
+
+
+def chunk_stripes(group: CodedShardGroup, n_lost: int) -> int:
+    """Stripes per chunk: ``rebuild_chunk``, or fewer with a rate limit, so that a paced chunk lasts
+    about PACED_CHUNK_S (a burst of 17 MB per survivor every 0.18 s stalls training more than
+    many small ones)."""
+    if not group.rebuild_rate:
+        return group.rebuild_chunk
+    paced = int(group.rebuild_rate * PACED_CHUNK_S / (group.spec.row_bytes * n_lost))
+    return max(1, min(group.rebuild_chunk, paced))
 
 
 class _Superseded(Exception):
@@ -221,7 +242,7 @@ def _wait_done(group: CodedShardGroup, future, generation: int, worker: str, pol
         with group.lock:
             if group.generation != generation or group.fatal is not None:
                 raise _Superseded()
-        if worker not in group.client.scheduler_info()["workers"]:
+        if worker not in cluster_workers(group.client):
             raise OSError(f"the worker {worker} the rebuild uses is gone")
 
 
@@ -267,7 +288,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             if group.generation != generation:
                 continue
             group.cursor = 0
-        chunks = stripe_chunks(group.n_stripes, group.rebuild_chunk)
+        chunks = stripe_chunks(group.n_stripes, chunk_stripes(group, len(lost)))
         worker = record.workers.get(lost[0]) or group.replacement_workers[lost[0]]
         with group.lock:
             group._raise_fatal()

@@ -58,7 +58,7 @@ from dlrmflow.engine.erasure import TooManyErasuresError
 from dlrmflow.engine.faults import FaultInjector, check_kills
 from dlrmflow.engine.metrics import log_loss, roc_auc
 from dlrmflow.engine.model import DLRM, DLRMConfig, bce_loss
-from dlrmflow.engine.parity import parity_report, start_coded_shards
+from dlrmflow.engine.parity import PARITY_BATCHES, parity_report, start_coded_shards
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.run_state import FORMAT_VERSION, save_state, state_hash, write_summary
 from dlrmflow.engine.trainer_modes import CapacityError, LocalRows, LruRows, OracleRows, RemoteRows, RowStore
@@ -98,6 +98,8 @@ class TrainConfig:
     parity: int = 0  # R parity shards (erasure-coded embedding servers; 0: none)
     kills: tuple[str, ...] = ()  # failure injection: "shard:I@ITER" / "parity:J@ITER"
     rebuild_chunk: int = 262144  # stripes per recovery task (bounds a rebuild's memory per chunk)
+    parity_batches: int = PARITY_BATCHES  # write-back batches whose parity deltas share one message
+    rebuild_rate: float = 0.0  # MB/s of rows a rebuild may write (0: unlimited); leaves the trainer its cores
     checkpoint_every: int | None = None  # checkpoint every N iterations: reload + replay on a loss, resume a crash
     resume: bool = False  # continue the unfinished run in output_dir from its checkpoint (same configuration)
 
@@ -185,6 +187,10 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
             raise TrainConfigError("--checkpoint-every works with --mode remote, lru or oracle")
     if config.rebuild_chunk < 1:
         raise TrainConfigError(f"rebuild_chunk must be >= 1, got {config.rebuild_chunk}")
+    if config.parity_batches < 1:
+        raise TrainConfigError(f"--parity-batches must be >= 1, got {config.parity_batches}")
+    if not config.rebuild_rate >= 0:  # also refuses NaN
+        raise TrainConfigError(f"--rebuild-rate must be >= 0 MB/s (0: unlimited), got {config.rebuild_rate}")
     if config.capacity is not None and config.mode in ("local", "remote"):
         raise TrainConfigError(f"--capacity is used by --mode lru and oracle, not --mode {config.mode}")
     if config.mode == "lru" and (config.capacity is None or config.capacity < 1):
@@ -283,7 +289,8 @@ def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=No
         raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
     if config.parity:
         shards = start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
-                                    rebuild_chunk=config.rebuild_chunk, recovery_runner=recovery_runner)
+                                    rebuild_chunk=config.rebuild_chunk, parity_batches=config.parity_batches,
+                                    rebuild_rate=config.rebuild_rate * 1e6, recovery_runner=recovery_runner)
     elif config.checkpoint_every:
         shards = start_placed_shards(client, setup.spec, config.num_shards, rows)
     else:

@@ -53,6 +53,8 @@ def train_flow(
     parity: int = 0,
     kills: list[str] | None = None,
     rebuild_chunk: int = 262144,
+    parity_batches: int = 8,
+    rebuild_rate: float = 0.0,
     checkpoint_every: int | None = None,
     resume: bool = False,
     dask_address: str | None = None,
@@ -68,7 +70,7 @@ def train_flow(
         top_mlp=tuple(top_mlp) if top_mlp else TrainConfig.top_mlp, embedding_optimizer=embedding_optimizer,
         dense_optimizer=dense_optimizer, lr=lr, embedding_lr=embedding_lr, eval_fraction=eval_fraction,
         metrics_every=metrics_every, parity=parity, kills=tuple(kills or ()), rebuild_chunk=rebuild_chunk,
-        checkpoint_every=checkpoint_every, resume=resume,
+        parity_batches=parity_batches, rebuild_rate=rebuild_rate, checkpoint_every=checkpoint_every, resume=resume,
     )
     params = asdict(config)
     checked = check_task(params)

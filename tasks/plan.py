@@ -10,7 +10,7 @@ from typing import Any
 from prefect import task
 
 from dlrmflow.engine import cache_policies
-from dlrmflow.engine.cluster import dask_client
+from dlrmflow.engine.cluster import cluster_workers, dask_client
 from dlrmflow.engine.planner import PlanConfig, make_plan
 from dlrmflow.tasks.reporting import FlowProgress, publish_plot, publish_table
 
@@ -26,7 +26,7 @@ def plan_task(dataset_dir: str, config: PlanConfig, output_dir: str, chunk_itera
         summary = make_plan(dataset_dir, config, output_dir, client=client, chunk_iterations=chunk_iterations,
                             progress=FlowProgress("plan chunks done"))
         seconds = time.perf_counter() - started
-        workers = len(client.scheduler_info()["workers"])
+        workers = len(cluster_workers(client))
     ids = summary["counts"]["ids"]
     return {**summary, "output": output_dir, "seconds": seconds, "dask_workers": workers,
             "ids_per_second": ids / seconds if seconds else None,

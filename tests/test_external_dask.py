@@ -23,6 +23,7 @@ from process_helpers import stop_process_groups
 from test_trainers import make_dataset
 
 from dlrmflow.datasets.meta import read_meta
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.placement import RESOURCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
@@ -91,7 +92,7 @@ def _executed_prefixes(client: Client) -> dict[str, set[str]]:
     def executed(dask_worker) -> list[str]:
         return sorted({key_split(ev[0]) for ev in dask_worker.state.log if len(ev) > 2 and ev[2] == "executing"})
 
-    names = {addr: w["name"] for addr, w in client.scheduler_info()["workers"].items()}
+    names = {addr: w["name"] for addr, w in cluster_workers(client).items()}
     return {names[addr]: set(prefixes) for addr, prefixes in client.run(executed).items()}
 
 
@@ -160,7 +161,7 @@ def test_embedding_servers_and_parity_run_only_on_the_workers_with_the_resource(
     advertises embedding_server, spread over both of them; the plain worker hosts none."""
     monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
     dataset = make_dataset(tmp_path / "data", 0)
-    workers = external_cluster.scheduler_info()["workers"]
+    workers = cluster_workers(external_cluster)
     address_of = {w["name"]: a for a, w in workers.items()}
     assert {n for n, a in address_of.items() if workers[a]["resources"].get(RESOURCE)} == SERVER_WORKERS
     common = ["train", str(dataset), "--mode", "remote", "--batch-size", "16", "--iterations", "6",

@@ -15,6 +15,7 @@ from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
 
 from dlrmflow.engine import parity as parity_module
+from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.embedding_server import EmbeddingShard
 from dlrmflow.engine.erasure import ErasureCode
@@ -25,6 +26,7 @@ from dlrmflow.engine.parity import (
     CodedShard,
     CodedShardGroup,
     ParityShard,
+    place_members,
     verify_run_dir,
 )
 from dlrmflow.engine.run_state import load_state, save_state
@@ -128,34 +130,44 @@ def test_parity_runs_are_bit_identical_and_verify(client, tmp_path, seed):
     mode = ["remote", "lru", "oracle"][seed]
     extra = {"capacity": 200} if mode == "lru" else {}
     plan = keep_all_plan(dataset, 16, 14, 2) if mode == "oracle" else None
-    r = int(rng.integers(1, 3))
+    r, batches = int(rng.integers(1, 3)), [1, 3, 100][seed]
     summary = _run(tmp_path, dataset, "parity", mode, client, plan, num_shards=2, parity=r,
-                   rebuild_chunk=int(rng.integers(1, 50)), **extra, **common)
+                   rebuild_chunk=int(rng.integers(1, 50)), parity_batches=batches, **extra, **common)
     assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "parity"), f"{mode} R={r}")
     report = summary["parity"]
     assert report["verify"] == {"ok": True, "stripes": report["verify"]["stripes"], "mismatched_stripes": [0] * r}
     assert report["recoveries"] == [] and report["degraded_rows_read"] == 0
     assert report["write_back_batches"] >= 1 and report["parity_bytes_sent"] > 0
+    # Up to `batches` write-back batches per parity message; the rest goes before verify reads parity.
+    assert report["parity_messages"] == -(-report["write_back_batches"] // batches)
     assert len(set(report["member_workers"].values())) == 2 + r  # every member on its own worker
     assert verify_run_dir(tmp_path / "parity")["ok"]
 
 
 def test_resending_every_write_back_batch_changes_nothing(client, tmp_path, monkeypatch):
-    """Every batch is sent twice to every member: the sequence numbers make the second a no-op
-    (without them the parity deltas would XOR out and verify would fail)."""
+    """Every batch is sent twice to every data shard and every parity message twice to every parity
+    shard: the sequence numbers make the second a no-op (without them the parity deltas would XOR
+    out and verify would fail)."""
     dataset = make_dataset(tmp_path / "data", 5)
     _run(tmp_path, dataset, "local", "local")
-    original = CodedShardGroup._exchange_once
-    sent = {"batches": 0}
+    original, original_remote = CodedShardGroup._exchange_once, parity_module.remote
+    sent = {"batches": 0, "parity": 0}
 
     def twice(self, seq, *args):
         original(self, seq, *args)
         sent["batches"] += 1
         original(self, seq, *args)
 
+    def parity_twice(actor, method, *args):
+        if method == "apply_batches":
+            sent["parity"] += 1
+            original_remote(actor, method, *args)
+        return original_remote(actor, method, *args)
+
     monkeypatch.setattr(CodedShardGroup, "_exchange_once", twice)
-    summary = _run(tmp_path, dataset, "parity", "remote", client, num_shards=2, parity=2)
-    assert sent["batches"] > 10
+    monkeypatch.setattr(parity_module, "remote", parity_twice)
+    summary = _run(tmp_path, dataset, "parity", "remote", client, num_shards=2, parity=2, parity_batches=3)
+    assert sent["batches"] > 10 and sent["parity"] > 2 * 3
     assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "parity"), "resent")
     assert summary["parity"]["verify"]["ok"]
 
@@ -194,6 +206,16 @@ def test_group_verify_reports_a_corrupted_parity_shard(client):
         group.close()
 
 
+def test_placement_sees_every_worker_whatever_the_clients_cached_identity(client):
+    """The client's periodic refresh caches an identity without workers; ``scheduler_info()`` can
+    return that cache if the refresh lands just after its own fetch. Held open here, the window
+    must not hide the workers from placement."""
+    client.sync(client._update_scheduler_info)  # what the periodic refresh stores
+    assert client._scheduler_identity["workers"] == {}
+    assert len(cluster_workers(client)) == 4
+    assert len(place_members(client, 3)[0]) == 3
+
+
 def test_bad_parity_and_kill_options_are_clear_errors(tmp_path):
     dataset = make_dataset(tmp_path / "data", 0)
     out = tmp_path / "never"
@@ -203,6 +225,11 @@ def test_bad_parity_and_kill_options_are_clear_errors(tmp_path):
         prepare_run(small_config(dataset, out, "remote", parity=5))
     with pytest.raises(TrainConfigError, match="--kill needs --parity"):
         prepare_run(small_config(dataset, out, "remote", kills=("shard:0@1",)))
+    with pytest.raises(TrainConfigError, match="--parity-batches must be >= 1, got 0"):
+        prepare_run(small_config(dataset, out, "remote", parity=1, parity_batches=0))
+    for rate in (-1.0, float("nan")):
+        with pytest.raises(TrainConfigError, match="--rebuild-rate must be >= 0 MB/s"):
+            prepare_run(small_config(dataset, out, "remote", parity=1, rebuild_rate=rate))
     for spec, match in [("shard0@1", "expected shard:I@ITER"), ("disk:0@1", "expected"),
                         ("shard:2@1", "no shard 2 with --shards 2"), ("parity:1@1", "no parity 1 with --parity 1"),
                         ("shard:0@12", "past the last one")]:

@@ -97,7 +97,8 @@ def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed):
     mode = ["remote", "lru", "oracle"][seed]
     shard, at = int(rng.integers(0, 2)), int(rng.integers(0, ITERATIONS))
     summary = _run(tmp_path, dataset, "run", mode, cluster, seed=seed, num_shards=2, parity=1,
-                   kills=(f"shard:{shard}@{at}",), rebuild_chunk=int(rng.integers(1, 40)))
+                   kills=(f"shard:{shard}@{at}",), rebuild_chunk=int(rng.integers(1, 40)),
+                   parity_batches=int(rng.integers(1, 2 * ITERATIONS)))
     _check_recovered(tmp_path, summary, {f"shard:{shard}"})
     (record,) = summary["parity"]["recoveries"]
     assert record["rows_rebuilt"] == shard_row_counts(prepare_run(small_config(dataset, tmp_path, "local")).spec,
@@ -114,8 +115,26 @@ def test_kill_two_shards_with_two_parity_shards(cluster, tmp_path, seed):
     killed = [members[i] for i in rng.choice(4, size=2, replace=False)]
     kills = tuple(f"{m}@{int(rng.integers(0, ITERATIONS))}" for m in killed)
     summary = _run(tmp_path, dataset, "run", ["remote", "lru"][seed], cluster, num_shards=2, parity=2, kills=kills,
-                   rebuild_chunk=int(rng.integers(1, 40)))
+                   rebuild_chunk=int(rng.integers(1, 40)), parity_batches=int(rng.integers(1, 2 * ITERATIONS)))
     _check_recovered(tmp_path, summary, set(killed))
+
+
+def test_a_rate_limited_rebuild_takes_its_time_in_small_chunks_and_ends_exact(cluster, tmp_path):
+    """--rebuild-rate caps a rebuild: the bulk copy of B bytes lasts at least B / rate, in chunks of
+    about PACED_CHUNK_S each, while training goes on (degraded reads); the run still ends exact."""
+    dataset = make_dataset(tmp_path / "data", 23)
+    _run(tmp_path, dataset, "local", "local")
+    spec = prepare_run(small_config(dataset, tmp_path, "local")).spec
+    lost_bytes = shard_row_counts(spec, 2)[0] * spec.row_bytes
+    rate = lost_bytes / 0.5 / 1e6  # MB/s for a copy of at least 0.5 s
+    summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=("shard:0@2",),
+                   rebuild_rate=rate)
+    _check_recovered(tmp_path, summary, {"shard:0"})
+    (record,) = summary["parity"]["recoveries"]
+    assert record["copy_seconds"] >= 0.5
+    chunk = int(rate * 1e6 * recovery_module.PACED_CHUNK_S / spec.row_bytes)
+    assert record["chunks"] == -(-record["stripes"] // chunk) >= 10
+    assert summary["parity"]["degraded_rows_read"] > 0
 
 
 def test_rows_not_yet_rebuilt_are_served_by_degraded_reads(cluster, tmp_path, monkeypatch):
@@ -192,9 +211,10 @@ def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(
 
 
 def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path, monkeypatch):
-    """SIGKILL data shard 1's worker after a write-back batch was sent to every member but before
-    the answers are read: some members applied it, the dead one maybe; the resend and the rebuild
-    still give the exact rows."""
+    """SIGKILL data shard 1's worker after a write-back batch was sent to the data shards but before
+    their answers are read, with parity deltas still pending in the trainer: some members applied
+    the batch, the dead one maybe; the resend, the pending deltas and the rebuild still give the
+    exact rows."""
     dataset = make_dataset(tmp_path / "data", 21)
     _run(tmp_path, dataset, "local", "local")
     groups = []
@@ -210,8 +230,8 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
     def kill_then_wait(calls):
         state["calls"] += 1
         group = groups[-1]
-        # A batch's calls to the 2 data shards, its parity delta already sent (awaited later):
-        if state["killed"] is None and group.seq >= 6 and len(calls) == 2 and group.unsettled:
+        # A batch's calls to the 2 data shards, its parity delta pending (sent with later batches'):
+        if state["killed"] is None and group.seq >= 6 and len(calls) == 2 and group.pending:
             address = group.worker_of[1]
             pid = cluster.run(os.getpid, workers=[address])[address]
             os.kill(pid, signal.SIGKILL)

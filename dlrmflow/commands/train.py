@@ -61,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shard J when iteration ITER starts; needs --parity")
     parser.add_argument("--rebuild-chunk", type=int, default=262144, metavar="STRIPES",
                         help="stripes per recovery task (default 262144; bounds the rebuild's memory per chunk)")
+    parser.add_argument("--rebuild-rate", type=float, default=0.0, metavar="MB/S",
+                        help="cap a rebuild at MB/S of rebuilt rows (default 0: as fast as it goes). On machines "
+                             "the trainer shares with the servers, a cap leaves training more of the cores "
+                             "while a lost shard is rebuilt, and the rebuild takes longer")
+    parser.add_argument("--parity-batches", type=int, default=8, metavar="N",
+                        help="write-back batches whose parity deltas go to the parity shards in one message "
+                             "(default 8; 1: a message per batch). Fewer messages cost the trainer less; "
+                             "pending deltas are sent before anything reads parity")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="checkpoint all shards + dense state every N iterations (modes remote, lru, oracle): "
                              "without --parity a lost shard is reloaded and replayed; a crashed run continues "
@@ -76,7 +84,7 @@ def flow_parameters(args: argparse.Namespace) -> dict[str, Any]:
         top_mlp=args.top_mlp, embedding_optimizer=args.embedding_optimizer, dense_optimizer=args.dense_optimizer,
         lr=args.lr, embedding_lr=args.embedding_lr, eval_fraction=args.eval_fraction,
         metrics_every=args.metrics_every, parity=args.parity, kills=args.kill, rebuild_chunk=args.rebuild_chunk,
-        checkpoint_every=args.checkpoint_every,
+        parity_batches=args.parity_batches, rebuild_rate=args.rebuild_rate, checkpoint_every=args.checkpoint_every,
         dask_address=args.dask_address,
     )
 
