@@ -15,6 +15,8 @@ Reported per mode:
 
 - ms/iteration failure-free: the median train step plus the checkpoint writes spread over the
   iterations (median over ``--repeats`` failure-free runs in rotated order), and its overhead vs none;
+  also per round (each mode's run against the none run of the same round, which ran minutes apart at
+  most): the median and the range of those ratios, which show how much of a few percent is noise;
 - time to recover: parity, detection -> every lost stripe rebuilt (training runs meanwhile);
   checkpoint, detection -> reloaded and replayed back to the iteration that failed;
 - throughput during recovery: new iterations finished per second between detection and
@@ -206,7 +208,7 @@ def main() -> None:
                         help="processes: dask scheduler + dask worker --no-nanny processes, a fresh cluster per kill "
                              "(default); local: one LocalCluster whose nanny restarts a killed worker")
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="failure-free runs per mode (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="failure-free runs per mode (default 5)")
     parser.add_argument("--work", default="/tmp/dlrmflow-bench-fault")
     parser.add_argument("--trainer-cores", type=int, default=0,
                         help="give the trainer the first N cores (and torch N threads) and the Dask processes the "
@@ -248,7 +250,7 @@ def main() -> None:
                 show(mode, "free", free[mode][-1])
         for mode in MODES:
             runs = free[mode if mode in free else "parity R=1"]
-            results[mode] = {False: median_run(runs),
+            results[mode] = {False: median_run(runs), "rounds": runs,
                              "free_seconds": float(np.median([r["train_seconds"] for r in runs]))}
             if mode != "none" and args.cluster == "local":
                 client.wait_for_workers(n_workers, timeout=60)  # the nanny restarted the killed one
@@ -315,6 +317,17 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
 
     row("ms/iteration (failure-free)", each(lambda m, r: f"{step_ms(r[False]):.1f}"))
     row("overhead vs none", each(lambda m, r: f"{100 * (step_ms(r[False]) / base_ms - 1):+.1f}%"))
+
+    def paired(m, r):  # each round's run against that round's none run (neighbours in time): less drift
+        ratios = [step_ms(a) / step_ms(b) - 1 for a, b in zip(r["rounds"], results["none"]["rounds"], strict=True)]
+        return f"{100 * np.median(ratios):+.1f}%"
+
+    def spread(m, r):
+        ratios = [step_ms(a) / step_ms(b) - 1 for a, b in zip(r["rounds"], results["none"]["rounds"], strict=True)]
+        return f"{100 * min(ratios):+.0f}..{100 * max(ratios):+.0f}%"
+
+    row("  per round, median", each(paired))
+    row("  per round, range", each(spread))
     rec = {m: recovery_numbers(m, results[m][True], kill_at) for m in MODES if m != "none"}
     row("time to recover (s)", each(lambda m, r: f"{rec[m]['recover_s']:.3f}"))
     for ref in [m for m in MODES if m.startswith("checkpoint")]:

@@ -295,10 +295,14 @@ def test_cli_kill_recover_verify_and_too_many(tmp_path, capsys):
     code, out, err = _cli([*common, "--mode", "local", "--output", str(tmp_path / "local")], capsys)
     assert code == 0, err
     code, out, err = _cli([*common, "--mode", "remote", "--output", str(tmp_path / "run"), "--parity", "1",
-                           "--kill", "shard:1@5", "--rebuild-chunk", "8"], capsys)
+                           "--kill", "shard:1@5", "--rebuild-chunk", "8", "--parity-batches", "3",
+                           "--rebuild-rate", "0.05"], capsys)
     assert code == 0, err
     summary = json.loads(out)
     assert [r["lost"] for r in summary["parity"]["recoveries"]] == [["data shard 1"]]
+    (record,) = summary["parity"]["recoveries"]
+    row_bytes = (4 + 1) * 4  # embedding dim 4 + rowwise Adagrad's one state value, float32
+    assert record["copy_seconds"] >= record["rows_rebuilt"] * row_bytes / 0.05e6  # the rate cap held
     assert summary["state_sha256"] == json.loads((tmp_path / "local" / SUMMARY_FILE).read_text())["state_sha256"]
     code, out, err = _cli(["verify", str(tmp_path / "run"), "--json"], capsys)
     assert code == 0 and json.loads(out)["ok"], err
