@@ -318,16 +318,12 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
     row("ms/iteration (failure-free)", each(lambda m, r: f"{step_ms(r[False]):.1f}"))
     row("overhead vs none", each(lambda m, r: f"{100 * (step_ms(r[False]) / base_ms - 1):+.1f}%"))
 
-    def paired(m, r):  # each round's run against that round's none run (neighbours in time): less drift
-        ratios = [step_ms(a) / step_ms(b) - 1 for a, b in zip(r["rounds"], results["none"]["rounds"], strict=True)]
-        return f"{100 * np.median(ratios):+.1f}%"
+    def per_round(r) -> np.ndarray:  # each round's run against that round's none run (neighbours in time)
+        return np.array([step_ms(a) / step_ms(b) - 1 for a, b in zip(r["rounds"], results["none"]["rounds"],
+                                                                      strict=True)])
 
-    def spread(m, r):
-        ratios = [step_ms(a) / step_ms(b) - 1 for a, b in zip(r["rounds"], results["none"]["rounds"], strict=True)]
-        return f"{100 * min(ratios):+.0f}..{100 * max(ratios):+.0f}%"
-
-    row("  per round, median", each(paired))
-    row("  per round, range", each(spread))
+    row("  per round, median", each(lambda m, r: f"{100 * np.median(per_round(r)):+.1f}%"))
+    row("  per round, range", each(lambda m, r: f"{100 * per_round(r).min():+.0f}..{100 * per_round(r).max():+.0f}%"))
     rec = {m: recovery_numbers(m, results[m][True], kill_at) for m in MODES if m != "none"}
     row("time to recover (s)", each(lambda m, r: f"{rec[m]['recover_s']:.3f}"))
     for ref in [m for m in MODES if m.startswith("checkpoint")]:
