@@ -31,7 +31,8 @@ common single-failure rebuild (one data shard, from parity 0) is XOR only.
 
 Updates are linear: when data row ``j`` of shard ``i`` changes from ``old`` to ``new``, parity p
 changes by ``C[p, i] * (old ^ new)`` (:meth:`ErasureCode.parity_delta`), and deltas of one stripe
-from several shards simply XOR together (:meth:`ErasureCode.combine_deltas`).
+from several shards, and successive changes of one row, simply XOR together
+(:meth:`ErasureCode.combine_deltas`, :meth:`ErasureCode.combine_changes`).
 
 Every bulk operation takes ``xp`` (NumPy or CuPy); arrays stay on that module's device.
 """
@@ -174,6 +175,23 @@ def _as_rows(a: Any, dtype: np.dtype) -> Any:
     return a.view(dtype)  # uint8 [n, width * itemsize] -> dtype [n, width], no copy
 
 
+def _words(a: Any, xp: Any) -> Any:
+    """A C-contiguous view of 2-D rows as unsigned words of their item size (uint8 for odd sizes):
+    XOR in words touches 4x fewer elements than bytes for float32, over the same memory."""
+    a = xp.ascontiguousarray(a)
+    size = a.dtype.itemsize
+    return a.view(np.dtype(f"u{size}") if size in (1, 2, 4, 8) else np.dtype(np.uint8))
+
+
+def xor_bits(old: Any, new: Any, xp: Any = np) -> Any:
+    """``old ^ new`` over the bit patterns of two row arrays, in their dtype (a row's change)."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise UserInputError(
+            f"old and new rows differ in shape or dtype: {old.dtype} {old.shape} vs {new.dtype} {new.shape}"
+        )
+    return xp.bitwise_xor(_words(old, xp), _words(new, xp)).view(old.dtype)
+
+
 def _index_array(rows: Any, what: str, xp: Any, unique: bool = True) -> Any:
     rows = xp.asarray(rows)
     if rows.ndim != 1 or not (rows.size == 0 or rows.dtype.kind in "iu"):
@@ -295,22 +313,24 @@ class ErasureCode:
 
         Updates of the same stripe from different shards XOR into one row (the code is linear),
         so each parity shard receives one message with each touched stripe once. Applying the
-        result equals applying every update's :meth:`parity_delta` one by one.
+        result equals applying every update's :meth:`parity_delta` one by one. Each update lists
+        a row at most once (its ``old`` would be ambiguous); :meth:`combine_changes` takes any
+        sequence of changes.
         """
         if not updates:
             raise UserInputError("combine_deltas needs at least one row update")
         updates = [RowUpdate(*u) for u in updates]
-        dtype, _ = _check_rows(
+        _check_rows(
             {
                 f"update {n} {name} rows": a
                 for n, u in enumerate(updates)
                 for name, a in (("old", u.old), ("new", u.new))
             }
         )
-        rows = []
+        shards, rows, changes = [], [], []
         for n, u in enumerate(updates):
             self._data_shard(u.shard)
-            idx = _index_array(u.rows, f"update {n} (shard {u.shard}) rows", xp, unique=False)
+            idx = _index_array(u.rows, f"update {n} (shard {u.shard}) rows", xp)
             if idx.size and int(idx.min()) < 0:
                 raise UserInputError(f"update {n} (shard {u.shard}) has a negative row index")
             if idx.size != u.old.shape[0] or u.old.shape != u.new.shape:
@@ -318,44 +338,67 @@ class ErasureCode:
                     f"update {n} (shard {u.shard}) has {idx.size} row indices but old/new rows of shapes "
                     f"{u.old.shape} and {u.new.shape}"
                 )
+            shards.append(xp.full(idx.size, u.shard, dtype=xp.int64))
             rows.append(idx)
-        # One sort of (row, update) keys gives the message's stripes, where each updated row sits in
-        # the message, and the check that no update lists a row twice (its scatter would lose a write).
-        n_updates = len(updates)
-        keys = xp.concatenate([idx * n_updates + j for j, idx in enumerate(rows)])
-        order = xp.argsort(keys)
-        ordered = keys[order]
-        repeated = xp.flatnonzero(ordered[1:] == ordered[:-1])
-        if repeated.size:
-            n = int(ordered[int(repeated[0])]) % n_updates
-            raise UserInputError(f"update {n} (shard {updates[n].shard}) rows repeats a row index; "
-                                 "each row may appear once per update")
-        ordered_rows = ordered // n_updates
-        first = xp.ones(ordered_rows.size, dtype=bool)
-        first[1:] = ordered_rows[1:] != ordered_rows[:-1]
-        stripes = ordered_rows[first]
-        position = xp.empty_like(keys)
-        position[order] = xp.cumsum(first) - 1
-        # XOR in words of the rows' own item size (4x fewer elements than bytes for float32); the
-        # GF(2^8) multiply reads the same memory as bytes.
-        word = np.dtype(f"u{dtype.itemsize}") if dtype.itemsize in (1, 2, 4, 8) else np.dtype(np.uint8)
-        row_words = updates[0].old.shape[1] * dtype.itemsize // word.itemsize
-        acc = [xp.zeros((stripes.size, row_words), dtype=word) for _ in range(self.r)]
-        offset = 0
-        for u, idx in zip(updates, rows, strict=True):
-            at = position[offset : offset + idx.size]
-            offset += idx.size
-            delta = xp.bitwise_xor(xp.ascontiguousarray(u.old).view(word), xp.ascontiguousarray(u.new).view(word))
-            scratch = xp.empty_like(delta) if self.r > 1 else None
-            for p in range(self.r):
-                c = self.coefficient(p, u.shard)
-                if c == 1:  # always for parity 0
-                    product = delta
-                else:
-                    gf256.mul_into(scratch.view(xp.uint8), c, delta.view(xp.uint8), xp)
-                    product = scratch
-                acc[p][at] ^= product  # rows are unique within one update, so no lost writes
-        return StripeDelta(stripes=stripes, parity=[a.view(dtype) for a in acc])
+            changes.append(xor_bits(u.old, u.new, xp))
+        return self.combine_changes(xp.concatenate(shards), xp.concatenate(rows), xp.concatenate(changes), xp)
+
+    def combine_changes(self, shards: Any, rows: Any, changes: Any, xp: Any = np) -> StripeDelta:
+        """The parity change of a sequence of row changes: one row per touched stripe and parity shard.
+
+        Change ``n``: row ``rows[n]`` of data shard ``shards[n]`` went from ``old`` to ``new``, and
+        ``changes[n]`` is ``old ^ new`` (:func:`xor_bits`). The changes may come from many write-back
+        batches in any order, and a row may change several times: the code is linear and
+        ``(a ^ b) ^ (b ^ c) = a ^ c``, so they compose. Applying the result equals applying every
+        change's :meth:`parity_delta` one by one.
+        """
+        shards = _index_array(shards, "change shards", xp, unique=False)
+        rows = _index_array(rows, "change rows", xp, unique=False)
+        dtype, _ = _check_rows({"changes": changes})
+        if not shards.size == rows.size == changes.shape[0]:
+            raise UserInputError(
+                f"{shards.size} shard indices, {rows.size} row indices and {changes.shape[0]} changed rows: "
+                "combine_changes needs one of each per change"
+            )
+        if rows.size and (int(rows.min()) < 0 or int(shards.min()) < 0 or int(shards.max()) >= self.k):
+            raise UserInputError(f"a change names a negative row or a data shard outside 0..{self.k - 1}")
+        changes = _words(changes, xp)
+        # Sort the changes by stripe; the L-th change of each stripe (its rank) touches a stripe no
+        # other change of rank L touches, so each rank is one scatter that loses no write (CuPy has
+        # no ``bitwise_xor.at``/``reduceat``). Ranks are few: K data shards per stripe, plus the
+        # rows that several batches of one message wrote.
+        order = xp.argsort(rows)
+        ordered = rows[order]
+        first = xp.ones(ordered.size, dtype=bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        starts = xp.flatnonzero(first)
+        group = xp.cumsum(first) - 1
+        rank = xp.arange(ordered.size) - starts[group]
+        depth = int(rank.max()) + 1 if rank.size else 0
+        by_rank = [xp.flatnonzero(rank == level) for level in range(1, depth)]
+        changes, shards = changes[order], shards[order]
+        parity = []
+        for p in range(self.r):
+            product = self._times_coefficients(p, shards, changes, xp)
+            acc = product[starts]  # rank 0: every stripe's first change (a copy)
+            for at in by_rank:
+                acc[group[at]] ^= product[at]
+            parity.append(acc.view(dtype))
+        return StripeDelta(stripes=ordered[starts], parity=parity)
+
+    def _times_coefficients(self, p: int, shards: Any, changes: Any, xp: Any) -> Any:
+        """``C[p, shards[n]] * changes[n]`` for every change (bytes); one multiply per data shard."""
+        coefficients = [self.coefficient(p, i) for i in range(self.k)]
+        if all(c == 1 for c in coefficients):  # parity 0 (all ones), so all of r = 1
+            return changes
+        out = xp.empty_like(changes)
+        for i, c in enumerate(coefficients):
+            at = xp.flatnonzero(shards == i)
+            if at.size:
+                part = xp.empty_like(changes[at])
+                gf256.mul_into(part.view(xp.uint8), c, xp.ascontiguousarray(changes[at]).view(xp.uint8), xp)
+                out[at] = part
+        return out
 
     def apply_delta(self, parity: Any, delta: Any, xp: Any = np, *, rows: Any = None) -> None:
         """``parity ^= delta`` in place (bytes), on all rows or on ``rows`` (unique indices or a slice)."""

@@ -10,7 +10,8 @@ index ``s`` names both kinds: ``0..K-1`` data, ``K..K+R-1`` parity.
 Write-backs. The trainer is the only writer. Every fetch of a row leaves a copy of what was
 fetched in the group (:class:`CheckedOutRows`: "the old row the trainer fetched"); when the row
 is written back, the group takes that copy, and the parity change of the whole batch is
-``combine_deltas`` of (old, new) per data shard: each touched stripe once. A write-back batch gets
+``combine_changes`` of its rows' ``old ^ new``: each touched stripe once, computed while the data
+shards work on the batch (on a trainer with a core to spare it costs no step time). A write-back batch gets
 a sequence number; data shards and parity shards record the numbers they applied and ignore a
 batch they have already applied, so a resent batch (after a shard died mid-batch) is applied
 exactly once. :meth:`CodedShardGroup.exchange` returns once the data shards have acknowledged
@@ -56,7 +57,7 @@ from dlrmflow.engine.embedding_server import (
     is_lost_actor_error,
     warm_up_workers,
 )
-from dlrmflow.engine.erasure import ErasureCode, RowUpdate, gather_stripes
+from dlrmflow.engine.erasure import ErasureCode, gather_stripes, xor_bits
 from dlrmflow.engine.placement import place
 from dlrmflow.errors import UserInputError
 
@@ -330,7 +331,8 @@ class CodedShardGroup(ShardGroup):
         self.replacement_workers: dict[int, str] = {}
         self.dead_workers: set[str] = set()
         self.cursor = 0  # stripes [0, cursor) of every lost member are rebuilt on its replacement
-        self.pending: list[tuple[int, Any]] = []  # (seq, StripeDelta) of batches whose deltas are not sent yet
+        # (seq, (ids, row changes) or its StripeDelta once combined) of batches whose deltas are not sent yet
+        self.pending: list[tuple[int, Any]] = []
         self.unsettled: list[tuple[int, Any]] = []  # parity messages sent but not yet acknowledged
         self.dirty: list[np.ndarray] | None = None  # while a rebuild copies a chunk: stripes written since
         self.generation = 0
@@ -354,10 +356,10 @@ class CodedShardGroup(ShardGroup):
             if len(write_ids):
                 self.seq += 1
                 seq = self.seq
-                old = self.checked_out.take(write_ids)
+                changes = xor_bits(self.checked_out.take(write_ids), write_rows)
                 if self.dirty is not None:  # a rebuild is copying a chunk: it re-reads these stripes
                     self.dirty.append(write_ids // self.code.k)
-                self.pending.append((seq, self._parity_delta(write_ids, old, write_rows)))
+                self.pending.append((seq, (write_ids.copy(), changes)))  # combined while the shards work
                 self.write_batches += 1
             while True:
                 try:
@@ -376,17 +378,17 @@ class CodedShardGroup(ShardGroup):
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
 
-    def _parity_delta(self, ids: np.ndarray, old: np.ndarray, new: np.ndarray):
+    def _combine_pending(self) -> None:
+        """Turn each pending batch's row changes into its parity delta (each touched stripe once).
+        Called while the data shards work on a batch, so on a trainer with cores to spare the delta
+        costs the step nothing; idempotent."""
         k = self.code.k
-        shard_of = ids % k
-        updates = []
-        for i in range(k):
-            sel = np.flatnonzero(shard_of == i)
-            if len(sel):
-                updates.append(RowUpdate(i, ids[sel] // k, old[sel], np.ascontiguousarray(new[sel])))
-        delta = self.code.combine_deltas(updates)
-        self.parity_bytes += self.code.r * delta.parity[0].nbytes
-        return delta
+        for n, (seq, batch) in enumerate(self.pending):
+            if isinstance(batch, tuple):
+                ids, changes = batch
+                delta = self.code.combine_changes(ids % k, ids // k, changes)
+                self.parity_bytes += self.code.r * delta.parity[0].nbytes
+                self.pending[n] = (seq, delta)
 
     def _target(self, s: int):
         """Who receives member ``s``'s traffic now: itself, its replacement, or nobody yet."""
@@ -429,6 +431,7 @@ class CodedShardGroup(ShardGroup):
                     calls.append((s, call, None))
                 else:
                     self.unsettled.append((s, call))
+        self._combine_pending()
         results, error = _wait_all([(s, c) for s, c, _ in calls])
         if error:
             raise error
@@ -458,6 +461,7 @@ class CodedShardGroup(ShardGroup):
         """Calls that hand every parity shard the pending deltas; those in ``to`` also return their
         rows of stripes ``gather`` once the deltas are applied. A parity shard that is lost, and not
         yet replaced, gets nothing: its rebuild decodes these batches from the data shards."""
+        self._combine_pending()
         batches, self.pending = self.pending, []
         seqs, stripes = [seq for seq, _ in batches], [delta.stripes for _, delta in batches]
         k, calls = self.code.k, []

@@ -24,6 +24,7 @@ from dlrmflow.engine.erasure import (
     generator_matrix,
     rebuild,
     stripe_chunks,
+    xor_bits,
 )
 from dlrmflow.errors import UserInputError
 
@@ -393,6 +394,50 @@ def test_combined_deltas_equal_the_sum_of_single_deltas():
         assert not expected[p][untouched].any()
 
 
+@pytest.mark.parametrize("r", [1, 2, 3, 4])
+def test_the_changes_of_many_batches_compose_into_one_message(r):
+    """A message carries the changes of several write-back batches, in the order they happened: a
+    row may change in several of them, and a stripe may change on several shards. One combined
+    delta applied to the parity equals a fresh encode of the final data."""
+    rng = np.random.default_rng(30 + r)
+    for k in (1, 2, 5, 9):
+        code = ErasureCode(k, r)
+        data = random_shards(rng, k, width=17, max_rows=20)
+        parity = code.encode(data)
+        for _ in range(6):  # messages
+            shards, rows, changes = [], [], []
+            for _ in range(int(rng.integers(1, 9))):  # batches: rows repeat across them
+                for update in (random_update(rng, data, int(rng.integers(0, k))) for _ in range(2)):
+                    if update is None:
+                        continue
+                    shards.append(np.full(update.rows.size, update.shard))
+                    rows.append(update.rows)
+                    changes.append(xor_bits(update.old, update.new))
+                    data[update.shard][update.rows] = update.new
+            if not rows:
+                continue
+            message = code.combine_changes(np.concatenate(shards), np.concatenate(rows), np.concatenate(changes))
+            assert np.array_equal(message.stripes, np.unique(np.concatenate(rows)))
+            for p in range(r):
+                code.apply_delta(parity[p], message.parity[p], rows=message.stripes)
+        for fresh, got in zip(code.encode(data), parity, strict=True):
+            assert_bits_equal(got, fresh)
+
+
+def test_a_row_changed_back_and_forth_leaves_a_zero_delta():
+    code = ErasureCode(3, 2)
+    rng = np.random.default_rng(31)
+    a, b = random_rows(rng, 1, 17), random_rows(rng, 1, 17)
+    changes = np.concatenate([xor_bits(a, b), xor_bits(b, a), xor_bits(a, b)])
+    message = code.combine_changes([2, 2, 0], [4, 4, 1], changes)
+    assert message.stripes.tolist() == [1, 4]
+    for p in range(2):
+        assert not message.parity[p][1].view(np.uint32).any()  # a -> b -> a: no change
+        assert message.parity[p][0].view(np.uint32).any()
+    empty = code.combine_changes(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 17), np.float32))
+    assert empty.stripes.size == 0 and [d.shape for d in empty.parity] == [(0, 17), (0, 17)]
+
+
 def test_parity_delta_is_coefficient_times_xor():
     rng = np.random.default_rng(21)
     code = ErasureCode(6, 4)
@@ -575,6 +620,12 @@ def test_bad_inputs_are_rejected():
         (lambda: code.combine_deltas([(0, [-1, 1], data[0][:2], data[1][:2])]), "negative"),
         (lambda: code.combine_deltas([(0, [0, 1, 2], data[0][:2], data[1][:2])]), "3 row indices"),
         (lambda: code.combine_deltas([(5, [0, 1], data[0][:2], data[1][:2])]), "data shard index 5"),
+        (lambda: code.combine_changes([0, 1], [0, 1, 2], data[0][:3]), "one of each per change"),
+        (lambda: code.combine_changes([0, 3], [0, 1], data[0][:2]), "outside 0..2"),
+        (lambda: code.combine_changes([0, 1], [0, -1], data[0][:2]), "negative row"),
+        (lambda: code.combine_changes([0, 1], [0, 1], data[0][0]), "2-D array"),
+        (lambda: code.combine_changes([0, 1], [0.5, 1], data[0][:2]), "integer row indices"),
+        (lambda: xor_bits(data[0][:2], data[1][:3]), "differ in shape"),
         (lambda: code.verify(data, parity[:1]), "r=2 parity shards"),
         (lambda: stripe_chunks(10, 0), "at least one stripe"),
     ]

@@ -109,6 +109,21 @@ def test_deltas_match_numpy():
         assert_same_bytes(gpu_parity[p], parity[p])
 
 
+@pytest.mark.parametrize("r", [1, 3])
+def test_changes_of_several_batches_combine_on_gpu_as_on_numpy(r):
+    """Rows that change in several batches (and stripes changed on several shards) XOR together."""
+    rng = np.random.default_rng(9 + r)
+    code = ErasureCode(5, r)
+    shards = rng.integers(0, 5, size=400)
+    rows = rng.integers(0, 60, size=400)  # many repeats
+    changes = random_rows(rng, 400, 17)
+    message = code.combine_changes(shards, rows, changes)
+    gpu = code.combine_changes(cupy.asarray(shards), cupy.asarray(rows), cupy.asarray(changes), cupy)
+    assert_same_bytes(gpu.stripes, message.stripes)
+    for p in range(r):
+        assert_same_bytes(gpu.parity[p], message.parity[p])
+
+
 def test_rebuild_and_degraded_reads_on_gpu():
     rng = np.random.default_rng(8)
     code = ErasureCode(4, 2)
