@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -154,9 +155,18 @@ def cluster_for(kind: str, n_workers: int, cores: list[int] | None = None) -> It
         yield client
 
 
+STALL_DUMP_S = 30.0  # a run this long prints every thread's stack to stderr (set by --stall-dump)
+
+
 def run_once(config: TrainConfig, client: Client) -> dict:
     finished: list[float] = []
-    summary = train(config, client=client, progress=lambda done, total: finished.append(time.perf_counter()))
+    # A run takes seconds; one that stalls (a lost worker noticed only by a 30 s network timeout, say)
+    # leaves its stacks in the log, to show where it waits.
+    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=False, file=sys.stderr)
+    try:
+        summary = train(config, client=client, progress=lambda done, total: finished.append(time.perf_counter()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     summary["finished_at"] = finished
     return summary
 
@@ -183,9 +193,11 @@ def recovery_numbers(mode: str, failed: dict, kill_at: int) -> dict:
     else:
         new_iterations = sum(detected <= t <= recovered for t in failed["finished_at"])
     rate = new_iterations / rec["seconds"] if rec["seconds"] > 0 else float("nan")
+    (kill,) = report["kills"]
     before = np.diff(np.asarray(failed["finished_at"][: kill_at + 1]))
     normal_rate = 1.0 / float(np.median(before))
     return {"recover_s": rec["seconds"], "during_rate": rate, "during_vs_normal": rate / normal_rate,
+            "unnoticed_s": rec["detected_s"] - kill["at_s"],
             "iterations_during": new_iterations}
 
 
@@ -213,9 +225,13 @@ def main() -> None:
     parser.add_argument("--trainer-cores", type=int, default=0,
                         help="give the trainer the first N cores (and torch N threads) and the Dask processes the "
                              "rest, as if they ran on machines of their own (default 0: everything shares every core)")
+    parser.add_argument("--stall-dump", type=float, default=30.0, metavar="S",
+                        help="a training run that takes longer than S seconds prints every thread's stack to "
+                             "stderr, once (default 30)")
     args = parser.parse_args()
+    global STALL_DUMP_S, MODES
+    STALL_DUMP_S = args.stall_dump
     server_cores = partition_cores(args.trainer_cores, args.cluster)
-    global MODES
     MODES = ("none", *(f"checkpoint/{int(n)}" for n in args.checkpoint_every.split(",")), "parity R=1",
              "parity R=2", *([paced_mode(args.paced_rate)] if args.paced_rate else []))
     work = Path(args.work)
@@ -325,6 +341,7 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
     row("  per round, median", each(lambda m, r: f"{100 * np.median(per_round(r)):+.1f}%"))
     row("  per round, range", each(lambda m, r: f"{100 * per_round(r).min():+.0f}..{100 * per_round(r).max():+.0f}%"))
     rec = {m: recovery_numbers(m, results[m][True], kill_at) for m in MODES if m != "none"}
+    row("kill -> detected (s)", each(lambda m, r: f"{rec[m]['unnoticed_s']:.3f}"))
     row("time to recover (s)", each(lambda m, r: f"{rec[m]['recover_s']:.3f}"))
     for ref in [m for m in MODES if m.startswith("checkpoint")]:
         speed_up = [f"{rec[ref]['recover_s'] / rec[m]['recover_s']:.1f}x" if m in rec else "n/a" for m in MODES]

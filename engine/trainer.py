@@ -476,20 +476,23 @@ def train(
         save_state(output, state)
     _write_iterations(output / ITERATIONS_FILE, log)
     summary = _summary(setup, store, log, metrics, digest)
+    kills = injector.log if injector else []
     if checkpoints is not None:
-        summary["checkpoint"] = {**checkpoints.report, "kills": [
-            {k: v for k, v in kill.items() if k != "at"} for kill in (injector.log if injector else [])]}
+        summary["checkpoint"] = {**checkpoints.report, "kills": _kills_since(kills, checkpoints.begin)}
         if resumed is not None:
             summary["checkpoint"]["resumed_from"] = int(resumed["iteration"])
     if parity is not None:
-        summary["parity"] = {**parity, "kills": [
-            {**k, "at_s": k["at"] - group.started_at} for k in (injector.log if injector else [])]}
-        for k in summary["parity"]["kills"]:
-            k.pop("at")
+        summary["parity"] = {**parity, "kills": _kills_since(kills, group.started_at)}
     write_summary(output, summary)
     if config.checkpoint_every:
         finish_run_dir(output)  # after summary.json: a crash in between leaves a resumable run
     return summary
+
+
+def _kills_since(log: list[dict], origin: float) -> list[dict]:
+    """The kills done, each with ``at_s`` on the clock of its report (``clock_origin``), so that a
+    recovery's ``detected_s`` minus it is how long the loss went unnoticed."""
+    return [{**{k: v for k, v in kill.items() if k != "at"}, "at_s": kill["at"] - origin} for kill in log]
 
 
 @dataclass

@@ -87,6 +87,8 @@ def _check_recovered(tmp_path, summary, killed: set[str]) -> None:
     names = {f"{'data shard' if k.startswith('shard') else 'parity shard'} {k.split(':')[1]}" for k in killed}
     assert lost == names
     assert all(rec["rebuilt_s"] is not None and rec["seconds"] >= 0 for rec in report["recoveries"])
+    # Kill and detection times share the report's clock: a loss is noticed after the first kill.
+    assert report["recoveries"][0]["detected_s"] >= min(k["at_s"] for k in report["kills"]) > 0
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -273,6 +275,8 @@ def test_checkpoint_baseline_reloads_replays_and_ends_bit_identical(cluster, tmp
     (recovery,) = report["recoveries"]
     assert recovery["replay_from"] == at // every * every <= at <= recovery["failed_at"]
     assert recovery["seconds"] >= recovery["reload_seconds"] > 0
+    (kill,) = report["kills"]
+    assert recovery["detected_s"] >= kill["at_s"] > 0
 
 
 # ---- the CLI and the recover-shard subflow ---------------------------------------------------------
@@ -319,3 +323,19 @@ def test_cli_kill_recover_verify_and_too_many(tmp_path, capsys):
                            "--kill", "shard:0@3", "--kill", "shard:1@3"], capsys)
     assert code == 2 and "data shards 0, 1" in err and "rebuilds at most 1" in err
     assert not (tmp_path / "lost" / STATE_FILE).exists()
+
+
+def test_the_run_report_says_how_long_each_loss_went_unnoticed():
+    from dlrmflow.commands.train import _checkpoint_lines, _parity_lines
+
+    kills = [{"kill": "shard:0@3", "pid": 7, "at_s": 1.0}]
+    parity = {"parity_shards": 1, "parity_bytes_sent": 10, "write_back_batches": 2, "degraded_rows_read": 3,
+              "verify": {"ok": True, "stripes": 5, "mismatched_stripes": []}, "kills": kills,
+              "recoveries": [{"lost": ["data shard 0"], "rows_rebuilt": 4, "chunks": 1, "seconds": 0.2,
+                              "detected_s": 1.25}]}
+    assert "0.200 s after detection (noticed 0.250 s after the kill)" in "\n".join(_parity_lines(parity))
+    checkpoint = {"checkpoints": [], "every": 5, "file": "f", "kills": kills,
+                  "recoveries": [{"replay_from": 0, "failed_at": 3, "seconds": 0.5, "detected_s": 1.5}]}
+    assert "(noticed 0.500 s after the kill)" in "\n".join(_checkpoint_lines(checkpoint))
+    parity["kills"] = []  # a real failure: no kill record, nothing to measure from
+    assert "noticed" not in "\n".join(_parity_lines(parity))

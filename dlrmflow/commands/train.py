@@ -156,9 +156,15 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
         lines.append(f"  killed             {kill['kill']} (pid {kill['pid']}) at {kill['at_s']:.3f} s")
     for rec in p["recoveries"]:
         lines.append(f"  recovered          {', '.join(rec['lost'])}: {rec['rows_rebuilt']:,} rows in "
-                     f"{rec['chunks']} chunks, {rec['seconds']:.3f} s after detection; "
-                     f"{p['degraded_rows_read']:,} degraded row reads")
+                     f"{rec['chunks']} chunks, {rec['seconds']:.3f} s after detection"
+                     f"{_noticed(p['kills'], rec['detected_s'])}; {p['degraded_rows_read']:,} degraded row reads")
     return lines
+
+
+def _noticed(kills: list[dict[str, Any]], detected_s: float) -> str:
+    """How long the latest kill before a detection went unnoticed (a real failure has no kill record)."""
+    before = [k["at_s"] for k in kills if k["at_s"] <= detected_s]
+    return f" (noticed {detected_s - max(before):.3f} s after the kill)" if before else ""
 
 
 def _checkpoint_lines(c: dict[str, Any] | None) -> list[str]:
@@ -170,7 +176,7 @@ def _checkpoint_lines(c: dict[str, Any] | None) -> list[str]:
         lines.append(f"  resumed            from the checkpoint at iteration {c['resumed_from']}")
     for rec in c["recoveries"]:
         lines.append(f"  recovered          reloaded iteration {rec['replay_from']}, replayed to {rec['failed_at']}: "
-                     f"{rec['seconds']:.3f} s after detection")
+                     f"{rec['seconds']:.3f} s after detection{_noticed(c.get('kills', []), rec['detected_s'])}")
     return lines
 
 
