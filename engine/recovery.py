@@ -23,11 +23,13 @@ writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
    copy of it is the same version, so its decode is exact. A stripe in the log may have been read
    half before, half after a batch: its decode, and whatever the install wrote over, is not
    trusted.
-3. Under the lock again (strictly between two batches, after settling), the thread re-reads just
-   the chunk's logged stripes from the survivors, decodes them and installs them on the
-   replacements. Now every stripe of the chunk is the current version; the cursor moves past the
-   chunk, and from then on every batch writes through to the replacement (it receives all writes
-   and parity deltas from the moment it exists, so a rebuilt stripe stays current).
+3. Under the lock again (strictly between two batches), the thread re-reads just the chunk's
+   logged stripes from the survivors (the pending parity deltas go out with the re-read and land
+   first: :func:`_fix_up`), decodes them and installs them on the replacements. Now every stripe
+   of the chunk is the current version; the cursor moves past the chunk, and from then on every
+   batch writes through to the replacement (it receives all writes and parity deltas from the
+   moment it exists, so a rebuilt stripe stays current). A chunk with no logged stripe needs no
+   round trip at all.
 
 The trainer waits only for step 3 (a few logged stripes), not for the bulk copy. A further loss
 during a rebuild restarts it from stripe 0 for everything lost (the decode of a chunk needs one
@@ -247,14 +249,24 @@ def _wait_done(group: CodedShardGroup, future, generation: int, worker: str, pol
 
 
 def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> None:
-    """Step 3 (lock held): re-read, decode and install ``stripes`` written during the bulk copy."""
+    """Step 3 (lock held): re-read, decode and install ``stripes`` written during the bulk copy.
+
+    The data shards hold every batch (the trainer returns from a batch once they acknowledged it);
+    the pending parity deltas go out with the re-read, and a surviving parity shard applies them
+    before it reads (as in a degraded read), so the re-read is one round trip. A replacement
+    parity shard gets them too, and acknowledges them before the install overwrites those stripes.
+    With no stripe to fix nothing is read or sent: every delta still unsent is of a logged stripe."""
     if not len(stripes):
         return
     survivors = _survivors(group, lost)
-    pieces, error = _wait_all([(s, remote(group.members[s], "gather", stripes)) for s in survivors])
+    k = group.code.k
+    group._await_acks()  # earlier parity messages land before this read of parity
+    calls = [(s, remote(group.members[s], "gather", stripes)) for s in survivors if s < k]
+    calls += group._send_pending(gather=stripes, to=survivors)
+    results, error = _wait_all(calls)
     if error:
         raise error
-    decoded = group.code.decode(pieces, lost)
+    decoded = group.code.decode({s: results[s] for s in survivors}, lost)
     # Stripes past a short data shard's end decode to zero rows that the shard does not hold.
     calls = [(s, remote(group.replacement[s], "install_stripes", stripes[stripes < group.rows_of[s]],
                         decoded[s][stripes < group.rows_of[s]])) for s in lost]
@@ -319,7 +331,6 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                         complete = False
                         break
                     try:
-                        group._settle()
                         if failure is not None:
                             dead = group.find_dead()
                             if not dead:
