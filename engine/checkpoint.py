@@ -43,6 +43,7 @@ import os
 import shlex
 import socket
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +100,17 @@ class RestoredShard(EmbeddingShard):
         return len(rows)
 
 
-def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None) -> ShardGroup:
+def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None, *,
+                        avoid: Collection[str] = ()) -> ShardGroup:
     """K shards placed like every group's (:func:`~dlrmflow.engine.placement.place`), remembering where
-    each is (``worker_of``)."""
-    placed = place(cluster_workers(client), k).workers
-    warm_up_workers(client)
+    each is (``worker_of``), on workers other than ``avoid``.
+
+    After a loss the scheduler may list the dead worker for a while: a shard placed there would
+    wait for it forever, and a broadcast to it fails or waits out Dask's connect timeout. So a
+    restore avoids the workers of the shards that stopped answering, and only the workers chosen
+    are warmed up."""
+    placed = place({w: info for w, info in cluster_workers(client).items() if w not in avoid}, k).workers
+    warm_up_workers(client, workers=sorted(set(placed)))
     shard_class = EmbeddingShard if rows is None else RestoredShard
     futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)
                for i, w in enumerate(placed)]
@@ -113,6 +120,26 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
             answer(call)
     group.worker_of = placed
     return group
+
+
+def workers_not_answering(group: ShardGroup) -> set[str]:
+    """The workers of ``group``'s shards whose actors are lost (a call fails as a lost worker's does)."""
+    calls, dead = [], set()
+    for actor, worker in zip(group.actors, group.worker_of, strict=True):
+        try:
+            calls.append((worker, actor.stats()))
+        except RuntimeError as exc:  # Dask already knows the worker is gone: it refuses to send
+            if not is_lost_actor_error(exc):
+                raise
+            dead.add(worker)
+    for worker, call in calls:
+        try:
+            answer(call)
+        except (OSError, RuntimeError) as exc:
+            if not is_lost_actor_error(exc):
+                raise
+            dead.add(worker)
+    return dead
 
 
 def is_lost_shard(exc: BaseException) -> bool:
@@ -197,7 +224,8 @@ def restore_checkpoint(path: Path, client: Client, store, model: torch.nn.Module
     if isinstance(store, OracleRows):
         store.worker.stop()  # before its shards go away
     old = store.shards
-    store.shards = start_placed_shards(client, store.spec, old.num_shards, state["rows"].numpy())
+    store.shards = start_placed_shards(client, store.spec, old.num_shards, state["rows"].numpy(),
+                                       avoid=workers_not_answering(old))
     old.close()  # the survivors hold newer rows than the checkpoint: drop them
     if isinstance(store, OracleRows):
         store.restart_at(int(state["iteration"]), state["rows"].numpy())

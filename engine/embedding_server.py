@@ -190,10 +190,12 @@ def _import(module: str) -> None:
     importlib.import_module(module)
 
 
-def warm_up_workers(client: Client, module: str = "dlrmflow.engine.embedding_server") -> None:
-    """Import the server code (torch included) on every worker now: a spare that later hosts a
-    rebuilt or restored shard then starts it at once instead of importing while training waits."""
-    client.run(_import, module)
+def warm_up_workers(client: Client, module: str = "dlrmflow.engine.embedding_server",
+                    workers: list[str] | None = None) -> None:
+    """Import the server code (torch included) on every worker (or on ``workers``) now: a spare that
+    later hosts a rebuilt or restored shard then starts it at once instead of importing while
+    training waits."""
+    client.run(_import, module, workers=workers)
 
 
 def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:

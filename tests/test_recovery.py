@@ -19,6 +19,8 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
 
+from dlrmflow.engine import checkpoint as checkpoint_module
+from dlrmflow.engine import faults as faults_module
 from dlrmflow.engine import parity as parity_module
 from dlrmflow.engine import recovery as recovery_module
 from dlrmflow.engine import trainer as trainer_module
@@ -280,6 +282,38 @@ def test_checkpoint_baseline_reloads_replays_and_ends_bit_identical(cluster, tmp
     assert recovery["seconds"] >= recovery["reload_seconds"] > 0
     (kill,) = report["kills"]
     assert recovery["detected_s"] >= kill["at_s"] > 0
+
+
+def test_a_restore_avoids_the_dead_worker_that_the_scheduler_still_lists(cluster, tmp_path, monkeypatch):
+    """After a kill the scheduler may list the dead worker for a while (here: for the rest of the run,
+    on a host of its own, so placement would pick it first). A shard placed there would wait for it
+    forever; the restore avoids the workers of the shards that stopped answering."""
+    killed, inject, listed = [], faults_module.FaultInjector.kill, checkpoint_module.cluster_workers
+
+    def recording_kill(self, kill):
+        killed.append(self.worker_of(kill.member(self.k)))
+        return inject(self, kill)
+
+    def still_listed(client):
+        return {**{w: {"host": "10.255.255.1"} for w in killed}, **listed(client)}
+
+    def took_too_long(*_):
+        raise TimeoutError("the restore waited for a dead worker")
+
+    monkeypatch.setattr(faults_module.FaultInjector, "kill", recording_kill)
+    monkeypatch.setattr(checkpoint_module, "cluster_workers", still_listed)
+    dataset = make_dataset(tmp_path / "data", 32)
+    _run(tmp_path, dataset, "local", "local")
+    previous = signal.signal(signal.SIGALRM, took_too_long)
+    signal.alarm(120)
+    try:
+        summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, checkpoint_every=2,
+                       kills=("shard:0@3",))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert killed and summary["checkpoint"]["recoveries"]
+    assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), "restored")
 
 
 # ---- the CLI and the recover-shard subflow ---------------------------------------------------------
