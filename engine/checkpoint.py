@@ -101,16 +101,17 @@ class RestoredShard(EmbeddingShard):
 
 
 def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None, *,
-                        avoid: Collection[str] = ()) -> ShardGroup:
+                        avoid: Collection[str] | None = None) -> ShardGroup:
     """K shards placed like every group's (:func:`~dlrmflow.engine.placement.place`), remembering where
-    each is (``worker_of``), on workers other than ``avoid``.
+    each is (``worker_of``). At a run's start every worker is warmed up (spares included: a restore
+    may use them); a restore passes ``avoid``.
 
     After a loss the scheduler may list the dead worker for a while: a shard placed there would
     wait for it forever, and a broadcast to it fails or waits out Dask's connect timeout. So a
-    restore avoids the workers of the shards that stopped answering, and only the workers chosen
-    are warmed up."""
-    placed = place({w: info for w, info in cluster_workers(client).items() if w not in avoid}, k).workers
-    warm_up_workers(client, workers=sorted(set(placed)))
+    restore places away from ``avoid`` (the workers of the shards that stopped answering) and warms
+    up only the workers it chose."""
+    placed = place({w: info for w, info in cluster_workers(client).items() if w not in (avoid or ())}, k).workers
+    warm_up_workers(client, workers=None if avoid is None else sorted(set(placed)))
     shard_class = EmbeddingShard if rows is None else RestoredShard
     futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)
                for i, w in enumerate(placed)]
