@@ -60,6 +60,7 @@ from dlrmflow.engine.embedding_server import (
     is_lost_actor_error,
     warm_up_workers,
 )
+from dlrmflow.engine.parity import _wait_all, remote
 from dlrmflow.engine.placement import place
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.run_state import SUMMARY_FILE
@@ -125,22 +126,8 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
 
 def workers_not_answering(group: ShardGroup) -> set[str]:
     """The workers of ``group``'s shards whose actors are lost (a call fails as a lost worker's does)."""
-    calls, dead = [], set()
-    for actor, worker in zip(group.actors, group.worker_of, strict=True):
-        try:
-            calls.append((worker, actor.stats()))
-        except RuntimeError as exc:  # Dask already knows the worker is gone: it refuses to send
-            if not is_lost_actor_error(exc):
-                raise
-            dead.add(worker)
-    for worker, call in calls:
-        try:
-            answer(call)
-        except (OSError, RuntimeError) as exc:
-            if not is_lost_actor_error(exc):
-                raise
-            dead.add(worker)
-    return dead
+    _, error = _wait_all([(i, remote(actor, "stats")) for i, actor in enumerate(group.actors)])
+    return set() if error is None else {group.worker_of[i] for i in error.members}
 
 
 def is_lost_shard(exc: BaseException) -> bool:
