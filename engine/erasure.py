@@ -480,8 +480,18 @@ class ErasureCode:
         for target in sorted(lost, key=lambda s: (s >= self.k, s)):
             survivors = self.survivors_for(list(shards))
             (coefficients,) = decoding_matrix(self.k, self.r, survivors, (target,))
-            acc = xp.zeros((n_stripes, row_bytes), dtype=xp.uint8)
-            for c, s in zip(coefficients.tolist(), survivors, strict=True):
+            terms = sorted(zip(coefficients.tolist(), survivors, strict=True),
+                           key=lambda term: shards[term[1]].shape[0] < n_stripes)
+            # The first full-length term sets the sum (a copy for c = 1), the others add to it: one
+            # pass over the bytes fewer than zeroing first (a rebuild decodes whole chunks).
+            c, s = terms[0]
+            if shards[s].shape[0] == n_stripes:
+                acc = xp.empty((n_stripes, row_bytes), dtype=xp.uint8)
+                gf256.mul_into(acc, c, shards[s], xp)
+                terms = terms[1:]
+            else:
+                acc = xp.zeros((n_stripes, row_bytes), dtype=xp.uint8)
+            for c, s in terms:
                 gf256.mul_xor_into(acc[: shards[s].shape[0]], c, shards[s], xp)
             shards[target] = acc
         return {s: _as_rows(shards[s][: out_rows[s]], dtype) for s in lost}
