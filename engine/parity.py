@@ -249,6 +249,7 @@ class RecoveryRecord:
     placement_seconds: float = 0.0  # detection -> replacement actors started
     copy_seconds: float = 0.0  # bulk copies on workers + fix-ups, wall clock (training runs meanwhile)
     locked_seconds: float = 0.0  # fix-ups under the lock (training waits)
+    fix_ups: int = 0
     restarts: int = 0
     workers: dict[int, str] = field(default_factory=dict)
 
@@ -259,7 +260,7 @@ class RecoveryRecord:
             "rebuilt_s": None if self.rebuilt_at is None else self.rebuilt_at - start,
             "seconds": None if self.rebuilt_at is None else self.rebuilt_at - self.detected_at,
             "stripes": self.stripes, "rows_rebuilt": self.rows_rebuilt, "chunks": self.chunks,
-            "stripes_fixed_up": self.stripes_fixed_up,
+            "stripes_fixed_up": self.stripes_fixed_up, "fix_ups": self.fix_ups,
             "placement_seconds": self.placement_seconds, "copy_seconds": self.copy_seconds,
             "locked_seconds": self.locked_seconds,
             "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
@@ -413,6 +414,9 @@ class CodedShardGroup(ShardGroup):
                 f = f[rebuilt]
                 if target is None:
                     continue  # the write reaches parity; the rebuild decodes it from survivors
+                # Only rebuilt stripes are written to the replacement: the others reach parity, and
+                # the rebuild installs them later from survivors (re-read if written during the copy).
+                w = w[write_ids[w] // k < self.cursor]
             plan.append((i, target, w, f))
         stripes, survivors = None, ()
         if degraded:

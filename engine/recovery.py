@@ -23,17 +23,24 @@ writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
    copy of it is the same version, so its decode is exact. A stripe in the log may have been read
    half before, half after a batch: its decode, and whatever the install wrote over, is not
    trusted.
-3. Under the lock again (strictly between two batches), the thread re-reads just the chunk's
-   logged stripes from the survivors (the pending parity deltas go out with the re-read and land
-   first: :func:`_fix_up`), decodes them and installs them on the replacements. Now every stripe
-   of the chunk is the current version; the cursor moves past the chunk, and from then on every
-   batch writes through to the replacement (it receives all writes and parity deltas from the
-   moment it exists, so a rebuilt stripe stays current). A chunk with no logged stripe needs no
-   round trip at all.
+3. Under the lock again (strictly between two batches), the thread re-reads the logged stripes
+   of the chunks copied since the last fix-up from the survivors (the pending parity deltas go
+   out with the re-read and land first: :func:`_fix_up`), decodes them and installs them on the
+   replacements. Now every stripe of those chunks is the current version; the cursor moves past
+   them, and from then on every batch writes its rows of them through to the replacement, so a
+   rebuilt stripe stays current. A fix-up waits up to FIX_UP_INTERVAL_S for more copied chunks
+   (the trainer's wait for it is two round trips, whatever its size); that is still exact, since
+   a stripe not logged by the fix-up was not written since the log opened. A data replacement
+   gets only the writes of stripes below the cursor: anything else it would hold is overwritten
+   by a later install, and its process is the rebuild's busiest (sending it every write made
+   the trainer's steps wait on it). A parity replacement gets every delta (they come per batch,
+   not per stripe); an install overwrites them in the same way. A fix-up with no logged stripe
+   needs no round trip at all.
 
-The trainer waits only for step 3 (a few logged stripes), not for the bulk copy. A further loss
-during a rebuild restarts it from stripe 0 for everything lost (the decode of a chunk needs one
-fixed set of survivors); more than R lost is fatal (TooManyErasuresError).
+The trainer waits only for step 3 (a few logged stripes, at most every FIX_UP_INTERVAL_S), not for
+the bulk copy. A further loss during a rebuild restarts it from stripe 0 for everything lost (the
+decode of a chunk needs one fixed set of survivors); more than R lost is fatal
+(TooManyErasuresError).
 
 :func:`rebuild_lost` is a plain function (tested without Prefect); the train flow wraps it in
 the ``recover-shard`` subflow through ``group.recovery_runner``.
@@ -62,7 +69,10 @@ from dlrmflow.engine.parity import (
 from dlrmflow.engine.placement import choose_rebuild_worker, least_loaded_worker
 
 FRESH_WORKER_WAIT_S = 10.0  # how long a rebuild waits for a worker that hosts no live member
-YIELD_S = 0.0  # pause between chunks (tests raise it to catch degraded reads)
+YIELD_S = 0.0  # pause after a fix-up (tests raise it to catch degraded reads)
+# Copied chunks wait this long for their fix-up (step 3), which then covers all of them at once: a
+# fix-up holds the trainer for two round trips to servers busy with the copy, whatever its size.
+FIX_UP_INTERVAL_S = 0.5
 PACED_CHUNK_S = 0.05  # with a rebuild rate: chunks this long, so the copy's sends come in small pieces
 COPY_PAUSE_S = 0.0  # pause between a bulk copy's survivor reads (tests raise it: writes land in between)
 
@@ -315,8 +325,9 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
         copying = time.perf_counter()
         futures = _submit_copies(group, lost, chunks, worker)
         complete = True
+        fixed_up = time.perf_counter()
         try:
-            for (start, stop), future in zip(chunks, futures, strict=True):
+            for n, ((start, stop), future) in enumerate(zip(chunks, futures, strict=True)):
                 try:
                     rows, failure = _wait_done(group, future, generation, worker), None
                 except _Superseded:
@@ -324,6 +335,12 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                     break
                 except Exception as exc:  # noqa: BLE001 - a dead survivor or replacement; found below
                     rows, failure = 0, exc
+                if failure is None:
+                    record.chunks += 1
+                    record.stripes += stop - start
+                    record.rows_rebuilt += rows
+                    if n + 1 < len(chunks) and time.perf_counter() - fixed_up < FIX_UP_INTERVAL_S:
+                        continue  # copied; fixed up (and then read from the replacement) with later chunks
                 with group.lock:
                     locked = time.perf_counter()
                     group._raise_fatal()
@@ -338,18 +355,17 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                             raise LostMembersError(dead, failure)
                         logged = np.unique(np.concatenate(group.dirty)) if group.dirty else np.zeros(0, np.int64)
                         group.dirty = [logged]
-                        stripes = logged[(logged >= start) & (logged < stop)]
-                        _fix_up(group, lost, stripes)  # step 3
+                        stripes = logged[(logged >= group.cursor) & (logged < stop)]
+                        _fix_up(group, lost, stripes)  # step 3, for every chunk copied since the last one
                     except LostMembersError as exc:
                         group.on_lost(exc.members)  # raises when more than R are lost
                         complete = False
                         break
                     group.cursor = stop
-                    record.chunks += 1
-                    record.stripes += stop - start
-                    record.rows_rebuilt += rows
                     record.stripes_fixed_up += len(stripes)
                     record.locked_seconds += time.perf_counter() - locked
+                    record.fix_ups += 1
+                fixed_up = time.perf_counter()
                 if progress is not None:
                     progress(stop, group.n_stripes)
                 time.sleep(YIELD_S)

@@ -90,6 +90,47 @@ def test_a_duplicated_batch_is_applied_once():
     assert np.array_equal(shard.fetch(ids), old)
 
 
+class InProcess:
+    """A member called in this process, answering as an actor call does (``result()``)."""
+
+    class Done:
+        def __init__(self, value) -> None:
+            self.value = value
+
+        def result(self):
+            return self.value
+
+    def __init__(self, member) -> None:
+        self.member = member
+
+    def __getattr__(self, name):
+        return lambda *args: self.Done(getattr(self.member, name)(*args))
+
+
+@pytest.mark.parametrize("cursor", [0, 3, 10])
+def test_a_replacement_is_written_only_the_stripes_already_rebuilt(cursor):
+    """During a rebuild, stripes at or past the cursor are installed later from the survivors, so a
+    write-back sends the replacement of a lost data shard only its rows of stripes below the cursor
+    (the rest reaches the surviving shards and parity as usual)."""
+    spec = RowSpec(dim=2, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(20,))
+    k, code = 2, ErasureCode(2, 1)
+    members = [InProcess(CodedShard(spec, 0, k)), InProcess(CodedShard(spec, 1, k)),
+               InProcess(ParityShard(spec, k, 1, 0))]
+    group = CodedShardGroup(spec, None, code, members, [None] * 3, ["w0", "w1", "w2"], parity_batches=100)
+    replacement = CodedShard(spec, 0, k, initialise=False)  # all zeros: nothing installed yet
+    group.lost, group.replacement, group.cursor = {0}, {0: InProcess(replacement)}, cursor
+    ids = np.arange(20, dtype=np.int64)
+    group.checked_out.put(ids, init_rows(spec, ids))
+    new = np.random.default_rng(0).standard_normal((20, spec.width)).astype(np.float32) + 5
+    group.exchange(ids, new, ids[:0])
+    stripes = np.arange(10)
+    assert np.array_equal(replacement.rows[stripes < cursor], new[0::2][stripes < cursor])
+    assert not replacement.rows[stripes >= cursor].any()
+    assert np.array_equal(members[1].member.rows, new[1::2])
+    assert replacement.applied_batches() == ([1] if cursor else [])
+    assert len(group.pending) == 1  # the whole batch's parity delta, for every stripe
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_checked_out_rows_match_a_dict(seed):
     rng = np.random.default_rng(seed)

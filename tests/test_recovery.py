@@ -94,7 +94,10 @@ def _check_recovered(tmp_path, summary, killed: set[str]) -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed):
+def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed, monkeypatch):
+    """Also with a fix-up after every chunk, and with one fix-up for all of them at the end."""
+    interval = [0.0, recovery_module.FIX_UP_INTERVAL_S, 600.0][seed]
+    monkeypatch.setattr(recovery_module, "FIX_UP_INTERVAL_S", interval)
     rng = np.random.default_rng(400 + seed)
     dataset = make_dataset(tmp_path / "data", seed)
     _run(tmp_path, dataset, "local", "local", seed=seed)
@@ -107,6 +110,10 @@ def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed):
     (record,) = summary["parity"]["recoveries"]
     assert record["rows_rebuilt"] == shard_row_counts(prepare_run(small_config(dataset, tmp_path, "local")).spec,
                                                       2)[shard]
+    if interval == 0:
+        assert record["fix_ups"] == record["chunks"] > 1
+    elif interval == 600:
+        assert record["fix_ups"] == 1 < record["chunks"]
 
 
 @pytest.mark.slow
@@ -145,6 +152,7 @@ def test_rows_not_yet_rebuilt_are_served_by_degraded_reads(cluster, tmp_path, mo
     """A slow rebuild (tiny chunks, long pauses) so that training reads the lost shard's rows while
     most stripes are not rebuilt yet: those reads are decoded from survivors + parity."""
     monkeypatch.setattr(recovery_module, "YIELD_S", 0.05)
+    monkeypatch.setattr(recovery_module, "FIX_UP_INTERVAL_S", 0.0)  # a fix-up (and a pause) after each chunk
     dataset = make_dataset(tmp_path / "data", 20)
     _run(tmp_path, dataset, "local", "local")
     summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=("shard:0@2",),
