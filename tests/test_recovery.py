@@ -370,15 +370,16 @@ def test_cli_kill_recover_verify_and_too_many(tmp_path, capsys):
     assert not (tmp_path / "lost" / STATE_FILE).exists()
 
 
-def test_the_run_report_says_how_long_each_loss_went_unnoticed():
+def test_the_run_report_says_how_long_each_loss_went_unnoticed_and_training_waited():
     from dlrmflow.commands.train import _checkpoint_lines, _parity_lines
 
     kills = [{"kill": "shard:0@3", "pid": 7, "at_s": 1.0}]
     parity = {"parity_shards": 1, "parity_bytes_sent": 10, "write_back_batches": 2, "degraded_rows_read": 3,
               "verify": {"ok": True, "stripes": 5, "mismatched_stripes": []}, "kills": kills,
               "recoveries": [{"lost": ["data shard 0"], "rows_rebuilt": 4, "chunks": 1, "seconds": 0.2,
-                              "detected_s": 1.25}]}
-    assert "0.200 s after detection (noticed 0.250 s after the kill)" in "\n".join(_parity_lines(parity))
+                              "detected_s": 1.25, "locked_seconds": 0.0126}]}
+    assert ("0.200 s after detection (noticed 0.250 s after the kill); training waited 0.013 s for it"
+            in "\n".join(_parity_lines(parity)))
     checkpoint = {"checkpoints": [], "every": 5, "file": "f", "kills": kills,
                   "recoveries": [{"replay_from": 0, "failed_at": 3, "seconds": 0.5, "detected_s": 1.5}]}
     assert "(noticed 0.500 s after the kill)" in "\n".join(_checkpoint_lines(checkpoint))

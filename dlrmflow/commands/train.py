@@ -157,7 +157,8 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
     for rec in p["recoveries"]:
         lines.append(f"  recovered          {', '.join(rec['lost'])}: {rec['rows_rebuilt']:,} rows in "
                      f"{rec['chunks']} chunks, {rec['seconds']:.3f} s after detection"
-                     f"{_noticed(p['kills'], rec['detected_s'])}; {p['degraded_rows_read']:,} degraded row reads")
+                     f"{_noticed(p['kills'], rec['detected_s'])}; training waited {rec['locked_seconds']:.3f} s "
+                     f"for it; {p['degraded_rows_read']:,} degraded row reads")
     return lines
 
 
