@@ -339,8 +339,11 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                     record.chunks += 1
                     record.stripes += stop - start
                     record.rows_rebuilt += rows
-                    if n + 1 < len(chunks) and time.perf_counter() - fixed_up < FIX_UP_INTERVAL_S:
-                        continue  # copied; fixed up (and then read from the replacement) with later chunks
+                    # Copied; fixed up (and then read from the replacement) with later chunks, unless a new
+                    # loss came in: the locked section below sees it and starts over without copying on.
+                    if (n + 1 < len(chunks) and time.perf_counter() - fixed_up < FIX_UP_INTERVAL_S
+                            and group.generation == generation):
+                        continue
                 with group.lock:
                     locked = time.perf_counter()
                     group._raise_fatal()
