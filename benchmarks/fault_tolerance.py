@@ -7,9 +7,13 @@ does the write-backs, with their parity, in the background) twice: failure-free
 (its overhead), and with the kill (its recovery); ``none`` cannot recover, so it only has the
 failure-free run, which is the baseline of every ratio.
 
-Modes: none, checkpoint every N (``--checkpoint-every``), parity R = 1 and R = 2, and R = 1 with the
+Modes: none, checkpoint every N (``--checkpoint-every``), parity R = 1 and R = 2, R = 1 with the
 rebuild capped at ``--paced-rate`` MB/s (``--rebuild-rate``: it trades a longer rebuild for training
-during it; its failure-free runs are R = 1's, which it equals until a failure).
+during it), and R = 1 copying every stripe (``R=1 copy all``). A rebuild copies only the stripes some
+live member has touched and the replacement generates the rest from the seed; early in a run (a
+kill at 150 of a fresh table) most are untouched, while a table whose every row has been trained
+copies them all: ``copy all`` is that worst case, on the same kill. The last two equal R = 1 until a
+failure, so they share its failure-free runs.
 
 Reported per mode:
 
@@ -60,6 +64,7 @@ import torch
 from bench_data import synthetic_dataset
 from distributed import Client
 
+from dlrmflow.engine import recovery
 from dlrmflow.engine.cluster import local_cluster
 from dlrmflow.engine.planner import PlanConfig, make_plan
 from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
@@ -73,6 +78,20 @@ def paced_mode(rate: float) -> str:
 
 def rebuild_rate(mode: str) -> float:
     return float(mode.split("@")[1].removesuffix("MB/s")) if "@" in mode else 0.0
+
+
+COPY_ALL = "R=1 copy all"  # recovery.REBUILD_EVERY_STRIPE: every stripe copied, as if every row were trained
+
+
+@contextlib.contextmanager
+def copying_every_stripe(mode: str) -> Iterator[None]:
+    """The rebuild thread runs in this process: set its module switch for ``mode``'s kill run."""
+    before = recovery.REBUILD_EVERY_STRIPE
+    recovery.REBUILD_EVERY_STRIPE = mode == COPY_ALL
+    try:
+        yield
+    finally:
+        recovery.REBUILD_EVERY_STRIPE = before
 
 
 
@@ -233,7 +252,7 @@ def main() -> None:
     STALL_DUMP_S = args.stall_dump
     server_cores = partition_cores(args.trainer_cores, args.cluster)
     MODES = ("none", *(f"checkpoint/{int(n)}" for n in args.checkpoint_every.split(",")), "parity R=1",
-             "parity R=2", *([paced_mode(args.paced_rate)] if args.paced_rate else []))
+             "parity R=2", *([paced_mode(args.paced_rate)] if args.paced_rate else []), COPY_ALL)
     work = Path(args.work)
     rows = args.batch * args.iterations
     start = time.perf_counter()
@@ -255,7 +274,7 @@ def main() -> None:
     # One worker per member (K data + 2 parity) plus a spare for the rebuild.
     n_workers = args.shards + 3
     # A rebuild rate changes nothing until a failure: the rate-limited mode shares R=1's failure-free runs.
-    free_modes = [mode for mode in MODES if not rebuild_rate(mode)]
+    free_modes = [mode for mode in MODES if not rebuild_rate(mode) and mode != COPY_ALL]
     free: dict[str, list[dict]] = {mode: [] for mode in free_modes}
     with cluster_for(args.cluster, n_workers, server_cores) as client:
         run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
@@ -270,15 +289,17 @@ def main() -> None:
                              "free_seconds": float(np.median([r["train_seconds"] for r in runs]))}
             if mode != "none" and args.cluster == "local":
                 client.wait_for_workers(n_workers, timeout=60)  # the nanny restarted the killed one
-                results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
-                                                          capacity, True), client)
+                with copying_every_stripe(mode):
+                    results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
+                                                              capacity, True), client)
                 show(mode, "kill", results[mode][True])
     if args.cluster == "processes":  # a killed worker stays dead: each kill run on a fresh cluster
         for mode in MODES[1:]:
             with cluster_for(args.cluster, n_workers, server_cores) as client:
                 run_once(config_for("none", args, dataset, work / "warmup", capacity, False), client)
-                results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
-                                                          capacity, True), client)
+                with copying_every_stripe(mode):
+                    results[mode][True] = run_once(config_for(mode, args, dataset, work / f"run-{slug(mode)}-kill",
+                                                              capacity, True), client)
                 show(mode, "kill", results[mode][True])
     print_table(results, table_bytes, args.kill_at)
 
@@ -348,6 +369,8 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
         row(f"recovery speed-up vs {ref}", speed_up)
     first = {m: results[m][True][m.startswith("checkpoint") and "checkpoint" or "parity"]["recoveries"][0]
              for m in MODES if m != "none"}
+    row("  stripes copied (of all)", each(
+        lambda m, r: f"{100 * first[m]['stripes'] / (first[m]['stripes'] + first[m]['stripes_untouched']):.1f}%"))
     row("  bulk copy on workers (s)", each(lambda m, r: f"{first[m]['copy_seconds']:.3f}"))
     row("  training blocked by rebuild (s)", each(lambda m, r: f"{first[m]['locked_seconds']:.3f}"))
     row("new iterations during recovery", each(lambda m, r: str(rec[m]["iterations_during"])))

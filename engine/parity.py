@@ -28,7 +28,8 @@ shard that dies with deltas pending is rebuilt from the data shards, which hold 
 Failures and recovery. A call to a member whose worker died raises ``OSError``: the group marks
 the member lost, resends the batch to the survivors (idempotent) and starts a background rebuild
 (:mod:`.recovery`, which also argues why every rebuilt stripe is one consistent version although
-the bulk copy runs while training writes). Until a stripe is rebuilt, reads of a lost data
+the bulk copy runs while training writes, and why copying only the stripes some live member
+touched is enough: a replacement generates the others from the seed). Until a stripe is rebuilt, reads of a lost data
 shard's rows are *degraded reads*: decoded from K survivors' stripes, which come back with the
 batch's own calls (a surviving data shard reads them after applying the batch, a surviving parity
 shard after applying every pending delta; earlier parity messages are acknowledged first), so
@@ -86,31 +87,80 @@ class LostMembersError(RuntimeError):
 
 
 class _Sequenced:
-    """What every member shares: the set of write-back batches it applied, and stripe access."""
+    """What every member shares: the set of write-back batches it applied, stripe access, and two
+    masks over its rows (one per stripe).
+
+    ``touched``: rows written or installed since the member started (never cleared). A stripe no
+    live member has touched holds the initial rows on every member, so a rebuild regenerates it
+    instead of copying it (:mod:`dlrmflow.engine.recovery` argues why the live members' masks see
+    every write). ``fresh``: rows still to be generated from ``(seed, id)``; a replacement starts
+    with every row fresh, and a fresh row is generated when first read (generating a whole shard
+    eagerly costs more than copying it). Both are owned by the member's actor thread."""
 
     rows: np.ndarray
     applied: set[int]
+    touched: np.ndarray
+    fresh: np.ndarray | None
+
+    def _start_masks(self, fresh: bool) -> None:
+        self.touched = np.zeros(len(self.rows), dtype=bool)
+        self.fresh = np.ones(len(self.rows), dtype=bool) if fresh else None
+
+    def _initial_rows(self, local: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _materialise(self, local: np.ndarray | slice) -> None:
+        """Generate the fresh rows among ``local`` (local indices inside the member, or a slice)."""
+        if self.fresh is None:
+            return
+        if isinstance(local, slice):
+            local = np.arange(len(self.rows))[local]
+        local = local[self.fresh[local]]
+        if len(local):
+            self.rows[local] = self._initial_rows(local)
+            self.fresh[local] = False
+
+    def _mark_written(self, local: np.ndarray | slice) -> None:
+        self.touched[local] = True
+        if self.fresh is not None:
+            self.fresh[local] = False
+
+    def reset(self) -> int:
+        """Back to the initial rows, all fresh: a rebuild that starts over installs everything else again."""
+        self._start_masks(fresh=True)
+        return len(self.rows)
+
+    def touched_mask(self) -> np.ndarray:
+        """``touched`` packed 8 stripes to a byte: a rebuild reads it from every live member under the lock."""
+        return np.packbits(self.touched)
 
     def read_stripes(self, start: int, stop: int) -> np.ndarray:
         """Rows of stripes ``[start, stop)``, not copied: only a rebuild's bulk copy reads them, and a
         stripe written while its bytes are on the way is in the rebuild's dirty log and re-read
         under the lock (see :mod:`dlrmflow.engine.recovery`)."""
+        self._materialise(slice(start, stop))
         return self.rows[start:stop]
 
     def gather(self, stripes: np.ndarray) -> np.ndarray:
+        stripes = np.asarray(stripes, dtype=np.int64)
+        self._materialise(stripes[(stripes >= 0) & (stripes < len(self.rows))])
         return gather_stripes(self.rows, stripes)
 
     def install(self, start: int, rows: np.ndarray) -> int:
         """Rebuilt rows of stripes ``start..``: copied as bytes, never as floats."""
         self.rows.view(np.uint8)[start : start + len(rows)] = np.ascontiguousarray(rows).view(np.uint8)
+        self._mark_written(slice(start, start + len(rows)))
         return len(rows)
 
     def install_stripes(self, stripes: np.ndarray, rows: np.ndarray) -> int:
         """Rebuilt rows of the given stripes (a rebuild's fix-up), copied as bytes."""
         self.rows.view(np.uint8)[stripes] = np.ascontiguousarray(rows).view(np.uint8)
+        self._mark_written(stripes)
         return len(stripes)
 
     def all_local_rows(self) -> np.ndarray:
+        self._materialise(slice(None))
+        self.fresh = None
         return self.rows.copy()
 
     def applied_batches(self) -> list[int]:
@@ -124,8 +174,25 @@ class CodedShard(_Sequenced, EmbeddingShard):
     """A data shard that applies each numbered write-back batch once."""
 
     def __init__(self, spec: RowSpec, shard: int, num_shards: int, initialise: bool = True) -> None:
-        EmbeddingShard.__init__(self, spec, shard, num_shards, initialise)  # not initialised: a rebuild target
+        # Not initialised: a rebuild target or a resumed run's shard, every row fresh until installed.
+        EmbeddingShard.__init__(self, spec, shard, num_shards, initialise)
         self.applied = set()
+        self._start_masks(fresh=not initialise)
+
+    def _initial_rows(self, local: np.ndarray) -> np.ndarray:
+        return init_rows(self.spec, local * self.num_shards + self.shard)
+
+    def fetch(self, ids: np.ndarray) -> np.ndarray:
+        self._materialise(self._local_index(ids))
+        return super().fetch(ids)
+
+    def write_back(self, ids: np.ndarray, rows: np.ndarray) -> int:
+        n = super().write_back(ids, rows)
+        self._mark_written(np.asarray(ids, dtype=np.int64) // self.num_shards)
+        return n
+
+    def local_rows(self) -> np.ndarray:
+        return self.all_local_rows()
 
     def exchange_seq(self, seq: int, write_ids: np.ndarray, write_rows: np.ndarray, fetch_ids: np.ndarray,
                      gather: np.ndarray | None = None):
@@ -138,21 +205,29 @@ class CodedShard(_Sequenced, EmbeddingShard):
         return rows if gather is None else (rows, self.gather(gather))
 
 
-def encode_parity_of_initial_rows(spec: RowSpec, code: ErasureCode, p: int) -> np.ndarray:
-    """Parity shard ``p`` of the initial rows (rows are a pure function of (seed, id), so any
-    process can encode them chunk by chunk without reading the data shards)."""
+def encode_parity_of_initial_rows(spec: RowSpec, code: ErasureCode, p: int,
+                                  stripes: np.ndarray | None = None) -> np.ndarray:
+    """Parity shard ``p`` of the initial rows, all of it or its rows of ``stripes`` (rows are a pure
+    function of (seed, id), so any process can encode them chunk by chunk without reading the data
+    shards)."""
     k = code.k
-    n = num_stripes(spec, k)
-    out = np.zeros((n, spec.width), dtype=np.float32)
+    if stripes is None:
+        stripes = np.arange(num_stripes(spec, k), dtype=np.int64)
+    out = np.zeros((len(stripes), spec.width), dtype=np.float32)
     acc_bytes = out.view(np.uint8)
-    for lo in range(0, n, ENCODE_CHUNK_STRIPES):
-        hi = min(lo + ENCODE_CHUNK_STRIPES, n)
+    for lo in range(0, len(stripes), ENCODE_CHUNK_STRIPES):
+        hi = min(lo + ENCODE_CHUNK_STRIPES, len(stripes))
         for i in range(k):
-            ids = np.arange(lo, hi, dtype=np.int64) * k + i
-            ids = ids[ids < spec.total_rows]
-            if len(ids):
-                rows = np.ascontiguousarray(init_rows(spec, ids)).view(np.uint8)
-                gf256.mul_xor_into(acc_bytes[lo : lo + len(ids)], code.coefficient(p, i), rows)
+            ids = stripes[lo:hi] * k + i
+            inside = ids < spec.total_rows  # past a short data shard's end: zero rows, nothing to add
+            if inside.any():
+                rows = np.ascontiguousarray(init_rows(spec, ids[inside])).view(np.uint8)
+                if inside.all():
+                    gf256.mul_xor_into(acc_bytes[lo:hi], code.coefficient(p, i), rows)
+                else:
+                    part = acc_bytes[lo:hi][inside]
+                    gf256.mul_xor_into(part, code.coefficient(p, i), rows)
+                    acc_bytes[lo:hi][inside] = part
     return out
 
 
@@ -163,16 +238,23 @@ class ParityShard(_Sequenced):
         self.spec, self.code, self.p = spec, ErasureCode(k, r), p
         if initialise:
             self.rows = encode_parity_of_initial_rows(spec, self.code, p)
-        else:
+        else:  # a rebuild target or a resumed run's parity: every stripe fresh until installed
             self.rows = np.zeros((num_stripes(spec, k), spec.width), dtype=np.float32)
         self.applied = set()
         self.stripes_updated = 0
+        self._start_masks(fresh=not initialise)
+
+    def _initial_rows(self, local: np.ndarray) -> np.ndarray:
+        return encode_parity_of_initial_rows(self.spec, self.code, self.p, local)
 
     def apply(self, seq: int, stripes: np.ndarray, delta: np.ndarray) -> int:
         """XOR a write-back batch's delta into the parity rows, once per ``seq``."""
         if seq in self.applied:
             return 0
+        stripes = np.asarray(stripes, dtype=np.int64)
+        self._materialise(stripes)
         self.code.apply_delta(self.rows, delta, rows=stripes)
+        self.touched[stripes] = True
         self.applied.add(seq)
         self.stripes_updated += len(stripes)
         return len(stripes)
@@ -246,6 +328,7 @@ class RecoveryRecord:
     rows_rebuilt: int = 0
     chunks: int = 0
     stripes_fixed_up: int = 0  # stripes written during a chunk's bulk copy, re-read under the lock
+    stripes_untouched: int = 0  # stripes no live member had touched: the replacements generate them
     placement_seconds: float = 0.0  # detection -> replacement actors started
     copy_seconds: float = 0.0  # bulk copies on workers + fix-ups, wall clock (training runs meanwhile)
     locked_seconds: float = 0.0  # fix-ups under the lock (training waits)
@@ -261,6 +344,7 @@ class RecoveryRecord:
             "seconds": None if self.rebuilt_at is None else self.rebuilt_at - self.detected_at,
             "stripes": self.stripes, "rows_rebuilt": self.rows_rebuilt, "chunks": self.chunks,
             "stripes_fixed_up": self.stripes_fixed_up, "fix_ups": self.fix_ups,
+            "stripes_untouched": self.stripes_untouched,
             "placement_seconds": self.placement_seconds, "copy_seconds": self.copy_seconds,
             "locked_seconds": self.locked_seconds,
             "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
@@ -331,7 +415,9 @@ class CodedShardGroup(ShardGroup):
         self.replacement_future: dict[int, Any] = {}
         self.replacement_workers: dict[int, str] = {}
         self.dead_workers: set[str] = set()
-        self.cursor = 0  # stripes [0, cursor) of every lost member are rebuilt on its replacement
+        # While a rebuild runs: True for the stripes every lost member's replacement holds (never
+        # written, or installed); None until the rebuild knows which (nothing is read from replacements).
+        self.rebuilt: np.ndarray | None = None
         # (seq, (ids, row changes) or its StripeDelta once combined) of batches whose deltas are not sent yet
         self.pending: list[tuple[int, Any]] = []
         self.unsettled: list[tuple[int, Any]] = []  # parity messages sent but not yet acknowledged
@@ -397,6 +483,11 @@ class CodedShardGroup(ShardGroup):
             return self.members[s]
         return self.replacement.get(s)
 
+    def _rebuilt(self, stripes: np.ndarray) -> np.ndarray:
+        if self.rebuilt is None:
+            return np.zeros(len(stripes), dtype=bool)
+        return self.rebuilt[stripes]
+
     def _exchange_once(self, seq, write_ids, write_rows, fetch_ids, out) -> None:
         """One round trip: every data shard's write-back and fetch; with rows of a lost data shard to
         read (a *degraded read*), the survivors' stripes for their decode come in the same round trip:
@@ -408,7 +499,7 @@ class CodedShardGroup(ShardGroup):
             w, f = w[1], f[1]
             target = self._target(i)
             if i in self.lost:  # rebuilt stripes come from the replacement, the rest by degraded reads
-                rebuilt = fetch_ids[f] // k < self.cursor if target is not None else np.zeros(len(f), dtype=bool)
+                rebuilt = self._rebuilt(fetch_ids[f] // k) if target is not None else np.zeros(len(f), dtype=bool)
                 if not rebuilt.all():
                     degraded.append((i, f[~rebuilt]))
                 f = f[rebuilt]
@@ -416,7 +507,7 @@ class CodedShardGroup(ShardGroup):
                     continue  # the write reaches parity; the rebuild decodes it from survivors
                 # Only rebuilt stripes are written to the replacement: the others reach parity, and
                 # the rebuild installs them later from survivors (re-read if written during the copy).
-                w = w[write_ids[w] // k < self.cursor]
+                w = w[self._rebuilt(write_ids[w] // k)]
             plan.append((i, target, w, f))
         stripes, survivors = None, ()
         if degraded:
@@ -518,7 +609,7 @@ class CodedShardGroup(ShardGroup):
             raise
         self.lost = lost
         self.generation += 1
-        self.cursor = 0
+        self.rebuilt = None
         if self.recoveries and self.recoveries[-1].rebuilt_at is None:
             record = self.recoveries[-1]
             record.members = sorted(lost)

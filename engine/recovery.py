@@ -11,13 +11,31 @@ and run in chunk order; the thread takes each as it finishes. When every chunk i
 replacements take the lost members' places and reads go to them. Meanwhile the trainer reads
 rows of stripes not yet rebuilt by degraded reads.
 
+Only touched stripes are copied (as a file system resilvers only allocated blocks). Every row
+starts as a pure function of ``(seed, id)``, and a replacement starts with every row *fresh*
+(generated from the seed when first read, see ``parity._Sequenced``). So a stripe that no live
+member has touched (written, installed, or, on a parity shard, given a delta) needs no copy: the
+lost members hold their initial rows there. Why the live members' masks see every change: a
+write-back of a row marks its data shard and every parity shard it reaches; a lost data shard's
+changed row is therefore marked by a surviving parity shard (with at most R lost and one of them
+a data shard, one of the R parity shards lives); a lost parity shard differs from the encoding of
+the initial rows only in stripes where a data row changed, marked by that data shard or, if it
+is lost too, by a surviving parity shard. Parity that a lost parity shard never got (pending, or
+sent while it was down) is of batches the data shards marked. Installs mark as well, so a
+replacement that later survives a loss knows its stripes. (Property test in test_parity.py.)
+How much this saves depends on the run: early in training most stripes are untouched; once every
+row has been trained every stripe is copied (``REBUILD_EVERY_STRIPE`` measures that case).
+
 Why every rebuilt stripe is one consistent version, although the bulk read runs while training
 writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
 
-1. Under the group's lock, the thread settles the last batch (every acknowledgement in, parity
-   included) and opens a *dirty log*. Every write-back batch appends the stripes it touches to
-   the log, under the same lock, before it sends anything. So no batch is in flight when the log
-   opens, and every batch after it is logged (until the rebuild ends).
+0. Under the group's lock, the thread settles the last batch (every acknowledgement in, parity
+   included), reads every live member's touched mask and sets every replacement back to fresh.
+   The stripes no live member touched are rebuilt from now on (``group.rebuilt``): reads of them
+   go to the replacement, which generates them, and write-backs reach it. The others are copied.
+1. Under the same lock hold it opens a *dirty log*. Every write-back batch appends the stripes it
+   touches to the log, under the same lock, before it sends anything. So no batch is in flight
+   when the log opens, and every batch after it is logged (until the rebuild ends).
 2. A task copies a chunk (no lock). A stripe that is not in the log when the task has finished
    was written by no batch between the log's opening and the end of the copy: every survivor's
    copy of it is the same version, so its decode is exact. A stripe in the log may have been read
@@ -26,19 +44,20 @@ writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
 3. Under the lock again (strictly between two batches), the thread re-reads the logged stripes
    of the chunks copied since the last fix-up from the survivors (the pending parity deltas go
    out with the re-read and land first: :func:`_fix_up`), decodes them and installs them on the
-   replacements. Now every stripe of those chunks is the current version; the cursor moves past
-   them, and from then on every batch writes its rows of them through to the replacement, so a
-   rebuilt stripe stays current. A fix-up waits up to FIX_UP_INTERVAL_S for more copied chunks
-   (the trainer's wait for it is two round trips, whatever its size); that is still exact, since
-   a stripe not logged by the fix-up was not written since the log opened. A data replacement
-   gets only the writes of stripes below the cursor: anything else it would hold is overwritten
-   by a later install, and its process is the rebuild's busiest (sending it every write made
-   the trainer's steps wait on it). A parity replacement gets every delta (they come per batch,
-   not per stripe); an install overwrites them in the same way. A fix-up with no logged stripe
+   replacements. Now every stripe of those chunks is the current version; they join
+   ``group.rebuilt``, and from then on every batch writes its rows of them through to the
+   replacement, so a rebuilt stripe stays current. A fix-up waits up to FIX_UP_INTERVAL_S for
+   more copied chunks (the trainer's wait for it is two round trips, whatever its size); that is
+   still exact, since a stripe not logged by the fix-up was not written since the log opened. A
+   data replacement gets only the writes of rebuilt stripes: anything else it would hold is
+   overwritten by a later install, and its process is the rebuild's busiest (sending it every
+   write made the trainer's steps wait on it). A parity replacement gets every delta (they come
+   per batch, not per stripe): on an untouched stripe it lands on the generated encoding, on one
+   still to be copied the install overwrites it in the same way. A fix-up with no logged stripe
    needs no round trip at all.
 
 The trainer waits only for step 3 (a few logged stripes, at most every FIX_UP_INTERVAL_S), not for
-the bulk copy. A further loss during a rebuild restarts it from stripe 0 for everything lost (the
+the bulk copy. A further loss during a rebuild restarts it from step 0 for everything lost (the
 decode of a chunk needs one fixed set of survivors); more than R lost is fatal
 (TooManyErasuresError).
 
@@ -57,7 +76,7 @@ from typing import Any
 import numpy as np
 
 from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.erasure import ErasureCode, rows_in_stripes, stripe_chunks
+from dlrmflow.engine.erasure import ErasureCode
 from dlrmflow.engine.parity import (
     CodedShardGroup,
     LostMembersError,
@@ -75,6 +94,9 @@ YIELD_S = 0.0  # pause after a fix-up (tests raise it to catch degraded reads)
 FIX_UP_INTERVAL_S = 0.5
 PACED_CHUNK_S = 0.05  # with a rebuild rate: chunks this long, so the copy's sends come in small pieces
 COPY_PAUSE_S = 0.0  # pause between a bulk copy's survivor reads (tests raise it: writes land in between)
+# Copy every stripe, as if every row had been trained, not only those some live member touched:
+# the benchmark's worst case (a table trained for an epoch or more), and tests that need many chunks.
+REBUILD_EVERY_STRIPE = False
 
 
 def start_recovery_thread(group: CodedShardGroup) -> threading.Thread:
@@ -142,21 +164,30 @@ def _place_replacements(group: CodedShardGroup, need: list[int], generation: int
 _READ_AHEAD: dict[tuple[str, int], dict[int, Any]] = {}
 
 
-def _read_chunk(survivors: dict[int, Any], start: int, stop: int, pause_s: float) -> dict[int, Any]:
+Chunk = tuple[int, int] | np.ndarray  # stripes [start, stop), or a sorted array of stripes
+
+
+def _read_chunk(survivors: dict[int, Any], chunk: Chunk, pause_s: float) -> dict[int, Any]:
     calls = {}
     for s, actor in survivors.items():  # one after the other when a test stretches the window
         if pause_s and calls:
             time.sleep(pause_s)
-        calls[s] = actor.read_stripes(start, stop)
+        calls[s] = actor.read_stripes(*chunk) if isinstance(chunk, tuple) else actor.gather(chunk)
     return calls
 
 
+def _first(chunk: Chunk) -> int:
+    return int(chunk[0])
+
+
 def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: dict[int, Any],
-                       start: int, stop: int, n_rows: dict[int, int], pause_s: float = 0.0, *,
-                       rebuild_id: str = "", next_chunk: tuple[int, int] | None = None,
+                       chunk: Chunk, n_rows: dict[int, int], pause_s: float = 0.0, *,
+                       rebuild_id: str = "", next_chunk: Chunk | None = None,
                        previous: Any = None, seconds: float = 0.0) -> int:
-    """Runs as a Dask task on a replacement's worker: read stripes ``[start, stop)`` from the
-    survivors (worker to worker), decode the lost members, install them on their replacements.
+    """Runs as a Dask task on a replacement's worker: read the chunk's stripes (``(start, stop)``, or
+    a sorted array of stripes) from the survivors (worker to worker), decode the lost members,
+    install them on their replacements. ``n_rows``: how many of the chunk's stripes each lost
+    member holds (fewer when a data shard ends earlier).
 
     Before decoding it sends the reads of ``next_chunk``, so they travel while this chunk is
     decoded and installed (two chunks in memory at most). ``previous`` is the previous chunk's
@@ -168,24 +199,28 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
     began = time.perf_counter()
     for key in [key for key in _READ_AHEAD if key[0] != rebuild_id]:
         del _READ_AHEAD[key]
-    calls = _READ_AHEAD.pop((rebuild_id, start), None) or _read_chunk(survivors, start, stop, pause_s)
+    calls = _READ_AHEAD.pop((rebuild_id, _first(chunk)), None) or _read_chunk(survivors, chunk, pause_s)
     if next_chunk is not None and not seconds:
-        _READ_AHEAD[(rebuild_id, next_chunk[0])] = _read_chunk(survivors, *next_chunk, pause_s)
+        _READ_AHEAD[(rebuild_id, _first(next_chunk))] = _read_chunk(survivors, next_chunk, pause_s)
     pieces = {s: call.result() for s, call in calls.items()}
     decoded = ErasureCode(k, r).decode(pieces, sorted(replacements), n_rows=n_rows)
     installs = []
     for s in sorted(replacements):
+        if isinstance(chunk, tuple):
+            method, args = "install", (chunk[0], decoded[s])
+        else:
+            method, args = "install_stripes", (chunk[: n_rows[s]], decoded[s])
         local = _local_actor(replacements[s])
         if local is not None:  # this worker hosts it: copy in memory, not through a socket to itself
-            local.install(start, decoded[s])
+            getattr(local, method)(*args)
         else:
-            installs.append(replacements[s].install(start, decoded[s]))
+            installs.append(getattr(replacements[s], method)(*args))
     for call in installs:
         call.result()
     if seconds:
         time.sleep(max(0.0, seconds - (time.perf_counter() - began)))
         if next_chunk is not None:
-            _READ_AHEAD[(rebuild_id, next_chunk[0])] = _read_chunk(survivors, *next_chunk, pause_s)
+            _READ_AHEAD[(rebuild_id, _first(next_chunk))] = _read_chunk(survivors, next_chunk, pause_s)
     return sum(n_rows.values())
 
 
@@ -207,22 +242,25 @@ def _survivors(group: CodedShardGroup, lost: list[int]) -> tuple[int, ...]:
     return group.code.survivors_for([s for s in range(group.code.n_shards) if s not in lost])
 
 
-def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[tuple[int, int]], worker: str) -> list:
+def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[np.ndarray], worker: str) -> list:
     """Step 2 for every chunk at once: bulk-copy tasks on ``worker``, in chunk order (no lock held).
 
     They run one after the other on the replacement's worker while the rebuild thread fixes up the
     chunks already copied, so the per-task round trip is paid once, not per chunk; each task sends
-    the next chunk's reads before it decodes its own."""
+    the next chunk's reads before it decodes its own. A chunk of consecutive stripes travels as
+    ``(start, stop)`` and is read as a slice (every stripe touched: no index array to send)."""
     with group.lock:
         survivors = {s: group.members[s] for s in _survivors(group, lost)}
         replacements = {s: group.replacement[s] for s in lost}
         rebuild_id = f"{id(group)}-{group.generation}-{time.monotonic_ns()}"
+    sent = [(int(c[0]), int(c[-1]) + 1) if int(c[-1]) - int(c[0]) + 1 == len(c) else c for c in chunks]
     futures = []
-    for i, (start, stop) in enumerate(chunks):
-        n_rows = {s: rows_in_stripes(group.rows_of[s], start, stop) for s in lost}
+    for i, (stripes, chunk) in enumerate(zip(chunks, sent, strict=True)):
+        # Chunks are sorted: a data shard that ends earlier holds a prefix of each.
+        n_rows = {s: int(np.searchsorted(stripes, group.rows_of[s])) for s in lost}
         futures.append(group.client.submit(
-            rebuild_chunk_task, group.code.k, group.code.r, survivors, replacements, start, stop, n_rows,
-            COPY_PAUSE_S, rebuild_id=rebuild_id, next_chunk=chunks[i + 1] if i + 1 < len(chunks) else None,
+            rebuild_chunk_task, group.code.k, group.code.r, survivors, replacements, chunk, n_rows,
+            COPY_PAUSE_S, rebuild_id=rebuild_id, next_chunk=sent[i + 1] if i + 1 < len(sent) else None,
             previous=futures[-1] if futures else None, workers=[worker], allow_other_workers=False, pure=False,
             seconds=sum(n_rows.values()) * group.spec.row_bytes / group.rebuild_rate if group.rebuild_rate else 0.0,
             priority=len(chunks) - i))
@@ -285,6 +323,22 @@ def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> Non
         raise error
 
 
+def _stripes_to_copy(group: CodedShardGroup, lost: list[int]) -> np.ndarray:
+    """Step 0 (lock held, every batch settled): the stripes some live member has touched, the only
+    ones where a lost member may hold anything but its initial rows. Every replacement starts over
+    from its initial rows (all fresh). Raises LostMembersError."""
+    live = [s for s in range(group.code.n_shards) if s not in group.lost]
+    calls = [(s, remote(group.members[s], "touched_mask")) for s in live]
+    calls += [(s, remote(group.replacement[s], "reset")) for s in lost]
+    results, error = _wait_all(calls)
+    if error:
+        raise error
+    if REBUILD_EVERY_STRIPE:
+        return np.arange(group.n_stripes, dtype=np.int64)
+    touched = np.bitwise_or.reduce([results[s] for s in live])
+    return np.flatnonzero(np.unpackbits(touched, count=group.n_stripes)).astype(np.int64)
+
+
 def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Rebuild every lost member of ``group`` on replacements; returns what was rebuilt."""
     while True:
@@ -309,25 +363,29 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             record.placement_seconds += time.perf_counter() - placing
             if group.generation != generation:
                 continue
-            group.cursor = 0
-        chunks = stripe_chunks(group.n_stripes, chunk_stripes(group, len(lost)))
         worker = record.workers.get(lost[0]) or group.replacement_workers[lost[0]]
         with group.lock:
             group._raise_fatal()
             if group.generation != generation:
                 continue
             try:
-                group._settle()  # no batch in flight when the log opens
+                group._settle()  # no batch in flight when the masks are read and the log opens
+                to_copy = _stripes_to_copy(group, lost)  # step 0
             except LostMembersError as exc:
                 group.on_lost(exc.members)
                 continue
+            group.rebuilt = np.ones(group.n_stripes, dtype=bool)  # the others hold their initial rows
+            group.rebuilt[to_copy] = False
             group.dirty = []  # step 1: from now on every write-back logs its stripes
+            record.stripes_untouched = group.n_stripes - len(to_copy)
+        size = chunk_stripes(group, len(lost))
+        chunks = [to_copy[i : i + size] for i in range(0, len(to_copy), size)]
         copying = time.perf_counter()
         futures = _submit_copies(group, lost, chunks, worker)
-        complete = True
+        complete, copied, done = True, [], 0
         fixed_up = time.perf_counter()
         try:
-            for n, ((start, stop), future) in enumerate(zip(chunks, futures, strict=True)):
+            for n, (chunk, future) in enumerate(zip(chunks, futures, strict=True)):
                 try:
                     rows, failure = _wait_done(group, future, generation, worker), None
                 except _Superseded:
@@ -337,8 +395,9 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                     rows, failure = 0, exc
                 if failure is None:
                     record.chunks += 1
-                    record.stripes += stop - start
+                    record.stripes += len(chunk)
                     record.rows_rebuilt += rows
+                    copied.append(chunk)
                     # Copied; fixed up (and then read from the replacement) with later chunks, unless a new
                     # loss came in: the locked section below sees it and starts over without copying on.
                     if (n + 1 < len(chunks) and time.perf_counter() - fixed_up < FIX_UP_INTERVAL_S
@@ -358,19 +417,22 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                             raise LostMembersError(dead, failure)
                         logged = np.unique(np.concatenate(group.dirty)) if group.dirty else np.zeros(0, np.int64)
                         group.dirty = [logged]
-                        stripes = logged[(logged >= group.cursor) & (logged < stop)]
+                        fresh_copies = np.concatenate(copied)
+                        stripes = logged[np.isin(logged, fresh_copies, assume_unique=True)]
                         _fix_up(group, lost, stripes)  # step 3, for every chunk copied since the last one
                     except LostMembersError as exc:
                         group.on_lost(exc.members)  # raises when more than R are lost
                         complete = False
                         break
-                    group.cursor = stop
+                    group.rebuilt[fresh_copies] = True
                     record.stripes_fixed_up += len(stripes)
                     record.locked_seconds += time.perf_counter() - locked
                     record.fix_ups += 1
+                done += len(fresh_copies)
+                copied = []
                 fixed_up = time.perf_counter()
                 if progress is not None:
-                    progress(stop, group.n_stripes)
+                    progress(done, len(to_copy))
                 time.sleep(YIELD_S)
         finally:
             with group.lock:
@@ -389,6 +451,6 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             group.actors = group.members[: group.code.k]
             group.futures = group.member_futures[: group.code.k]
             group.lost.clear()
-            group.cursor = 0
+            group.rebuilt = None
             record.rebuilt_at = time.perf_counter()
         # Back to the top: it returns there (under the lock) unless a loss came in meanwhile.

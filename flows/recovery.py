@@ -44,13 +44,13 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
     logger = get_run_logger()
     with _LOCK:
         rebuild = _REBUILDS.pop(recovery_id)
-    logger.info("lost %s: rebuilding %d stripes in chunks of %d on fresh workers", ", ".join(lost), stripes,
-                chunk)
+    logger.info("lost %s: rebuilding %d stripes on fresh workers (those some live member touched are copied, "
+                "in chunks of %d; the others are generated from the seed)", ", ".join(lost), stripes, chunk)
     start = time.perf_counter()
     result = rebuild(FlowProgress(f"rebuild of {', '.join(lost)} (stripes)", min_interval_s=0.5))
-    logger.info("rebuilt %s: %d rows in %d chunks, %.3f s after detection (%d restarts)", ", ".join(result["lost"]),
-                result["rows_rebuilt"], result["chunks"], result["seconds"] or time.perf_counter() - start,
-                result["restarts"])
+    logger.info("rebuilt %s: %d rows copied in %d chunks, %d untouched stripes generated, %.3f s after detection "
+                "(%d restarts)", ", ".join(result["lost"]), result["rows_rebuilt"], result["chunks"],
+                result["stripes_untouched"], result["seconds"] or time.perf_counter() - start, result["restarts"])
     publish_recovery_task(result)
     return result
 

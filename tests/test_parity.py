@@ -107,28 +107,120 @@ class InProcess:
         return lambda *args: self.Done(getattr(self.member, name)(*args))
 
 
-@pytest.mark.parametrize("cursor", [0, 3, 10])
-def test_a_replacement_is_written_only_the_stripes_already_rebuilt(cursor):
-    """During a rebuild, stripes at or past the cursor are installed later from the survivors, so a
-    write-back sends the replacement of a lost data shard only its rows of stripes below the cursor
-    (the rest reaches the surviving shards and parity as usual)."""
+def _in_process_group(spec: RowSpec, k: int, r: int) -> CodedShardGroup:
+    members = [InProcess(CodedShard(spec, i, k)) for i in range(k)]
+    members += [InProcess(ParityShard(spec, k, r, p)) for p in range(r)]
+    return CodedShardGroup(spec, None, ErasureCode(k, r), members, [None] * (k + r),
+                           [f"w{s}" for s in range(k + r)], parity_batches=3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_replacement_is_written_only_the_stripes_already_rebuilt(seed):
+    """During a rebuild, stripes not rebuilt yet are installed later from the survivors, so a
+    write-back sends the replacement of a lost data shard only its rows of rebuilt stripes (the rest
+    reaches the surviving shards and parity as usual); before the rebuild has chosen the stripes it
+    copies (``rebuilt`` is None), none."""
     spec = RowSpec(dim=2, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(20,))
-    k, code = 2, ErasureCode(2, 1)
-    members = [InProcess(CodedShard(spec, 0, k)), InProcess(CodedShard(spec, 1, k)),
-               InProcess(ParityShard(spec, k, 1, 0))]
-    group = CodedShardGroup(spec, None, code, members, [None] * 3, ["w0", "w1", "w2"], parity_batches=100)
-    replacement = CodedShard(spec, 0, k, initialise=False)  # all zeros: nothing installed yet
-    group.lost, group.replacement, group.cursor = {0}, {0: InProcess(replacement)}, cursor
+    group = _in_process_group(spec, 2, 1)
+    group.parity_batches = 100
+    rebuilt = [None, np.random.default_rng(seed).random(10) < 0.5, np.zeros(10, bool), np.ones(10, bool)][seed]
+    replacement = CodedShard(spec, 0, 2, initialise=False)  # every row fresh: nothing generated or installed
+    group.lost, group.replacement, group.rebuilt = {0}, {0: InProcess(replacement)}, rebuilt
     ids = np.arange(20, dtype=np.int64)
     group.checked_out.put(ids, init_rows(spec, ids))
     new = np.random.default_rng(0).standard_normal((20, spec.width)).astype(np.float32) + 5
     group.exchange(ids, new, ids[:0])
-    stripes = np.arange(10)
-    assert np.array_equal(replacement.rows[stripes < cursor], new[0::2][stripes < cursor])
-    assert not replacement.rows[stripes >= cursor].any()
-    assert np.array_equal(members[1].member.rows, new[1::2])
-    assert replacement.applied_batches() == ([1] if cursor else [])
+    written = np.zeros(10, bool) if rebuilt is None else rebuilt
+    assert np.array_equal(replacement.rows[written], new[0::2][written])
+    assert not replacement.rows[~written].any()  # still fresh: not even generated
+    assert np.array_equal(replacement.touched, written) and np.array_equal(replacement.fresh, ~written)
+    assert np.array_equal(group.members[1].member.rows, new[1::2])
+    assert replacement.applied_batches() == ([1] if written.any() else [])
     assert len(group.pending) == 1  # the whole batch's parity delta, for every stripe
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_replacement_generates_its_fresh_rows_on_first_read(seed):
+    """A replacement starts with every row fresh; whatever reads a row (fetch, gather, a bulk read,
+    all rows) sees the initial rows, bit for bit, while written and installed rows are kept as they
+    came and marked touched. Parity alike: a delta applied to a fresh stripe lands on its encoding."""
+    rng = np.random.default_rng(seed)
+    cards = tuple(int(c) for c in rng.integers(1, 40, size=int(rng.integers(1, 4))))
+    spec = _spec(seed, cards, optimizer=["sgd", "adagrad"][seed % 2])
+    k, r = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    code = ErasureCode(k, r)
+    i = int(rng.integers(0, k))
+    initial, fresh = CodedShard(spec, i, k), CodedShard(spec, i, k, initialise=False)
+    n = len(initial.rows)
+    if n == 0:
+        assert fresh.all_local_rows().shape == (0, spec.width)
+        return
+    local = np.unique(rng.integers(0, n, size=max(1, n // 3)))
+    ids = local * k + i
+    assert np.array_equal(fresh.fetch(ids).view(np.uint8), initial.fetch(ids).view(np.uint8))
+    new = rng.standard_normal((len(ids), spec.width)).astype(np.float32)
+    written = local[rng.random(len(local)) < 0.5]
+    fresh.write_back(written * k + i, new[: len(written)])
+    initial.write_back(written * k + i, new[: len(written)])
+    stripes = np.unique(rng.integers(0, n + 3, size=5))  # past the end: zero rows
+    assert np.array_equal(fresh.gather(stripes).view(np.uint8), initial.gather(stripes).view(np.uint8))
+    lo = int(rng.integers(0, n))
+    assert np.array_equal(fresh.read_stripes(lo, n).view(np.uint8), initial.read_stripes(lo, n).view(np.uint8))
+    installed = rng.standard_normal((2, spec.width)).astype(np.float32)
+    for shard in (fresh, initial):
+        shard.install_stripes(np.array([0]), installed[:1])
+    assert np.array_equal(fresh.local_rows().view(np.uint8), initial.local_rows().view(np.uint8))
+    touched = np.zeros(n, bool)
+    touched[written], touched[0] = True, True
+    assert np.array_equal(np.unpackbits(fresh.touched_mask(), count=n).astype(bool), touched)
+    assert np.array_equal(fresh.touched, initial.touched)
+    # Parity.
+    p = int(rng.integers(0, r))
+    parity, fresh_parity = ParityShard(spec, k, r, p), ParityShard(spec, k, r, p, initialise=False)
+    old = EmbeddingShard(spec, i, k).rows[written]
+    delta = code.combine_deltas([(i, written, old, new[: len(written)])])
+    for member in (parity, fresh_parity):
+        member.apply(3, delta.stripes, delta.parity[p])
+    assert np.array_equal(fresh_parity.touched, parity.touched) and parity.touched[written].all()
+    assert np.array_equal(fresh_parity.gather(stripes).view(np.uint8), parity.gather(stripes).view(np.uint8))
+    assert np.array_equal(fresh_parity.all_local_rows().view(np.uint8), parity.all_local_rows().view(np.uint8))
+    fresh_parity.reset()
+    assert fresh_parity.fresh.all() and not fresh_parity.touched.any()
+    assert np.array_equal(fresh_parity.all_local_rows().view(np.uint8),
+                          ParityShard(spec, k, r, p).rows.view(np.uint8))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_live_members_touched_masks_cover_every_stripe_a_lost_member_changed(seed):
+    """Whatever write-backs ran and whichever <= R members are lost, a stripe where a lost member
+    holds anything but its initial rows is marked touched by a live member: a rebuild that copies
+    only the touched stripes and generates the rest is exact."""
+    rng = np.random.default_rng(100 + seed)
+    cards = tuple(int(c) for c in rng.integers(5, 60, size=int(rng.integers(1, 4))))
+    spec = _spec(seed, cards)
+    k, r = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    group = _in_process_group(spec, k, r)
+    held = np.zeros(0, np.int64)
+    for _ in range(int(rng.integers(1, 8))):
+        write = held[rng.random(len(held)) < 0.6]
+        rows = rng.standard_normal((len(write), spec.width)).astype(np.float32)
+        same = rng.random(len(write)) < 0.2  # written back unchanged
+        rows[same] = group.checked_out.buf[group.checked_out.pos[write[same]]]
+        fetch = np.setdiff1d(np.unique(rng.integers(0, spec.total_rows, size=int(rng.integers(0, 12)))), held)
+        group.exchange(write, rows, fetch)
+        held = np.union1d(np.setdiff1d(held, write), fetch)
+    with group.lock:
+        group._settle()
+    members = [m.member for m in group.members]
+    initial = [CodedShard(spec, i, k).rows for i in range(k)] + [ParityShard(spec, k, r, p).rows for p in range(r)]
+    for n_lost in range(1, r + 1):
+        lost = set(rng.choice(k + r, size=n_lost, replace=False).tolist())
+        touched = np.zeros(group.n_stripes, bool)
+        for s in set(range(k + r)) - lost:
+            touched |= np.unpackbits(members[s].touched_mask(), count=group.n_stripes).astype(bool)
+        for s in lost:
+            changed = (members[s].rows.view(np.uint8) != initial[s].view(np.uint8)).any(axis=1)
+            assert not changed[~touched[: len(changed)]].any(), (lost, s)
 
 
 @pytest.mark.parametrize("seed", range(4))
