@@ -11,7 +11,7 @@ Modes: none, checkpoint every N (``--checkpoint-every``), parity R = 1 and R = 2
 rebuild capped at ``--paced-rate`` MB/s (``--rebuild-rate``: it trades a longer rebuild for training
 during it), and R = 1 copying every stripe (``R=1 copy all``). A rebuild copies only the stripes some
 live member has touched and the replacement generates the rest from the seed; early in a run (a
-kill at 150 of a fresh table) most are untouched, while a table whose every row has been trained
+kill at 150 of a fresh table) most rows are unwritten, while a table whose every row has been trained
 copies them all: ``copy all`` is that worst case, on the same kill. The last two equal R = 1 until a
 failure, so they share its failure-free runs.
 
@@ -370,7 +370,7 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
     first = {m: results[m][True][m.startswith("checkpoint") and "checkpoint" or "parity"]["recoveries"][0]
              for m in MODES if m != "none"}
     row("  stripes copied (of all)", each(
-        lambda m, r: f"{100 * first[m]['stripes'] / (first[m]['stripes'] + first[m]['stripes_untouched']):.1f}%"))
+        lambda m, r: f"{100 * first[m]['stripes'] / (first[m]['stripes'] + first[m]['stripes_generated']):.1f}%"))
     row("  bulk copy on workers (s)", each(lambda m, r: f"{first[m]['copy_seconds']:.3f}"))
     row("  training blocked by rebuild (s)", each(lambda m, r: f"{first[m]['locked_seconds']:.3f}"))
     row("new iterations during recovery", each(lambda m, r: str(rec[m]["iterations_during"])))

@@ -28,8 +28,8 @@ shard that dies with deltas pending is rebuilt from the data shards, which hold 
 Failures and recovery. A call to a member whose worker died raises ``OSError``: the group marks
 the member lost, resends the batch to the survivors (idempotent) and starts a background rebuild
 (:mod:`.recovery`, which also argues why every rebuilt stripe is one consistent version although
-the bulk copy runs while training writes, and why copying only the stripes some live member
-touched is enough: a replacement generates the others from the seed). Until a stripe is rebuilt, reads of a lost data
+the bulk copy runs while training writes, and why copying only the stripes with a row the trainer
+wrote is enough: a replacement generates the others from the seed). Until a stripe is rebuilt, reads of a lost data
 shard's rows are *degraded reads*: decoded from K survivors' stripes, which come back with the
 batch's own calls (a surviving data shard reads them after applying the batch, a surviving parity
 shard after applying every pending delta; earlier parity messages are acknowledged first), so
@@ -87,24 +87,17 @@ class LostMembersError(RuntimeError):
 
 
 class _Sequenced:
-    """What every member shares: the set of write-back batches it applied, stripe access, and two
-    masks over its rows (one per stripe).
+    """What every member shares: the set of write-back batches it applied, and stripe access.
 
-    ``touched``: rows written or installed since the member started (never cleared). A stripe no
-    live member has touched holds the initial rows on every member, so a rebuild regenerates it
-    instead of copying it (:mod:`dlrmflow.engine.recovery` argues why the live members' masks see
-    every write). ``fresh``: rows still to be generated from ``(seed, id)``; a replacement starts
-    with every row fresh, and a fresh row is generated when first read (generating a whole shard
-    eagerly costs more than copying it). Both are owned by the member's actor thread."""
+    ``fresh`` (None, or one flag per stripe): rows still to be generated from ``(seed, id)``. A
+    replacement starts with every row fresh and generates a row when something first reads it:
+    a rebuild copies only the stripes with a row the trainer wrote, and generating a whole shard
+    eagerly costs more than copying it. Owned by the member's actor thread (a rebuild's install
+    from a task on the same worker is the race its dirty log covers)."""
 
     rows: np.ndarray
     applied: set[int]
-    touched: np.ndarray
     fresh: np.ndarray | None
-
-    def _start_masks(self, fresh: bool) -> None:
-        self.touched = np.zeros(len(self.rows), dtype=bool)
-        self.fresh = np.ones(len(self.rows), dtype=bool) if fresh else None
 
     def _initial_rows(self, local: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -120,19 +113,14 @@ class _Sequenced:
             self.rows[local] = self._initial_rows(local)
             self.fresh[local] = False
 
-    def _mark_written(self, local: np.ndarray | slice) -> None:
-        self.touched[local] = True
+    def _overwritten(self, local: np.ndarray | slice) -> None:
         if self.fresh is not None:
             self.fresh[local] = False
 
     def reset(self) -> int:
         """Back to the initial rows, all fresh: a rebuild that starts over installs everything else again."""
-        self._start_masks(fresh=True)
+        self.fresh = np.ones(len(self.rows), dtype=bool)
         return len(self.rows)
-
-    def touched_mask(self) -> np.ndarray:
-        """``touched`` packed 8 stripes to a byte: a rebuild reads it from every live member under the lock."""
-        return np.packbits(self.touched)
 
     def read_stripes(self, start: int, stop: int) -> np.ndarray:
         """Rows of stripes ``[start, stop)``, not copied: only a rebuild's bulk copy reads them, and a
@@ -149,13 +137,13 @@ class _Sequenced:
     def install(self, start: int, rows: np.ndarray) -> int:
         """Rebuilt rows of stripes ``start..``: copied as bytes, never as floats."""
         self.rows.view(np.uint8)[start : start + len(rows)] = np.ascontiguousarray(rows).view(np.uint8)
-        self._mark_written(slice(start, start + len(rows)))
+        self._overwritten(slice(start, start + len(rows)))
         return len(rows)
 
     def install_stripes(self, stripes: np.ndarray, rows: np.ndarray) -> int:
         """Rebuilt rows of the given stripes (a rebuild's fix-up), copied as bytes."""
         self.rows.view(np.uint8)[stripes] = np.ascontiguousarray(rows).view(np.uint8)
-        self._mark_written(stripes)
+        self._overwritten(stripes)
         return len(stripes)
 
     def all_local_rows(self) -> np.ndarray:
@@ -177,7 +165,7 @@ class CodedShard(_Sequenced, EmbeddingShard):
         # Not initialised: a rebuild target or a resumed run's shard, every row fresh until installed.
         EmbeddingShard.__init__(self, spec, shard, num_shards, initialise)
         self.applied = set()
-        self._start_masks(fresh=not initialise)
+        self.fresh = None if initialise else np.ones(len(self.rows), dtype=bool)
 
     def _initial_rows(self, local: np.ndarray) -> np.ndarray:
         return init_rows(self.spec, local * self.num_shards + self.shard)
@@ -188,7 +176,7 @@ class CodedShard(_Sequenced, EmbeddingShard):
 
     def write_back(self, ids: np.ndarray, rows: np.ndarray) -> int:
         n = super().write_back(ids, rows)
-        self._mark_written(np.asarray(ids, dtype=np.int64) // self.num_shards)
+        self._overwritten(np.asarray(ids, dtype=np.int64) // self.num_shards)
         return n
 
     def local_rows(self) -> np.ndarray:
@@ -242,7 +230,7 @@ class ParityShard(_Sequenced):
             self.rows = np.zeros((num_stripes(spec, k), spec.width), dtype=np.float32)
         self.applied = set()
         self.stripes_updated = 0
-        self._start_masks(fresh=not initialise)
+        self.fresh = None if initialise else np.ones(len(self.rows), dtype=bool)
 
     def _initial_rows(self, local: np.ndarray) -> np.ndarray:
         return encode_parity_of_initial_rows(self.spec, self.code, self.p, local)
@@ -254,7 +242,6 @@ class ParityShard(_Sequenced):
         stripes = np.asarray(stripes, dtype=np.int64)
         self._materialise(stripes)
         self.code.apply_delta(self.rows, delta, rows=stripes)
-        self.touched[stripes] = True
         self.applied.add(seq)
         self.stripes_updated += len(stripes)
         return len(stripes)
@@ -328,7 +315,7 @@ class RecoveryRecord:
     rows_rebuilt: int = 0
     chunks: int = 0
     stripes_fixed_up: int = 0  # stripes written during a chunk's bulk copy, re-read under the lock
-    stripes_untouched: int = 0  # stripes no live member had touched: the replacements generate them
+    stripes_generated: int = 0  # stripes with no row the trainer wrote: the replacements generate them
     placement_seconds: float = 0.0  # detection -> replacement actors started
     copy_seconds: float = 0.0  # bulk copies on workers + fix-ups, wall clock (training runs meanwhile)
     locked_seconds: float = 0.0  # fix-ups under the lock (training waits)
@@ -344,7 +331,7 @@ class RecoveryRecord:
             "seconds": None if self.rebuilt_at is None else self.rebuilt_at - self.detected_at,
             "stripes": self.stripes, "rows_rebuilt": self.rows_rebuilt, "chunks": self.chunks,
             "stripes_fixed_up": self.stripes_fixed_up, "fix_ups": self.fix_ups,
-            "stripes_untouched": self.stripes_untouched,
+            "stripes_generated": self.stripes_generated,
             "placement_seconds": self.placement_seconds, "copy_seconds": self.copy_seconds,
             "locked_seconds": self.locked_seconds,
             "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
@@ -397,6 +384,9 @@ class CodedShardGroup(ShardGroup):
         self.client, self.code = client, code
         self.members, self.member_futures, self.worker_of = list(members), list(futures), list(workers)
         self.checked_out = CheckedOutRows(spec.total_rows, spec.width)
+        # Rows the trainer has written back (one byte per table row, like ``checked_out.pos``'s four):
+        # the only rows that may differ from their initial values, so the only ones a rebuild copies.
+        self.written = np.zeros(spec.total_rows, dtype=bool)
         self.lock = threading.RLock()
         self.seq = 0
         self.parity_bytes = 0
@@ -444,6 +434,7 @@ class CodedShardGroup(ShardGroup):
                 self.seq += 1
                 seq = self.seq
                 changes = xor_bits(self.checked_out.take(write_ids), write_rows)
+                self.written[write_ids] = True
                 if self.dirty is not None:  # a rebuild is copying a chunk: it re-reads these stripes
                     self.dirty.append(write_ids // self.code.k)
                 self.pending.append((seq, (write_ids.copy(), changes)))  # combined while the shards work
@@ -464,6 +455,17 @@ class CodedShardGroup(ShardGroup):
         self.bytes_written += len(write_ids) * self.spec.row_bytes
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
+
+    def stripes_to_copy(self, lost: list[int]) -> np.ndarray:
+        """Stripes where a member of ``lost`` may hold anything but its initial rows: a lost data
+        shard only where the trainer wrote its row, a lost parity shard where it wrote any row of
+        the stripe (parity changes with every data row). Every other stripe a replacement generates."""
+        k = self.code.k
+        by_stripe = np.zeros(self.n_stripes * k, dtype=bool)
+        by_stripe[: self.spec.total_rows] = self.written
+        by_stripe = by_stripe.reshape(self.n_stripes, k)
+        columns = list(range(k)) if any(s >= k for s in lost) else sorted(lost)
+        return np.flatnonzero(by_stripe[:, columns].any(axis=1))
 
     def _combine_pending(self) -> None:
         """Turn each pending batch's row changes into its parity delta (each touched stripe once).
@@ -762,6 +764,8 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
             call.result()
     group = CodedShardGroup(spec, client, code, actors, futures, workers, rebuild_chunk=rebuild_chunk,
                             parity_batches=parity_batches, rebuild_rate=rebuild_rate, recovery_runner=recovery_runner)
+    if rows is not None:
+        group.written[:] = True  # rows from a checkpoint: any of them may differ from its initial value
     group.shared_workers = shared
     return group
 

@@ -11,28 +11,25 @@ and run in chunk order; the thread takes each as it finishes. When every chunk i
 replacements take the lost members' places and reads go to them. Meanwhile the trainer reads
 rows of stripes not yet rebuilt by degraded reads.
 
-Only touched stripes are copied (as a file system resilvers only allocated blocks). Every row
-starts as a pure function of ``(seed, id)``, and a replacement starts with every row *fresh*
-(generated from the seed when first read, see ``parity._Sequenced``). So a stripe that no live
-member has touched (written, installed, or, on a parity shard, given a delta) needs no copy: the
-lost members hold their initial rows there. Why the live members' masks see every change: a
-write-back of a row marks its data shard and every parity shard it reaches; a lost data shard's
-changed row is therefore marked by a surviving parity shard (with at most R lost and one of them
-a data shard, one of the R parity shards lives); a lost parity shard differs from the encoding of
-the initial rows only in stripes where a data row changed, marked by that data shard or, if it
-is lost too, by a surviving parity shard. Parity that a lost parity shard never got (pending, or
-sent while it was down) is of batches the data shards marked. Installs mark as well, so a
-replacement that later survives a loss knows its stripes. (Property test in test_parity.py.)
-How much this saves depends on the run: early in training most stripes are untouched; once every
-row has been trained every stripe is copied (``REBUILD_EVERY_STRIPE`` measures that case).
+Only stripes with a row the trainer wrote are copied (as a file system resilvers only the blocks
+in use). Every row starts as a pure function of ``(seed, id)``, the trainer is the only writer, and
+it marks every row it writes back (``group.written``). A data row never written holds its initial
+value, and a parity row whose stripe has no written row holds the encoding of initial values; a
+rebuild's installs only restore values. So a lost data shard differs from its initial rows only in
+the stripes where its rows were written, a lost parity shard only in those with any written row,
+and the replacement, which starts with every row *fresh* (generated from the seed when first read,
+see ``parity._Sequenced``), needs the others from nowhere. A resumed run marks every row (its rows
+came from a checkpoint). How much this saves depends on the run: early in training most rows are
+unwritten; once every row has been trained every stripe is copied (``REBUILD_EVERY_STRIPE``
+measures that case).
 
 Why every rebuilt stripe is one consistent version, although the bulk read runs while training
 writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
 
 0. Under the group's lock, the thread settles the last batch (every acknowledgement in, parity
-   included), reads every live member's touched mask and sets every replacement back to fresh.
-   The stripes no live member touched are rebuilt from now on (``group.rebuilt``): reads of them
-   go to the replacement, which generates them, and write-backs reach it. The others are copied.
+   included) and sets every replacement back to fresh. The stripes with no written row of a lost
+   member are rebuilt from now on (``group.rebuilt``): reads of them go to the replacement, which
+   generates them, and write-backs reach it (and mark the row written). The others are copied.
 1. Under the same lock hold it opens a *dirty log*. Every write-back batch appends the stripes it
    touches to the log, under the same lock, before it sends anything. So no batch is in flight
    when the log opens, and every batch after it is logged (until the rebuild ends).
@@ -52,9 +49,9 @@ writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
    data replacement gets only the writes of rebuilt stripes: anything else it would hold is
    overwritten by a later install, and its process is the rebuild's busiest (sending it every
    write made the trainer's steps wait on it). A parity replacement gets every delta (they come
-   per batch, not per stripe): on an untouched stripe it lands on the generated encoding, on one
-   still to be copied the install overwrites it in the same way. A fix-up with no logged stripe
-   needs no round trip at all.
+   per batch, not per stripe): on a stripe not to be copied it lands on the generated encoding, on
+   one still to be copied the install overwrites it in the same way. A fix-up with no logged
+   stripe needs no round trip at all.
 
 The trainer waits only for step 3 (a few logged stripes, at most every FIX_UP_INTERVAL_S), not for
 the bulk copy. A further loss during a rebuild restarts it from step 0 for everything lost (the
@@ -94,7 +91,7 @@ YIELD_S = 0.0  # pause after a fix-up (tests raise it to catch degraded reads)
 FIX_UP_INTERVAL_S = 0.5
 PACED_CHUNK_S = 0.05  # with a rebuild rate: chunks this long, so the copy's sends come in small pieces
 COPY_PAUSE_S = 0.0  # pause between a bulk copy's survivor reads (tests raise it: writes land in between)
-# Copy every stripe, as if every row had been trained, not only those some live member touched:
+# Copy every stripe, as if every row had been trained, not only those with a row the trainer wrote:
 # the benchmark's worst case (a table trained for an epoch or more), and tests that need many chunks.
 REBUILD_EVERY_STRIPE = False
 
@@ -248,7 +245,7 @@ def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[np.ndar
     They run one after the other on the replacement's worker while the rebuild thread fixes up the
     chunks already copied, so the per-task round trip is paid once, not per chunk; each task sends
     the next chunk's reads before it decodes its own. A chunk of consecutive stripes travels as
-    ``(start, stop)`` and is read as a slice (every stripe touched: no index array to send)."""
+    ``(start, stop)`` and is read as a slice (every stripe written: no index array to send)."""
     with group.lock:
         survivors = {s: group.members[s] for s in _survivors(group, lost)}
         replacements = {s: group.replacement[s] for s in lost}
@@ -324,19 +321,14 @@ def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> Non
 
 
 def _stripes_to_copy(group: CodedShardGroup, lost: list[int]) -> np.ndarray:
-    """Step 0 (lock held, every batch settled): the stripes some live member has touched, the only
-    ones where a lost member may hold anything but its initial rows. Every replacement starts over
-    from its initial rows (all fresh). Raises LostMembersError."""
-    live = [s for s in range(group.code.n_shards) if s not in group.lost]
-    calls = [(s, remote(group.members[s], "touched_mask")) for s in live]
-    calls += [(s, remote(group.replacement[s], "reset")) for s in lost]
-    results, error = _wait_all(calls)
+    """Step 0 (lock held, every batch settled): every replacement starts over from its initial rows
+    (all fresh); the stripes to copy are those with a row the trainer wrote. Raises LostMembersError."""
+    _, error = _wait_all([(s, remote(group.replacement[s], "reset")) for s in lost])
     if error:
         raise error
     if REBUILD_EVERY_STRIPE:
         return np.arange(group.n_stripes, dtype=np.int64)
-    touched = np.bitwise_or.reduce([results[s] for s in live])
-    return np.flatnonzero(np.unpackbits(touched, count=group.n_stripes)).astype(np.int64)
+    return group.stripes_to_copy(lost)
 
 
 def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -377,7 +369,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             group.rebuilt = np.ones(group.n_stripes, dtype=bool)  # the others hold their initial rows
             group.rebuilt[to_copy] = False
             group.dirty = []  # step 1: from now on every write-back logs its stripes
-            record.stripes_untouched = group.n_stripes - len(to_copy)
+            record.stripes_generated = group.n_stripes - len(to_copy)
         size = chunk_stripes(group, len(lost))
         chunks = [to_copy[i : i + size] for i in range(0, len(to_copy), size)]
         copying = time.perf_counter()

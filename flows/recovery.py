@@ -48,9 +48,9 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
                 "in chunks of %d; the others are generated from the seed)", ", ".join(lost), stripes, chunk)
     start = time.perf_counter()
     result = rebuild(FlowProgress(f"rebuild of {', '.join(lost)} (stripes)", min_interval_s=0.5))
-    logger.info("rebuilt %s: %d rows copied in %d chunks, %d untouched stripes generated, %.3f s after detection "
+    logger.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, %.3f s after detection "
                 "(%d restarts)", ", ".join(result["lost"]), result["rows_rebuilt"], result["chunks"],
-                result["stripes_untouched"], result["seconds"] or time.perf_counter() - start, result["restarts"])
+                result["stripes_generated"], result["seconds"] or time.perf_counter() - start, result["restarts"])
     publish_recovery_task(result)
     return result
 

@@ -27,6 +27,7 @@ from dlrmflow.engine.parity import (
     CodedShardGroup,
     ParityShard,
     place_members,
+    start_coded_shards,
     verify_run_dir,
 )
 from dlrmflow.engine.run_state import load_state, save_state
@@ -133,7 +134,7 @@ def test_a_replacement_is_written_only_the_stripes_already_rebuilt(seed):
     written = np.zeros(10, bool) if rebuilt is None else rebuilt
     assert np.array_equal(replacement.rows[written], new[0::2][written])
     assert not replacement.rows[~written].any()  # still fresh: not even generated
-    assert np.array_equal(replacement.touched, written) and np.array_equal(replacement.fresh, ~written)
+    assert np.array_equal(replacement.fresh, ~written)
     assert np.array_equal(group.members[1].member.rows, new[1::2])
     assert replacement.applied_batches() == ([1] if written.any() else [])
     assert len(group.pending) == 1  # the whole batch's parity delta, for every stripe
@@ -143,7 +144,7 @@ def test_a_replacement_is_written_only_the_stripes_already_rebuilt(seed):
 def test_a_replacement_generates_its_fresh_rows_on_first_read(seed):
     """A replacement starts with every row fresh; whatever reads a row (fetch, gather, a bulk read,
     all rows) sees the initial rows, bit for bit, while written and installed rows are kept as they
-    came and marked touched. Parity alike: a delta applied to a fresh stripe lands on its encoding."""
+    came. Parity alike: a delta applied to a fresh stripe lands on its encoding."""
     rng = np.random.default_rng(seed)
     cards = tuple(int(c) for c in rng.integers(1, 40, size=int(rng.integers(1, 4))))
     spec = _spec(seed, cards, optimizer=["sgd", "adagrad"][seed % 2])
@@ -170,10 +171,6 @@ def test_a_replacement_generates_its_fresh_rows_on_first_read(seed):
     for shard in (fresh, initial):
         shard.install_stripes(np.array([0]), installed[:1])
     assert np.array_equal(fresh.local_rows().view(np.uint8), initial.local_rows().view(np.uint8))
-    touched = np.zeros(n, bool)
-    touched[written], touched[0] = True, True
-    assert np.array_equal(np.unpackbits(fresh.touched_mask(), count=n).astype(bool), touched)
-    assert np.array_equal(fresh.touched, initial.touched)
     # Parity.
     p = int(rng.integers(0, r))
     parity, fresh_parity = ParityShard(spec, k, r, p), ParityShard(spec, k, r, p, initialise=False)
@@ -181,26 +178,26 @@ def test_a_replacement_generates_its_fresh_rows_on_first_read(seed):
     delta = code.combine_deltas([(i, written, old, new[: len(written)])])
     for member in (parity, fresh_parity):
         member.apply(3, delta.stripes, delta.parity[p])
-    assert np.array_equal(fresh_parity.touched, parity.touched) and parity.touched[written].all()
     assert np.array_equal(fresh_parity.gather(stripes).view(np.uint8), parity.gather(stripes).view(np.uint8))
     assert np.array_equal(fresh_parity.all_local_rows().view(np.uint8), parity.all_local_rows().view(np.uint8))
     fresh_parity.reset()
-    assert fresh_parity.fresh.all() and not fresh_parity.touched.any()
+    assert fresh_parity.fresh.all()
     assert np.array_equal(fresh_parity.all_local_rows().view(np.uint8),
                           ParityShard(spec, k, r, p).rows.view(np.uint8))
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_the_live_members_touched_masks_cover_every_stripe_a_lost_member_changed(seed):
-    """Whatever write-backs ran and whichever <= R members are lost, a stripe where a lost member
-    holds anything but its initial rows is marked touched by a live member: a rebuild that copies
-    only the touched stripes and generates the rest is exact."""
+def test_a_lost_member_differs_from_its_initial_rows_only_in_the_stripes_a_rebuild_copies(seed):
+    """Whatever write-backs ran (some rows written back unchanged) and whichever <= R members are
+    lost, a lost member holds anything but its initial rows only in ``stripes_to_copy``: a rebuild
+    that copies those and generates the rest is exact. And it copies no more than it must: a data
+    shard's stripes without a row the trainer wrote are not copied."""
     rng = np.random.default_rng(100 + seed)
     cards = tuple(int(c) for c in rng.integers(5, 60, size=int(rng.integers(1, 4))))
     spec = _spec(seed, cards)
     k, r = int(rng.integers(1, 5)), int(rng.integers(1, 4))
     group = _in_process_group(spec, k, r)
-    held = np.zeros(0, np.int64)
+    held, written = np.zeros(0, np.int64), set()
     for _ in range(int(rng.integers(1, 8))):
         write = held[rng.random(len(held)) < 0.6]
         rows = rng.standard_normal((len(write), spec.width)).astype(np.float32)
@@ -209,18 +206,37 @@ def test_the_live_members_touched_masks_cover_every_stripe_a_lost_member_changed
         fetch = np.setdiff1d(np.unique(rng.integers(0, spec.total_rows, size=int(rng.integers(0, 12)))), held)
         group.exchange(write, rows, fetch)
         held = np.union1d(np.setdiff1d(held, write), fetch)
+        written |= set(write.tolist())
     with group.lock:
         group._settle()
     members = [m.member for m in group.members]
     initial = [CodedShard(spec, i, k).rows for i in range(k)] + [ParityShard(spec, k, r, p).rows for p in range(r)]
     for n_lost in range(1, r + 1):
-        lost = set(rng.choice(k + r, size=n_lost, replace=False).tolist())
-        touched = np.zeros(group.n_stripes, bool)
-        for s in set(range(k + r)) - lost:
-            touched |= np.unpackbits(members[s].touched_mask(), count=group.n_stripes).astype(bool)
+        lost = sorted(rng.choice(k + r, size=n_lost, replace=False).tolist())
+        copied = np.zeros(group.n_stripes, bool)
+        copied[group.stripes_to_copy(lost)] = True
         for s in lost:
             changed = (members[s].rows.view(np.uint8) != initial[s].view(np.uint8)).any(axis=1)
-            assert not changed[~touched[: len(changed)]].any(), (lost, s)
+            assert not changed[~copied[: len(changed)]].any(), (lost, s)
+        if all(s < k for s in lost):
+            expected = {i // k for i in written if i % k in lost}
+            assert set(np.flatnonzero(copied).tolist()) == expected
+
+
+def test_a_group_started_from_checkpoint_rows_copies_every_stripe_in_a_rebuild(client):
+    """Rows restored from a checkpoint may all differ from their initial values: a rebuild of a
+    resumed run copies every stripe the lost member holds."""
+    spec = _spec(3)
+    rows = np.random.default_rng(3).standard_normal((spec.total_rows, spec.width)).astype(np.float32)
+    fresh, restored = start_coded_shards(client, spec, 2, 1), start_coded_shards(client, spec, 2, 1, rows=rows)
+    try:
+        n = restored.n_stripes
+        assert np.array_equal(restored.stripes_to_copy([1]), np.arange(spec.total_rows // 2))
+        assert np.array_equal(restored.stripes_to_copy([2]), np.arange(n))
+        assert len(fresh.stripes_to_copy([0, 1, 2])) == 0
+    finally:
+        fresh.close()
+        restored.close()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -258,7 +258,7 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
     from dlrmflow.flows.recovery import recovery_runner, run_recovery_subflow
 
     def rebuild(progress=None):
-        return {"lost": ["data shard 0"], "rows_rebuilt": 8, "chunks": 1, "stripes_untouched": 0, "seconds": 0.01,
+        return {"lost": ["data shard 0"], "rows_rebuilt": 8, "chunks": 1, "stripes_generated": 0, "seconds": 0.01,
                 "restarts": 0,
                 "recovery_run": FlowRunContext.get().flow_run.id}
 

@@ -156,7 +156,7 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
         lines.append(f"  killed             {kill['kill']} (pid {kill['pid']}) at {kill['at_s']:.3f} s")
     for rec in p["recoveries"]:
         lines.append(f"  recovered          {', '.join(rec['lost'])}: {rec['rows_rebuilt']:,} rows copied in "
-                     f"{rec['chunks']} chunks ({rec['stripes_untouched']:,} untouched stripes generated), "
+                     f"{rec['chunks']} chunks ({rec['stripes_generated']:,} stripes generated from the seed), "
                      f"{rec['seconds']:.3f} s after detection"
                      f"{_noticed(p['kills'], rec['detected_s'])}; training waited {rec['locked_seconds']:.3f} s "
                      f"for it; {p['degraded_rows_read']:,} degraded row reads")
