@@ -171,12 +171,14 @@ class CodedShard(_Sequenced, EmbeddingShard):
         return init_rows(self.spec, local * self.num_shards + self.shard)
 
     def fetch(self, ids: np.ndarray) -> np.ndarray:
-        self._materialise(self._local_index(ids))
+        if self.fresh is not None:
+            self._materialise(self._local_index(ids))
         return super().fetch(ids)
 
     def write_back(self, ids: np.ndarray, rows: np.ndarray) -> int:
         n = super().write_back(ids, rows)
-        self._overwritten(np.asarray(ids, dtype=np.int64) // self.num_shards)
+        if self.fresh is not None:
+            self._overwritten(np.asarray(ids, dtype=np.int64) // self.num_shards)
         return n
 
     def local_rows(self) -> np.ndarray:
