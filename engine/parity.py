@@ -29,11 +29,12 @@ Failures and recovery. A call to a member whose worker died raises ``OSError``: 
 the member lost, resends the batch to the survivors (idempotent) and starts a background rebuild
 (:mod:`.recovery`, which also argues why every rebuilt stripe is one consistent version although
 the bulk copy runs while training writes, and why copying only the stripes with a row the trainer
-wrote is enough: a replacement generates the others from the seed). Until a stripe is rebuilt, reads of a lost data
-shard's rows are *degraded reads*: decoded from K survivors' stripes, which come back with the
-batch's own calls (a surviving data shard reads them after applying the batch, a surviving parity
-shard after applying every pending delta; earlier parity messages are acknowledged first), so
-they are one consistent version of each stripe, and a degraded read costs no extra round trip.
+wrote is enough: a replacement generates the others from the seed). Until a stripe is rebuilt,
+reads of a lost data shard's rows are *degraded reads*: decoded from K survivors' stripes, which
+come back with the batch's own calls (a surviving data shard reads them after applying the batch,
+a surviving parity shard after applying every pending delta; earlier parity messages are
+acknowledged first), so they are one consistent version of each stripe, and a degraded read costs
+no extra round trip.
 """
 
 from __future__ import annotations

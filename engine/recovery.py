@@ -361,7 +361,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             if group.generation != generation:
                 continue
             try:
-                group._settle()  # no batch in flight when the masks are read and the log opens
+                group._settle()  # no batch in flight when the stripes to copy are chosen and the log opens
                 to_copy = _stripes_to_copy(group, lost)  # step 0
             except LostMembersError as exc:
                 group.on_lost(exc.members)
@@ -409,18 +409,18 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                             raise LostMembersError(dead, failure)
                         logged = np.unique(np.concatenate(group.dirty)) if group.dirty else np.zeros(0, np.int64)
                         group.dirty = [logged]
-                        fresh_copies = np.concatenate(copied)
-                        stripes = logged[np.isin(logged, fresh_copies, assume_unique=True)]
+                        just_copied = np.concatenate(copied)
+                        stripes = logged[np.isin(logged, just_copied, assume_unique=True)]
                         _fix_up(group, lost, stripes)  # step 3, for every chunk copied since the last one
                     except LostMembersError as exc:
                         group.on_lost(exc.members)  # raises when more than R are lost
                         complete = False
                         break
-                    group.rebuilt[fresh_copies] = True
+                    group.rebuilt[just_copied] = True
                     record.stripes_fixed_up += len(stripes)
                     record.locked_seconds += time.perf_counter() - locked
                     record.fix_ups += 1
-                done += len(fresh_copies)
+                done += len(just_copied)
                 copied = []
                 fixed_up = time.perf_counter()
                 if progress is not None:
