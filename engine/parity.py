@@ -131,8 +131,9 @@ class _Sequenced:
         return self.rows[start:stop]
 
     def gather(self, stripes: np.ndarray) -> np.ndarray:
-        stripes = np.asarray(stripes, dtype=np.int64)
-        self._materialise(stripes[(stripes >= 0) & (stripes < len(self.rows))])
+        if self.fresh is not None:
+            stripes = np.asarray(stripes, dtype=np.int64)
+            self._materialise(stripes[(stripes >= 0) & (stripes < len(self.rows))])
         return gather_stripes(self.rows, stripes)
 
     def install(self, start: int, rows: np.ndarray) -> int:
