@@ -9,8 +9,8 @@ failure-free run, which is the baseline of every ratio.
 
 Modes: none, checkpoint every N (``--checkpoint-every``), parity R = 1 and R = 2, R = 1 with the
 rebuild capped at ``--paced-rate`` MB/s (``--rebuild-rate``: it trades a longer rebuild for training
-during it), and R = 1 copying every stripe (``R=1 copy all``). A rebuild copies only the stripes some
-live member has touched and the replacement generates the rest from the seed; early in a run (a
+during it), and R = 1 copying every stripe (``R=1 copy all``). A rebuild copies only the stripes with a
+row the trainer wrote back and the replacement generates the rest from the seed; early in a run (a
 kill at 150 of a fresh table) most rows are unwritten, while a table whose every row has been trained
 copies them all: ``copy all`` is that worst case, on the same kill. The last two equal R = 1 until a
 failure, so they share its failure-free runs.

@@ -108,7 +108,7 @@ def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed, monk
                    parity_batches=int(rng.integers(1, 2 * ITERATIONS)))
     _check_recovered(tmp_path, summary, {f"shard:{shard}"})
     (record,) = summary["parity"]["recoveries"]
-    # Only the stripes a live member touched were copied; the rest the replacement generates.
+    # Only the stripes with a row the trainer wrote were copied; the rest the replacement generates.
     rows = shard_row_counts(prepare_run(small_config(dataset, tmp_path, "local")).spec, 2)
     assert record["stripes"] + record["stripes_generated"] == max(rows) and record["restarts"] == 0
     assert record["rows_rebuilt"] <= rows[shard]
