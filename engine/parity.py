@@ -505,7 +505,7 @@ class CodedShardGroup(ShardGroup):
             w, f = w[1], f[1]
             target = self._target(i)
             if i in self.lost:  # rebuilt stripes come from the replacement, the rest by degraded reads
-                rebuilt = self._rebuilt(fetch_ids[f] // k) if target is not None else np.zeros(len(f), dtype=bool)
+                rebuilt = self._rebuilt(fetch_ids[f] // k)  # none while no replacement exists
                 if not rebuilt.all():
                     degraded.append((i, f[~rebuilt]))
                 f = f[rebuilt]

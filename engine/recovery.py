@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 
 from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.erasure import ErasureCode
+from dlrmflow.engine.erasure import ErasureCode, stripe_chunks
 from dlrmflow.engine.parity import (
     CodedShardGroup,
     LostMembersError,
@@ -370,8 +370,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             group.rebuilt[to_copy] = False
             group.dirty = []  # step 1: from now on every write-back logs its stripes
             record.stripes_generated = group.n_stripes - len(to_copy)
-        size = chunk_stripes(group, len(lost))
-        chunks = [to_copy[i : i + size] for i in range(0, len(to_copy), size)]
+        chunks = [to_copy[a:b] for a, b in stripe_chunks(len(to_copy), chunk_stripes(group, len(lost)))]
         copying = time.perf_counter()
         futures = _submit_copies(group, lost, chunks, worker)
         complete, copied, done = True, [], 0
