@@ -211,7 +211,10 @@ def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monk
 
 def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(cluster, tmp_path, monkeypatch):
     """SIGKILL the worker the rebuild copies onto while its copy tasks run: the rebuild notices
-    (the tasks are pinned to a worker that is gone), starts over on another worker, ends exact."""
+    (the tasks are pinned to a worker that is gone), starts over on another worker, ends exact.
+    Every stripe is copied: an lru run killed at iteration 3 may have written no row yet, and a rebuild
+    with nothing to copy would finish before it noticed (the loss would then be a second recovery)."""
+    monkeypatch.setattr(recovery_module, "REBUILD_EVERY_STRIPE", True)
     monkeypatch.setattr(recovery_module, "COPY_PAUSE_S", 0.2)  # the copy is still running when the kill lands
     submit_copies, killed = recovery_module._submit_copies, []
 
