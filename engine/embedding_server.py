@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from distributed import Client
+from distributed import Actor, Client
 
 from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.embedding_rows import RowSpec, init_rows
@@ -136,7 +137,7 @@ class ShardGroup:
         for (k, w), (_, f) in zip(self._split(write_ids), self._split(fetch_ids), strict=True):
             if len(w) or len(f):
                 rows = np.ascontiguousarray(write_rows[w])
-                calls.append((f, self.actors[k].exchange(write_ids[w], rows, fetch_ids[f])))
+                calls.append((f, call_server(self.actors[k], "exchange", write_ids[w], rows, fetch_ids[f])))
         for f, call in calls:
             out[f] = answer(call)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
@@ -168,16 +169,62 @@ class ShardGroup:
         self.futures = []
 
 
-def answer(call):
-    """The result of an actor call (raising its error), without a trip through the client's event
-    loop when the answer is already in: ``result()`` hands every wait to the loop thread, ~0.2 ms
-    even for a finished call, and a write-back waits on K + R of them per batch. ``_out`` is where
-    ``distributed.actor.ActorFuture`` keeps the outcome once done; any other call (or a Dask
-    version without it) takes ``result()``."""
+# A call not answered by then has its worker looked up with the scheduler, and again every WATCH_S.
+WATCH_S = 0.2
+
+
+class ServerCall:
+    """A call to an embedding server actor, and the worker it went to.
+
+    Waiting for it also watches that worker. The first call to a killed worker fails at once (its
+    pooled connection is broken), but a call that needs a new connection to the dead address
+    retries the refused connect until the client's connect timeout runs out (30 s by default, and
+    a second time while Dask has not yet marked the actor lost: 60 s measured). The scheduler drops
+    a killed worker within milliseconds, so a call still unanswered after WATCH_S asks it, and fails
+    with OSError (as a broken connection does) once the worker is gone. The abandoned attempt ends
+    on its own in the client's loop; nothing reads its outcome."""
+
+    __slots__ = ("future", "worker", "client")
+
+    def __init__(self, future: Any, worker: str | None = None, client: Client | None = None) -> None:
+        self.future, self.worker, self.client = future, worker, client
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> Any:
+        if self.client is None or self.worker is None:
+            return answer(self.future)
+        while True:
+            try:
+                return answer(self.future, WATCH_S)
+            except TimeoutError:
+                if self.future.done():  # the call's own TimeoutError, not the wait's
+                    raise
+                if self.worker not in cluster_workers(self.client):
+                    raise OSError(f"the worker {self.worker} is gone (the scheduler no longer lists it)") from None
+
+
+def call_server(actor: Any, method: str, *args: Any) -> ServerCall:
+    """``actor.method(*args)``, waited for as a :class:`ServerCall` (watching the worker of a Dask actor)."""
+    future = getattr(actor, method)(*args)
+    if not isinstance(actor, Actor):  # an object called in this process (tests)
+        return ServerCall(future)
+    return ServerCall(future, actor._address, actor._client)
+
+
+def answer(call: Any, timeout: float | None = None) -> Any:
+    """The result of an actor call (raising its error; TimeoutError after ``timeout`` seconds),
+    without a trip through the client's event loop when the answer is already in: ``result()``
+    hands every wait to the loop thread, ~0.2 ms even for a finished call, and a write-back waits
+    on K + R of them per batch. ``_out`` is where ``distributed.actor.ActorFuture`` keeps the
+    outcome once done; any other call (or a Dask version without it) takes ``result()``."""
+    if isinstance(call, ServerCall):
+        return call.result()
     out = getattr(call, "_out", None)
     if out is not None and call.done():
         return out.unwrap()
-    return call.result()
+    return call.result() if timeout is None else call.result(timeout=timeout)
 
 
 def is_lost_actor_error(exc: BaseException) -> bool:

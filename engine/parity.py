@@ -56,6 +56,7 @@ from dlrmflow.engine.embedding_server import (
     EmbeddingShard,
     ShardGroup,
     answer,
+    call_server,
     is_lost_actor_error,
     warm_up_workers,
 )
@@ -353,10 +354,10 @@ class _DeadCall:
 
 
 def remote(actor, method: str, *args):
-    """``actor.method(*args)`` (an ActorFuture), or a call whose ``result()`` raises OSError when
+    """``actor.method(*args)`` (a :class:`ServerCall`), or a call whose ``result()`` raises OSError when
     Dask already knows the worker is lost (it then refuses to even send the call)."""
     try:
-        return getattr(actor, method)(*args)
+        return call_server(actor, method, *args)
     except (OSError, RuntimeError) as exc:
         if is_lost_actor_error(exc):
             return _DeadCall(exc)

@@ -24,6 +24,9 @@ from dlrmflow.engine import faults as faults_module
 from dlrmflow.engine import parity as parity_module
 from dlrmflow.engine import recovery as recovery_module
 from dlrmflow.engine import trainer as trainer_module
+from dlrmflow.engine.cluster import cluster_workers
+from dlrmflow.engine.embedding_rows import RowSpec
+from dlrmflow.engine.embedding_server import EmbeddingShard
 from dlrmflow.engine.erasure import TooManyErasuresError
 from dlrmflow.engine.parity import PARITY_FILE, shard_row_counts, verify_run_dir
 from dlrmflow.engine.run_state import STATE_FILE, SUMMARY_FILE, load_state
@@ -283,6 +286,35 @@ def test_losing_more_shards_than_parity_is_a_clear_error_and_writes_no_model(clu
     assert "survivors (data shards 1)" in message
     for name in (STATE_FILE, SUMMARY_FILE, PARITY_FILE):
         assert not (tmp_path / "run" / name).exists()
+
+
+def test_a_call_to_a_killed_worker_fails_even_when_it_must_reconnect(cluster):
+    """The first call to a killed worker fails at once (its pooled connection is broken), but a call
+    that has to open a new connection to the dead address retries the refused connect for the
+    client's whole connect timeout, and then waits for the actor's future while Dask has not marked
+    it lost: a kill run stalled for 60 s that way (a second call issued just after the first
+    failed). Here the handle's future is one Dask never heard of, so that wait never ends; a member
+    call watches its worker and fails soon after the scheduler drops it."""
+    from distributed.actor import Actor
+
+    spec = RowSpec(dim=3, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(10,))
+    worker = sorted(cluster_workers(cluster))[0]
+    actor = cluster.submit(EmbeddingShard, spec, 0, 1, actor=True, workers=[worker], pure=False).result()
+    assert actor.stats().result()  # the actor is up
+    os.kill(cluster.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while worker in cluster_workers(cluster):
+        assert time.monotonic() < deadline, "the scheduler never noticed the kill"
+        time.sleep(0.05)
+    handle = Actor(EmbeddingShard, worker, f"never-scheduled-{worker}")  # not marked lost: must reconnect
+    outcome: list = []
+    waiter = threading.Thread(target=lambda: outcome.append(parity_module._wait_all(
+        [(0, parity_module.remote(handle, "stats"))])), daemon=True)
+    waiter.start()
+    waiter.join(20)
+    assert not waiter.is_alive(), "the call waited for a worker the scheduler no longer lists"
+    (results, error), = outcome
+    assert results == {} and error.members == {0} and "no longer lists" in str(error)
 
 
 @pytest.mark.parametrize("seed", range(2))
