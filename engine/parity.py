@@ -95,11 +95,19 @@ class _Sequenced:
     replacement starts with every row fresh and generates a row when something first reads it:
     a rebuild copies only the stripes with a row the trainer wrote, and generating a whole shard
     eagerly costs more than copying it. Owned by the member's actor thread (a rebuild's install
-    from a task on the same worker is the race its dirty log covers)."""
+    from a task on the same worker is the race its dirty log covers).
+
+    ``rebuild``: the rebuild this member is the target of (set by :meth:`reset`); an install from
+    any other is ignored. A rebuild that starts over (a further loss) cannot stop a copy task that
+    is already running, and on a worker with more than one thread that task can install after the
+    new rebuild's copy of the same stripes, with a version written over since (``_installing``
+    makes the check and the write one step against a concurrent reset)."""
 
     rows: np.ndarray
     applied: set[int]
     fresh: np.ndarray | None
+    rebuild: str = ""
+    _installing = threading.Lock()  # one per worker process: installs are few and short
 
     def _initial_rows(self, local: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -119,9 +127,12 @@ class _Sequenced:
         if self.fresh is not None:
             self.fresh[local] = False
 
-    def reset(self) -> int:
-        """Back to the initial rows, all fresh: a rebuild that starts over installs everything else again."""
-        self.fresh = np.ones(len(self.rows), dtype=bool)
+    def reset(self, rebuild: str = "") -> int:
+        """Back to the initial rows, all fresh, as the target of ``rebuild``: a rebuild that starts over
+        installs everything else again."""
+        with self._installing:
+            self.fresh = np.ones(len(self.rows), dtype=bool)
+            self.rebuild = rebuild
         return len(self.rows)
 
     def read_stripes(self, start: int, stop: int) -> np.ndarray:
@@ -137,16 +148,23 @@ class _Sequenced:
             self._materialise(stripes[(stripes >= 0) & (stripes < len(self.rows))])
         return gather_stripes(self.rows, stripes)
 
-    def install(self, start: int, rows: np.ndarray) -> int:
-        """Rebuilt rows of stripes ``start..``: copied as bytes, never as floats."""
-        self.rows.view(np.uint8)[start : start + len(rows)] = np.ascontiguousarray(rows).view(np.uint8)
-        self._overwritten(slice(start, start + len(rows)))
+    def install(self, start: int, rows: np.ndarray, rebuild: str = "") -> int:
+        """Rebuilt rows of stripes ``start..``: copied as bytes, never as floats (0 rows: another
+        rebuild's)."""
+        with self._installing:
+            if rebuild != self.rebuild:
+                return 0
+            self.rows.view(np.uint8)[start : start + len(rows)] = np.ascontiguousarray(rows).view(np.uint8)
+            self._overwritten(slice(start, start + len(rows)))
         return len(rows)
 
-    def install_stripes(self, stripes: np.ndarray, rows: np.ndarray) -> int:
-        """Rebuilt rows of the given stripes (a rebuild's fix-up), copied as bytes."""
-        self.rows.view(np.uint8)[stripes] = np.ascontiguousarray(rows).view(np.uint8)
-        self._overwritten(stripes)
+    def install_stripes(self, stripes: np.ndarray, rows: np.ndarray, rebuild: str = "") -> int:
+        """Rebuilt rows of the given stripes, copied as bytes (0 rows: another rebuild's)."""
+        with self._installing:
+            if rebuild != self.rebuild:
+                return 0
+            self.rows.view(np.uint8)[stripes] = np.ascontiguousarray(rows).view(np.uint8)
+            self._overwritten(stripes)
         return len(stripes)
 
     def all_local_rows(self) -> np.ndarray:

@@ -55,8 +55,9 @@ writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
 
 The trainer waits only for step 3 (a few logged stripes, at most every FIX_UP_INTERVAL_S), not for
 the bulk copy. A further loss during a rebuild restarts it from step 0 for everything lost (the
-decode of a chunk needs one fixed set of survivors); more than R lost is fatal
-(TooManyErasuresError).
+decode of a chunk needs one fixed set of survivors), and the replacements' reset names the new
+rebuild: they ignore installs of any other, from a copy task of the abandoned one that is still
+running (a task cannot be stopped once it runs); more than R lost is fatal (TooManyErasuresError).
 
 :func:`rebuild_lost` is a plain function (tested without Prefect); the train flow wraps it in
 the ``recover-shard`` subflow through ``group.recovery_runner``.
@@ -204,9 +205,9 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
     installs = []
     for s in sorted(replacements):
         if isinstance(chunk, tuple):
-            method, args = "install", (chunk[0], decoded[s])
+            method, args = "install", (chunk[0], decoded[s], rebuild_id)
         else:
-            method, args = "install_stripes", (chunk[: n_rows[s]], decoded[s])
+            method, args = "install_stripes", (chunk[: n_rows[s]], decoded[s], rebuild_id)
         local = _local_actor(replacements[s])
         if local is not None:  # this worker hosts it: copy in memory, not through a socket to itself
             getattr(local, method)(*args)
@@ -239,7 +240,8 @@ def _survivors(group: CodedShardGroup, lost: list[int]) -> tuple[int, ...]:
     return group.code.survivors_for([s for s in range(group.code.n_shards) if s not in lost])
 
 
-def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[np.ndarray], worker: str) -> list:
+def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[np.ndarray], worker: str,
+                   rebuild_id: str) -> list:
     """Step 2 for every chunk at once: bulk-copy tasks on ``worker``, in chunk order (no lock held).
 
     They run one after the other on the replacement's worker while the rebuild thread fixes up the
@@ -249,7 +251,6 @@ def _submit_copies(group: CodedShardGroup, lost: list[int], chunks: list[np.ndar
     with group.lock:
         survivors = {s: group.members[s] for s in _survivors(group, lost)}
         replacements = {s: group.replacement[s] for s in lost}
-        rebuild_id = f"{id(group)}-{group.generation}-{time.monotonic_ns()}"
     sent = [(int(c[0]), int(c[-1]) + 1) if int(c[-1]) - int(c[0]) + 1 == len(c) else c for c in chunks]
     futures = []
     for i, (stripes, chunk) in enumerate(zip(chunks, sent, strict=True)):
@@ -293,7 +294,7 @@ def _wait_done(group: CodedShardGroup, future, generation: int, worker: str, pol
             raise OSError(f"the worker {worker} the rebuild uses is gone")
 
 
-def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> None:
+def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray, rebuild_id: str) -> None:
     """Step 3 (lock held): re-read, decode and install ``stripes`` written during the bulk copy.
 
     The data shards hold every batch (the trainer returns from a batch once they acknowledged it);
@@ -314,16 +315,17 @@ def _fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray) -> Non
     decoded = group.code.decode({s: results[s] for s in survivors}, lost)
     # Stripes past a short data shard's end decode to zero rows that the shard does not hold.
     calls = [(s, remote(group.replacement[s], "install_stripes", stripes[stripes < group.rows_of[s]],
-                        decoded[s][stripes < group.rows_of[s]])) for s in lost]
+                        decoded[s][stripes < group.rows_of[s]], rebuild_id)) for s in lost]
     _, error = _wait_all(calls)
     if error:
         raise error
 
 
-def _stripes_to_copy(group: CodedShardGroup, lost: list[int]) -> np.ndarray:
+def _stripes_to_copy(group: CodedShardGroup, lost: list[int], rebuild_id: str) -> np.ndarray:
     """Step 0 (lock held, every batch settled): every replacement starts over from its initial rows
-    (all fresh); the stripes to copy are those with a row the trainer wrote. Raises LostMembersError."""
-    _, error = _wait_all([(s, remote(group.replacement[s], "reset")) for s in lost])
+    (all fresh), as the target of ``rebuild_id`` alone; the stripes to copy are those with a row the
+    trainer wrote. Raises LostMembersError."""
+    _, error = _wait_all([(s, remote(group.replacement[s], "reset", rebuild_id)) for s in lost])
     if error:
         raise error
     if REBUILD_EVERY_STRIPE:
@@ -362,7 +364,8 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                 continue
             try:
                 group._settle()  # no batch in flight when the stripes to copy are chosen and the log opens
-                to_copy = _stripes_to_copy(group, lost)  # step 0
+                rebuild_id = f"{id(group)}-{generation}-{time.monotonic_ns()}"
+                to_copy = _stripes_to_copy(group, lost, rebuild_id)  # step 0
             except LostMembersError as exc:
                 group.on_lost(exc.members)
                 continue
@@ -372,7 +375,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             record.stripes_generated = group.n_stripes - len(to_copy)
         chunks = [to_copy[a:b] for a, b in stripe_chunks(len(to_copy), chunk_stripes(group, len(lost)))]
         copying = time.perf_counter()
-        futures = _submit_copies(group, lost, chunks, worker)
+        futures = _submit_copies(group, lost, chunks, worker, rebuild_id)
         complete, copied, done = True, [], 0
         fixed_up = time.perf_counter()
         try:
@@ -410,7 +413,7 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                         group.dirty = [logged]
                         just_copied = np.concatenate(copied)
                         stripes = logged[np.isin(logged, just_copied, assume_unique=True)]
-                        _fix_up(group, lost, stripes)  # step 3, for every chunk copied since the last one
+                        _fix_up(group, lost, stripes, rebuild_id)  # step 3, for every chunk copied since the last one
                     except LostMembersError as exc:
                         group.on_lost(exc.members)  # raises when more than R are lost
                         complete = False

@@ -186,6 +186,27 @@ def test_a_replacement_generates_its_fresh_rows_on_first_read(seed):
                           ParityShard(spec, k, r, p).rows.view(np.uint8))
 
 
+def test_a_replacement_ignores_the_installs_of_a_rebuild_that_started_over():
+    """A rebuild that starts over (a further loss) cannot stop a copy task that already runs: on a
+    worker with several threads its install can land after the new rebuild's install of the same
+    stripes. The reset at the new rebuild's step 0 names it, and an install of any other changes
+    nothing, whatever order they come in."""
+    spec = RowSpec(dim=2, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(20,))
+    rng = np.random.default_rng(7)
+    for member, initial in ((CodedShard(spec, 0, 2, initialise=False), CodedShard(spec, 0, 2).rows),
+                            (ParityShard(spec, 2, 1, 0, initialise=False), ParityShard(spec, 2, 1, 0).rows)):
+        current, stale = (rng.standard_normal((2, spec.width)).astype(np.float32) for _ in range(2))
+        member.reset("old")
+        assert member.install_stripes(np.array([1, 4]), stale, "old") == 2
+        member.reset("new")  # step 0 of the rebuild that started over
+        assert member.install_stripes(np.array([1, 4]), current, "new") == 2
+        assert member.install_stripes(np.array([1, 4]), stale, "old") == 0  # the old task, landing late
+        assert member.install(0, np.tile(stale, (3, 1)), "old") == 0
+        expected = initial.copy()
+        expected[[1, 4]] = current
+        assert np.array_equal(member.all_local_rows().view(np.uint8), expected.view(np.uint8))
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_a_lost_member_differs_from_its_initial_rows_only_in_the_stripes_a_rebuild_copies(seed):
     """Whatever write-backs ran (some rows written back unchanged) and whichever <= R members are

@@ -221,8 +221,8 @@ def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(
     monkeypatch.setattr(recovery_module, "COPY_PAUSE_S", 0.2)  # the copy is still running when the kill lands
     submit_copies, killed = recovery_module._submit_copies, []
 
-    def submit_then_kill(group, lost, chunks, worker):
-        futures = submit_copies(group, lost, chunks, worker)
+    def submit_then_kill(group, lost, chunks, worker, rebuild_id):
+        futures = submit_copies(group, lost, chunks, worker, rebuild_id)
         if not killed:
             pid = cluster.run(os.getpid, workers=[worker])[worker]
             os.kill(pid, signal.SIGKILL)
