@@ -61,7 +61,7 @@ from dlrmflow.engine.embedding_server import (
     warm_up_workers,
 )
 from dlrmflow.engine.erasure import ErasureCode, gather_stripes, xor_bits
-from dlrmflow.engine.placement import place
+from dlrmflow.engine.placement import choose_rebuild_worker, place
 from dlrmflow.errors import UserInputError
 
 ENCODE_CHUNK_STRIPES = 1 << 16
@@ -427,6 +427,10 @@ class CodedShardGroup(ShardGroup):
         self.replacement: dict[int, Any] = {}
         self.replacement_future: dict[int, Any] = {}
         self.replacement_workers: dict[int, str] = {}
+        # Replacements started in advance on a spare worker, one per member, all fresh (rows are
+        # generated when first read, so one costs a byte per row until used): a rebuild takes its
+        # member's instead of starting an actor while training waits. (worker, future, actor).
+        self.standby: dict[int, tuple[str, Any, Any]] = {}
         self.dead_workers: set[str] = set()
         # While a rebuild runs: True for the stripes every lost member's replacement holds (never
         # written, or installed); None until the rebuild knows which (nothing is read from replacements).
@@ -729,6 +733,7 @@ class CodedShardGroup(ShardGroup):
         if self.recovery_thread is not None:
             self.recovery_thread.join(30)
         self.members, self.member_futures, self.replacement, self.replacement_future = [], [], {}, {}
+        self.standby = {}
         super().close()
 
     def summary(self) -> dict[str, Any]:
@@ -742,6 +747,7 @@ class CodedShardGroup(ShardGroup):
             "parity_rows_bytes": int(self.code.r * self.n_stripes * self.spec.row_bytes),
             "member_workers": {member_name(s, self.code.k): w for s, w in enumerate(self.worker_of)},
             "members_share_workers": self.shared_workers,  # then one kill can take several members
+            "standby_worker": next((w for w, _, _ in self.standby.values()), None),  # its standbys left
             "recoveries": [r.as_dict(self.code.k, self.started_at) for r in self.recoveries],
             "clock_origin": self.started_at,  # perf_counter() that the *_s times count from
         }
@@ -790,7 +796,19 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
     if rows is not None:
         group.written[:] = True  # rows from a checkpoint: any of them may differ from its initial value
     group.shared_workers = shared
+    group.standby = start_standbys(client, spec, code, workers)
     return group
+
+
+def start_standbys(client: Client, spec: RowSpec, code: ErasureCode,
+                   busy: list[str]) -> dict[int, tuple[str, Any, Any]]:
+    """A fresh replacement for every member on a worker that hosts none (``busy``), if there is one
+    (else none: a rebuild then starts its replacement when it needs it)."""
+    spare = choose_rebuild_worker(cluster_workers(client), busy)
+    if spare is None:
+        return {}
+    futures = [start_member(client, spec, code, s, spare, initialise=False) for s in range(code.n_shards)]
+    return {s: (spare, future, future.result()) for s, future in enumerate(futures)}
 
 
 # ---- verify ----------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Rebuilding lost members of a :class:`~dlrmflow.engine.parity.CodedShardGroup` while training runs.
 
-On a loss the group calls :func:`start_recovery_thread`. The thread (1) starts a replacement
-actor for every lost member on a worker that hosts no live member (a fresh worker: with a
-LocalCluster the nanny restarts the killed worker, which then qualifies; it waits a little for
-one and otherwise takes the least loaded worker), then (2) rebuilds the lost members chunk by
+On a loss the group calls :func:`start_recovery_thread`. The thread (1) takes the lost member's
+standby replacement, started with the group on a spare worker, or else starts a replacement actor
+for every lost member on a worker that hosts no live member (a fresh worker: with a LocalCluster
+the nanny restarts the killed worker, which then qualifies; it waits a little for one and
+otherwise takes the least loaded worker), then (2) rebuilds the lost members chunk by
 chunk. The bulk of a chunk never passes through the trainer: a Dask task on the replacement's
 worker (:func:`rebuild_chunk_task`) pulls the chunk's stripes from K survivors worker to worker,
 decodes and installs them, while training goes on. The tasks of all chunks are submitted at once
@@ -140,9 +141,30 @@ def choose_worker(group: CodedShardGroup, wait_s: float = FRESH_WORKER_WAIT_S) -
         time.sleep(0.1)
 
 
+def _take_standby(group: CodedShardGroup, s: int) -> tuple[str, Any, Any] | None:
+    """Member ``s``'s standby replacement, unless its worker is known dead or now hosts a live member
+    or another replacement (two lost members would share a fault domain). Once: taken or dropped.
+    A standby whose worker died unnoticed fails its first call (step 0), and the rebuild starts over."""
+    with group.lock:
+        standby = group.standby.pop(s, None)
+        if standby is None:
+            return None
+        worker, future, _ = standby
+        busy = {group.worker_of[m] for m in range(group.code.n_shards) if m not in group.lost}
+        busy |= {w for m, w in group.replacement_workers.items() if m in group.replacement}
+        if worker in group.dead_workers or worker in busy or future.status != "finished":
+            return None
+        return standby
+
+
 def _place_replacements(group: CodedShardGroup, need: list[int], generation: int) -> dict[int, tuple[str, Any, Any]]:
     placed = {}
     for s in need:
+        standby = _take_standby(group, s)
+        if standby is not None:
+            placed[s] = standby
+            group.replacement_workers[s] = standby[0]
+            continue
         while True:
             worker = choose_worker(group)
             future = start_member(group.client, group.spec, group.code, s, worker, initialise=False)

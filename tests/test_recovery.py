@@ -115,6 +115,9 @@ def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed, monk
     rows = shard_row_counts(prepare_run(small_config(dataset, tmp_path, "local")).spec, 2)
     assert record["stripes"] + record["stripes_generated"] == max(rows) and record["restarts"] == 0
     assert record["rows_rebuilt"] <= rows[shard]
+    # The replacement was the standby started with the group on the spare worker (4 workers, 3 members).
+    assert record["new_workers"][f"data shard {shard}"] == summary["parity"]["standby_worker"] is not None
+    assert summary["parity"]["kills"][0]["worker"] != summary["parity"]["standby_worker"]
     if mode == "remote":  # it writes back every iteration (the caches only at eviction)
         assert (record["stripes"] > 0) == (at > 0)
     if interval == 0:
@@ -237,6 +240,32 @@ def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(
     (record,) = summary["parity"]["recoveries"]
     assert killed and record["restarts"] >= 1
     assert killed[0] not in record["new_workers"].values()
+
+
+def test_a_standby_whose_worker_died_with_the_shard_is_passed_over(cluster, tmp_path, monkeypatch):
+    """The spare worker that holds the standby replacements is killed with the shard: the rebuild
+    does not use (or gives up) the dead standby, starts a replacement elsewhere, and ends exact."""
+    spare, start_standbys = [], parity_module.start_standbys
+
+    def recording_standbys(*args, **kwargs):
+        standbys = start_standbys(*args, **kwargs)
+        spare.extend({worker for worker, _, _ in standbys.values()})
+        return standbys
+
+    inject = faults_module.FaultInjector.kill
+
+    def kill_spare_too(self, kill):
+        os.kill(self.client.run(os.getpid, workers=spare)[spare[0]], signal.SIGKILL)
+        return inject(self, kill)
+
+    monkeypatch.setattr(parity_module, "start_standbys", recording_standbys)
+    monkeypatch.setattr(faults_module.FaultInjector, "kill", kill_spare_too)
+    dataset = make_dataset(tmp_path / "data", 33)
+    _run(tmp_path, dataset, "local", "local")
+    summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=("shard:1@4",))
+    _check_recovered(tmp_path, summary, {"shard:1"})
+    (record,) = summary["parity"]["recoveries"]
+    assert len(spare) == 1 and record["new_workers"]["data shard 1"] != spare[0]
 
 
 def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path, monkeypatch):
