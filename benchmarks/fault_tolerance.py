@@ -25,7 +25,9 @@ Reported per mode:
   checkpoint, detection -> reloaded and replayed back to the iteration that failed;
 - throughput during recovery: new iterations finished per second between detection and
   recovered, relative to the same run's rate before the kill (a checkpoint replay trains no new
-  iteration);
+  iteration); and the same counting the part of each iteration that falls inside that window
+  (iteration j runs from the end of j - 1 to its own end), since a rebuild shorter than a few
+  steps holds few whole ones: one that ends before the step that noticed the loss does reads 0%;
 - total time lost: wall time of the failure run minus the median failure-free run (noisy; on one
   machine it includes the nanny restarting the killed worker process, which competes for the cores);
 - memory overhead: parity rows on the servers + the trainer's copies of fetched rows (parity),
@@ -207,15 +209,21 @@ def recovery_numbers(mode: str, failed: dict, kill_at: int) -> dict:
     origin = report["clock_origin"]
     detected = origin + rec["detected_s"]
     recovered = detected + rec["seconds"]
+    ends = np.asarray(failed["finished_at"])
     if mode.startswith("checkpoint"):
-        new_iterations = 0  # the replay redoes iterations that were already done
+        new_iterations, progress = 0, 0.0  # the replay redoes iterations that were already done
     else:
-        new_iterations = sum(detected <= t <= recovered for t in failed["finished_at"])
+        new_iterations = int(((detected <= ends) & (ends <= recovered)).sum())
+        # Iteration j runs from the end of j - 1 to its own end: the share of each inside the window.
+        starts, stops = ends[:-1], ends[1:]
+        inside = np.clip(np.minimum(stops, recovered) - np.maximum(starts, detected), 0.0, None)
+        progress = float((inside / (stops - starts)).sum())
     rate = new_iterations / rec["seconds"] if rec["seconds"] > 0 else float("nan")
     (kill,) = report["kills"]
-    before = np.diff(np.asarray(failed["finished_at"][: kill_at + 1]))
+    before = np.diff(ends[: kill_at + 1])
     normal_rate = 1.0 / float(np.median(before))
     return {"recover_s": rec["seconds"], "during_rate": rate, "during_vs_normal": rate / normal_rate,
+            "during_progress_vs_normal": progress / rec["seconds"] / normal_rate if rec["seconds"] > 0 else np.nan,
             "unnoticed_s": rec["detected_s"] - kill["at_s"],
             "iterations_during": new_iterations}
 
@@ -375,6 +383,7 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
     row("  training blocked by rebuild (s)", each(lambda m, r: f"{first[m]['locked_seconds']:.3f}"))
     row("new iterations during recovery", each(lambda m, r: str(rec[m]["iterations_during"])))
     row("throughput during recovery", each(lambda m, r: f"{100 * rec[m]['during_vs_normal']:.0f}%"))
+    row("  counting partial iterations", each(lambda m, r: f"{100 * rec[m]['during_progress_vs_normal']:.0f}%"))
     row("total time lost (s)", each(lambda m, r: f"{r[True]['train_seconds'] - r['free_seconds']:.3f}"))
 
     def memory(m, r):
