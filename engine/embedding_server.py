@@ -189,9 +189,6 @@ class ServerCall:
     def __init__(self, future: Any, worker: str | None = None, client: Client | None = None) -> None:
         self.future, self.worker, self.client = future, worker, client
 
-    def done(self) -> bool:
-        return self.future.done()
-
     def result(self) -> Any:
         if self.client is None or self.worker is None:
             return answer(self.future)

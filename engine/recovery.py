@@ -121,14 +121,19 @@ def _run(group: CodedShardGroup) -> None:
             group.recovering = False
 
 
+def _busy_workers(group: CodedShardGroup) -> list[str]:
+    """The workers of live members and of current replacements, one entry per member (lock held)."""
+    busy = [group.worker_of[s] for s in range(group.code.n_shards) if s not in group.lost]
+    return busy + [w for s, w in group.replacement_workers.items() if s in group.replacement]
+
+
 def choose_worker(group: CodedShardGroup, wait_s: float = FRESH_WORKER_WAIT_S) -> str:
     """A worker hosting no live member, on a host without one if possible (waiting up to ``wait_s``
     for one), else the least loaded."""
     deadline = time.perf_counter() + wait_s
     while True:
         with group.lock:
-            busy = [group.worker_of[s] for s in range(group.code.n_shards) if s not in group.lost]
-            busy += [w for s, w in group.replacement_workers.items() if s in group.replacement]
+            busy = _busy_workers(group)
         info = cluster_workers(group.client)
         worker = choose_rebuild_worker(info, busy, group.dead_workers)
         if worker is not None:
@@ -150,9 +155,7 @@ def _take_standby(group: CodedShardGroup, s: int) -> tuple[str, Any, Any] | None
         if standby is None:
             return None
         worker, future, _ = standby
-        busy = {group.worker_of[m] for m in range(group.code.n_shards) if m not in group.lost}
-        busy |= {w for m, w in group.replacement_workers.items() if m in group.replacement}
-        if worker in group.dead_workers or worker in busy or future.status != "finished":
+        if worker in group.dead_workers or worker in _busy_workers(group) or future.status != "finished":
             return None
         return standby
 
