@@ -29,8 +29,10 @@ writes (optimistic copy + fix-up, as in a database's fuzzy checkpoint):
 
 0. Under the group's lock, the thread settles the last batch (every acknowledgement in, parity
    included) and sets every replacement back to fresh. The stripes with no written row of a lost
-   member are rebuilt from now on (``group.rebuilt``): reads of them go to the replacement, which
-   generates them, and write-backs reach it (and mark the row written). The others are copied.
+   member need no copy: the replacement generates them. They join ``group.rebuilt`` at the first
+   fix-up (step 3), like a copied chunk: until then the trainer reads them by degraded reads and
+   sends a data replacement nothing, since its worker is busy taking in the first chunk (its
+   answers came 10-20 ms late). The others are copied.
 1. Under the same lock hold it opens a *dirty log*. Every write-back batch appends the stripes it
    touches to the log, under the same lock, before it sends anything. So no batch is in flight
    when the log opens, and every batch after it is logged (until the rebuild ends).
@@ -394,14 +396,19 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             except LostMembersError as exc:
                 group.on_lost(exc.members)
                 continue
-            group.rebuilt = np.ones(group.n_stripes, dtype=bool)  # the others hold their initial rows
-            group.rebuilt[to_copy] = False
+            # The stripes not to copy hold their initial rows on the replacements, but join group.rebuilt only
+            # at the first fix-up (with those written meanwhile re-installed): until then a data replacement
+            # gets no call from the trainer, while its worker takes in the first chunk.
+            generated = np.ones(group.n_stripes, dtype=bool)
+            generated[to_copy] = False
+            group.rebuilt = np.zeros(group.n_stripes, dtype=bool) if len(to_copy) else generated
             group.dirty = []  # step 1: from now on every write-back logs its stripes
             record.stripes_generated = group.n_stripes - len(to_copy)
         chunks = [to_copy[a:b] for a, b in stripe_chunks(len(to_copy), chunk_stripes(group, len(lost)))]
         copying = time.perf_counter()
         futures = _submit_copies(group, lost, chunks, worker, rebuild_id)
         complete, copied, done = True, [], 0
+        joins_next = generated  # stripes that join group.rebuilt at the next fix-up, besides those copied
         fixed_up = time.perf_counter()
         try:
             for n, (chunk, future) in enumerate(zip(chunks, futures, strict=True)):
@@ -437,13 +444,16 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
                         logged = np.unique(np.concatenate(group.dirty)) if group.dirty else np.zeros(0, np.int64)
                         group.dirty = [logged]
                         just_copied = np.concatenate(copied)
-                        stripes = logged[np.isin(logged, just_copied, assume_unique=True)]
+                        joining = joins_next.copy()
+                        joining[just_copied] = True
+                        stripes = logged[joining[logged]]
                         _fix_up(group, lost, stripes, rebuild_id)  # step 3, for every chunk copied since the last one
                     except LostMembersError as exc:
                         group.on_lost(exc.members)  # raises when more than R are lost
                         complete = False
                         break
-                    group.rebuilt[just_copied] = True
+                    group.rebuilt |= joining
+                    joins_next = np.zeros_like(generated)
                     record.stripes_fixed_up += len(stripes)
                     record.locked_seconds += time.perf_counter() - locked
                     record.fix_ups += 1
