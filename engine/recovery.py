@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from dlrmflow.engine.cluster import cluster_workers
+from dlrmflow.engine.embedding_server import answer, call_server
 from dlrmflow.engine.erasure import ErasureCode, stripe_chunks
 from dlrmflow.engine.parity import (
     CodedShardGroup,
@@ -197,7 +198,8 @@ def _read_chunk(survivors: dict[int, Any], chunk: Chunk, pause_s: float) -> dict
     for s, actor in survivors.items():  # one after the other when a test stretches the window
         if pause_s and calls:
             time.sleep(pause_s)
-        calls[s] = actor.read_stripes(*chunk) if isinstance(chunk, tuple) else actor.gather(chunk)
+        calls[s] = call_server(actor, "read_stripes", *chunk) if isinstance(chunk, tuple) else \
+            call_server(actor, "gather", chunk)
     return calls
 
 
@@ -219,6 +221,10 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
     task: depending on it keeps the tasks in chunk order. No lock is held: the caller fixes up the
     stripes written meanwhile (see the module docstring; a read-ahead is inside the same window).
 
+    Every read and install watches its worker (:class:`~dlrmflow.engine.embedding_server.ServerCall`):
+    a read from a killed survivor could otherwise wait for the survivor actor's future in this
+    worker's client, which may never settle, and hold this worker's one thread for good.
+
     ``seconds`` > 0 paces the rebuild (a rate limit): the task lasts at least that long, and the
     next chunk's reads go out at its end, so the survivors' sends are spread out as well."""
     began = time.perf_counter()
@@ -227,7 +233,7 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
     calls = _READ_AHEAD.pop((rebuild_id, _first(chunk)), None) or _read_chunk(survivors, chunk, pause_s)
     if next_chunk is not None and not seconds:
         _READ_AHEAD[(rebuild_id, _first(next_chunk))] = _read_chunk(survivors, next_chunk, pause_s)
-    pieces = {s: call.result() for s, call in calls.items()}
+    pieces = {s: answer(call) for s, call in calls.items()}
     decoded = ErasureCode(k, r).decode(pieces, sorted(replacements), n_rows=n_rows)
     installs = []
     for s in sorted(replacements):
@@ -239,9 +245,9 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
         if local is not None:  # this worker hosts it: copy in memory, not through a socket to itself
             getattr(local, method)(*args)
         else:
-            installs.append(getattr(replacements[s], method)(*args))
+            installs.append(call_server(replacements[s], method, *args))
     for call in installs:
-        call.result()
+        answer(call)
     if seconds:
         time.sleep(max(0.0, seconds - (time.perf_counter() - began)))
         if next_chunk is not None:

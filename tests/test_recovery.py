@@ -346,6 +346,34 @@ def test_a_call_to_a_killed_worker_fails_even_when_it_must_reconnect(cluster):
     assert results == {} and error.members == {0} and "no longer lists" in str(error)
 
 
+def test_a_copy_task_whose_survivor_died_fails_instead_of_holding_its_worker(cluster):
+    """A rebuild's copy task reads from survivors worker to worker. A read from a killed survivor can
+    wait for the survivor actor's future in the worker's own client, which never settles (seen:
+    a copy task abandoned by its rebuild held its worker's one thread for good, and the next run's
+    shards, placed there, waited for ever). Here the survivor handle's future is one Dask never heard
+    of; the task watches the survivors' workers and fails soon after the scheduler drops the dead one."""
+    from distributed.actor import Actor
+
+    spec = RowSpec(dim=3, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(10,))
+    dead, copier = sorted(cluster_workers(cluster))[:2]
+    replacement = cluster.submit(parity_module.CodedShard, spec, 0, 1, False, actor=True, workers=[copier],
+                                 pure=False).result()
+    os.kill(cluster.run(os.getpid, workers=[dead])[dead], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while dead in cluster_workers(cluster):
+        assert time.monotonic() < deadline, "the scheduler never noticed the kill"
+        time.sleep(0.05)
+
+    def copy_from_dead_survivor(replacement):  # the handle is made on the worker: no task dependency on it
+        survivor = Actor(parity_module.CodedShard, dead, f"never-scheduled-{dead}")
+        return recovery_module.rebuild_chunk_task(1, 1, {1: survivor}, {0: replacement}, (0, 10), {0: 10})
+
+    task = cluster.submit(copy_from_dead_survivor, replacement, workers=[copier], allow_other_workers=False,
+                          pure=False)
+    with pytest.raises(OSError, match="no longer lists"):
+        task.result(timeout=20)  # unwatched: a TimeoutError here, and the copier's thread stays taken
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_checkpoint_baseline_reloads_replays_and_ends_bit_identical(cluster, tmp_path, seed):
     rng = np.random.default_rng(600 + seed)
