@@ -198,8 +198,8 @@ def _read_chunk(survivors: dict[int, Any], chunk: Chunk, pause_s: float) -> dict
     for s, actor in survivors.items():  # one after the other when a test stretches the window
         if pause_s and calls:
             time.sleep(pause_s)
-        calls[s] = call_server(actor, "read_stripes", *chunk) if isinstance(chunk, tuple) else \
-            call_server(actor, "gather", chunk)
+        method, args = ("read_stripes", chunk) if isinstance(chunk, tuple) else ("gather", (chunk,))
+        calls[s] = call_server(actor, method, *args)
     return calls
 
 
