@@ -110,7 +110,7 @@ def config_for(mode: str, args, dataset: Path, out: Path, capacity: int, kill: b
     return TrainConfig(dataset_dir=str(dataset), mode=args.cache, output_dir=str(out), batch_size=args.batch,
                        iterations=args.iterations, num_shards=args.shards,
                        embedding_dim=args.dim, bottom_mlp=(64, args.dim), top_mlp=(64, 1), eval_fraction=0.0,
-                       metrics_every=args.iterations, save_state=False, **extra)
+                       metrics_every=args.iterations, save_state=False, device=args.device, **extra)
 
 
 @contextlib.contextmanager
@@ -252,6 +252,9 @@ def main() -> None:
     parser.add_argument("--trainer-cores", type=int, default=0,
                         help="give the trainer the first N cores (and torch N threads) and the Dask processes the "
                              "rest, as if they ran on machines of their own (default 0: everything shares every core)")
+    parser.add_argument("--device", default="cpu",
+                        help="the trainer's torch device (cuda: model and cache on the GPU; the embedding servers "
+                             "and their parity stay on the Dask workers' CPUs)")
     parser.add_argument("--stall-dump", type=float, default=30.0, metavar="S",
                         help="a training run that takes longer than S seconds prints every thread's stack to "
                              "stderr, once (default 30)")
@@ -259,6 +262,10 @@ def main() -> None:
     global STALL_DUMP_S, MODES
     STALL_DUMP_S = args.stall_dump
     server_cores = partition_cores(args.trainer_cores, args.cluster)
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: no CUDA GPU is available")
+        print(f"trainer's model and cache on {torch.cuda.get_device_name(torch.device(args.device))}", flush=True)
     MODES = ("none", *(f"checkpoint/{int(n)}" for n in args.checkpoint_every.split(",")), "parity R=1",
              "parity R=2", *([paced_mode(args.paced_rate)] if args.paced_rate else []), COPY_ALL)
     work = Path(args.work)
