@@ -22,7 +22,10 @@ Reported per mode:
   also per round (each mode's run against the none run of the same round, which ran minutes apart at
   most): the median and the range of those ratios, which show how much of a few percent is noise;
 - time to recover: parity, detection -> every lost stripe rebuilt (training runs meanwhile);
-  checkpoint, detection -> reloaded and replayed back to the iteration that failed;
+  checkpoint, detection -> reloaded and replayed back to the iteration that failed; for parity also
+  the bulk copy's wall time, the copy tasks' own time on the replacement's worker within it (the
+  rest is their dispatch through the scheduler and the fix-ups), and the tasks' wait for the
+  survivors' answers and their decode + install;
 - throughput during recovery: new iterations finished per second between detection and
   recovered, relative to the same run's rate before the kill (a checkpoint replay trains no new
   iteration); and the same counting the part of each iteration that falls inside that window
@@ -387,6 +390,9 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
     row("  stripes copied (of all)", each(
         lambda m, r: f"{100 * first[m]['stripes'] / (first[m]['stripes'] + first[m]['stripes_generated']):.1f}%"))
     row("  bulk copy on workers (s)", each(lambda m, r: f"{first[m]['copy_seconds']:.3f}"))
+    row("    of it, copy tasks running (s)", each(lambda m, r: f"{first[m]['copy_task_seconds']:.3f}"))
+    row("    in them, waiting for reads (s)", each(lambda m, r: f"{first[m]['copy_read_wait_seconds']:.3f}"))
+    row("    in them, decode + install (s)", each(lambda m, r: f"{first[m]['copy_install_seconds']:.3f}"))
     row("  training blocked by rebuild (s)", each(lambda m, r: f"{first[m]['locked_seconds']:.3f}"))
     row("new iterations during recovery", each(lambda m, r: str(rec[m]["iterations_during"])))
     row("throughput during recovery", each(lambda m, r: f"{100 * rec[m]['during_vs_normal']:.0f}%"))

@@ -342,6 +342,11 @@ class RecoveryRecord:
     placement_seconds: float = 0.0  # detection -> replacement actors started
     copy_seconds: float = 0.0  # bulk copies on workers + fix-ups, wall clock (training runs meanwhile)
     locked_seconds: float = 0.0  # fix-ups under the lock (training waits)
+    # Of copy_seconds, the copy tasks' own time on the replacement's worker (the rest: dispatch and fix-ups),
+    # and within it the wait for the survivors' answers and the decode + install.
+    copy_task_seconds: float = 0.0
+    copy_read_wait_seconds: float = 0.0
+    copy_install_seconds: float = 0.0
     fix_ups: int = 0
     restarts: int = 0
     workers: dict[int, str] = field(default_factory=dict)
@@ -356,7 +361,8 @@ class RecoveryRecord:
             "stripes_fixed_up": self.stripes_fixed_up, "fix_ups": self.fix_ups,
             "stripes_generated": self.stripes_generated,
             "placement_seconds": self.placement_seconds, "copy_seconds": self.copy_seconds,
-            "locked_seconds": self.locked_seconds,
+            "locked_seconds": self.locked_seconds, "copy_task_seconds": self.copy_task_seconds,
+            "copy_read_wait_seconds": self.copy_read_wait_seconds, "copy_install_seconds": self.copy_install_seconds,
             "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
         }
 

@@ -72,6 +72,7 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -207,10 +208,21 @@ def _first(chunk: Chunk) -> int:
     return int(chunk[0])
 
 
+@dataclass(frozen=True)
+class ChunkCopied:
+    """What a copy task did, timed on its worker: the rebuild record adds these up, so that a report
+    tells the task's own time from its dispatch (submit -> start, through the scheduler)."""
+
+    rows: int
+    task_seconds: float  # start -> end of the task on the replacement's worker
+    read_wait_seconds: float  # waiting for the survivors' answers (what was not read ahead)
+    install_seconds: float  # decode + install on the replacements
+
+
 def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: dict[int, Any],
                        chunk: Chunk, n_rows: dict[int, int], pause_s: float = 0.0, *,
                        rebuild_id: str = "", next_chunk: Chunk | None = None,
-                       previous: Any = None, seconds: float = 0.0) -> int:
+                       previous: Any = None, seconds: float = 0.0) -> ChunkCopied:
     """Runs as a Dask task on a replacement's worker: read the chunk's stripes (``(start, stop)``, or
     a sorted array of stripes) from the survivors (worker to worker), decode the lost members,
     install them on their replacements. ``n_rows``: how many of the chunk's stripes each lost
@@ -233,7 +245,9 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
     calls = _READ_AHEAD.pop((rebuild_id, _first(chunk)), None) or _read_chunk(survivors, chunk, pause_s)
     if next_chunk is not None and not seconds:
         _READ_AHEAD[(rebuild_id, _first(next_chunk))] = _read_chunk(survivors, next_chunk, pause_s)
+    waiting = time.perf_counter()
     pieces = {s: answer(call) for s, call in calls.items()}
+    installing = time.perf_counter()
     decoded = ErasureCode(k, r).decode(pieces, sorted(replacements), n_rows=n_rows)
     installs = []
     for s in sorted(replacements):
@@ -248,11 +262,12 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
             installs.append(call_server(replacements[s], method, *args))
     for call in installs:
         answer(call)
+    installed = time.perf_counter()
     if seconds:
         time.sleep(max(0.0, seconds - (time.perf_counter() - began)))
         if next_chunk is not None:
             _READ_AHEAD[(rebuild_id, _first(next_chunk))] = _read_chunk(survivors, next_chunk, pause_s)
-    return sum(n_rows.values())
+    return ChunkCopied(sum(n_rows.values()), time.perf_counter() - began, installing - waiting, installed - installing)
 
 
 def _local_actor(actor: Any) -> Any:
@@ -419,16 +434,19 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
         try:
             for n, (chunk, future) in enumerate(zip(chunks, futures, strict=True)):
                 try:
-                    rows, failure = _wait_done(group, future, generation, worker), None
+                    task, failure = _wait_done(group, future, generation, worker), None
                 except _Superseded:
                     complete = False
                     break
                 except Exception as exc:  # noqa: BLE001 - a dead survivor or replacement; found below
-                    rows, failure = 0, exc
+                    task, failure = None, exc
                 if failure is None:
                     record.chunks += 1
                     record.stripes += len(chunk)
-                    record.rows_rebuilt += rows
+                    record.rows_rebuilt += task.rows
+                    record.copy_task_seconds += task.task_seconds
+                    record.copy_read_wait_seconds += task.read_wait_seconds
+                    record.copy_install_seconds += task.install_seconds
                     copied.append(chunk)
                     # Copied; fixed up (and then read from the replacement) with later chunks, unless a new
                     # loss came in: the locked section below sees it and starts over without copying on.

@@ -155,6 +155,10 @@ def test_a_rate_limited_rebuild_takes_its_time_in_small_chunks_and_ends_exact(cl
     _check_recovered(tmp_path, summary, {"shard:0"})
     (record,) = summary["parity"]["recoveries"]
     assert record["copy_seconds"] >= 0.5
+    # The pacing is done inside the copy tasks (one after the other, on the replacement's worker), and the
+    # copy's wall time holds theirs; within a task, reads and installs are parts of its time.
+    assert 0.499 <= record["copy_task_seconds"] <= record["copy_seconds"]
+    assert 0 < record["copy_read_wait_seconds"] + record["copy_install_seconds"] <= record["copy_task_seconds"]
     chunk = int(rate * 1e6 * recovery_module.PACED_CHUNK_S / spec.row_bytes)
     assert record["chunks"] == -(-record["stripes"] // chunk) >= 10
     assert summary["parity"]["degraded_rows_read"] > 0
@@ -315,6 +319,31 @@ def test_losing_more_shards_than_parity_is_a_clear_error_and_writes_no_model(clu
     assert "survivors (data shards 1)" in message
     for name in (STATE_FILE, SUMMARY_FILE, PARITY_FILE):
         assert not (tmp_path / "run" / name).exists()
+
+
+def test_a_slow_call_asks_the_scheduler_early_then_sparsely_and_fails_once_its_worker_is_unlisted(monkeypatch):
+    """The watch of a member call: the first look-up after WATCH_FIRST_S (a call that had to reconnect
+    to a killed worker is noticed by it), later ones every WATCH_S (each is a round trip to the
+    scheduler); a listed worker keeps the call waiting, an unlisted one fails it with OSError."""
+    from dlrmflow.engine import embedding_server
+
+    waits: list[float] = []
+    listings = iter([{"w": {}}, {"w": {}}, {}])
+
+    class Unanswered:  # an actor call that never answers
+        def done(self) -> bool:
+            return False
+
+        def result(self, timeout: float) -> None:
+            waits.append(timeout)
+            raise TimeoutError
+
+    monkeypatch.setattr(embedding_server, "cluster_workers", lambda client: next(listings))
+    call = embedding_server.ServerCall(Unanswered(), "w", client=object())
+    with pytest.raises(OSError, match="no longer lists"):
+        call.result()
+    assert waits == [embedding_server.WATCH_FIRST_S] + 2 * [embedding_server.WATCH_S]
+    assert embedding_server.WATCH_FIRST_S < embedding_server.WATCH_S
 
 
 def test_a_call_to_a_killed_worker_fails_even_when_it_must_reconnect(cluster):
