@@ -23,7 +23,8 @@ Reported per mode:
   most): the median and the range of those ratios, which show how much of a few percent is noise;
 - time to recover: parity, detection -> every lost stripe rebuilt (training runs meanwhile);
   checkpoint, detection -> reloaded and replayed back to the iteration that failed; for parity also
-  the bulk copy's wall time, the copy tasks' own time on the replacement's worker within it (the
+  the time before the copy (settling the last batch, resetting the replacements, choosing the
+  stripes to copy), the bulk copy's wall time, the copy tasks' own time on the replacement's worker within it (the
   rest is their dispatch through the scheduler and the fix-ups), and the tasks' wait for the
   survivors' answers and their decode + install;
 - throughput during recovery: new iterations finished per second between detection and
@@ -389,6 +390,8 @@ def print_table(results: dict, table_bytes: int, kill_at: int) -> None:
              for m in MODES if m != "none"}
     row("  stripes copied (of all)", each(
         lambda m, r: f"{100 * first[m]['stripes'] / (first[m]['stripes'] + first[m]['stripes_generated']):.1f}%"))
+    row("  before the copy (s)", each(
+        lambda m, r: f"{first[m]['seconds'] - first[m]['placement_seconds'] - first[m]['copy_seconds']:.3f}"))
     row("  bulk copy on workers (s)", each(lambda m, r: f"{first[m]['copy_seconds']:.3f}"))
     row("    of it, copy tasks running (s)", each(lambda m, r: f"{first[m]['copy_task_seconds']:.3f}"))
     row("    in them, waiting for reads (s)", each(lambda m, r: f"{first[m]['copy_read_wait_seconds']:.3f}"))
