@@ -528,6 +528,22 @@ def test_gather_stripes_pads_past_the_end():
     assert_bits_equal(got, np.array([[4, 5], [0, 0], [0, 1]], dtype=np.float32))
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_gather_stripes_inside_the_shard_copies_every_bit_of_those_rows(seed):
+    """Stripes all inside (the common case, taken whole-row) and with some past the end give the
+    same bits: NaN payloads, infinities and denormals are bytes, never floats; repeats allowed;
+    the result is a copy, not a view of the shard (the shard's rows change under later batches)."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 2**32, size=(50, 3), dtype=np.uint32).view(np.float32)
+    rows[0, 0] = np.float32(np.inf)
+    inside = rng.integers(0, 50, size=int(rng.integers(0, 80)))
+    got = gather_stripes(rows, inside)
+    assert_bits_equal(got, rows[inside])
+    padded = gather_stripes(rows, np.concatenate([inside, [50 + seed]]))
+    assert_bits_equal(padded[:-1], got)
+    assert not np.shares_memory(got, rows)
+
+
 # --------------------------------------------------------------------------------------------
 # Bad configurations and inputs
 
