@@ -51,6 +51,10 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
     logger.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, %.3f s after detection "
                 "(%d restarts)", ", ".join(result["lost"]), result["rows_rebuilt"], result["chunks"],
                 result["stripes_generated"], result["seconds"] or time.perf_counter() - start, result["restarts"])
+    logger.info("bulk copy %.3f s: %.3f s in the copy tasks on the new shards' worker (%.3f s waiting for the "
+                "survivors, %.3f s decoding and installing); training waited %.3f s for the fix-ups",
+                result["copy_seconds"], result["copy_task_seconds"], result["copy_read_wait_seconds"],
+                result["copy_install_seconds"], result["locked_seconds"])
     publish_recovery_task(result)
     return result
 

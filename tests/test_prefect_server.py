@@ -255,12 +255,12 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
     from prefect import flow, get_client, task
     from prefect.context import FlowRunContext
 
+    from dlrmflow.engine.parity import RecoveryRecord
     from dlrmflow.flows.recovery import recovery_runner, run_recovery_subflow
 
-    def rebuild(progress=None):
-        return {"lost": ["data shard 0"], "rows_rebuilt": 8, "chunks": 1, "stripes_generated": 0, "seconds": 0.01,
-                "restarts": 0,
-                "recovery_run": FlowRunContext.get().flow_run.id}
+    def rebuild(progress=None):  # what rebuild_lost returns (a record of a rebuild that took 0.01 s), and the run
+        record = RecoveryRecord(members=[0], detected_at=0.0, rebuilt_at=0.01, rows_rebuilt=8, chunks=1)
+        return record.as_dict(k=2, start=0.0) | {"recovery_run": FlowRunContext.get().flow_run.id}
 
     @task
     def train_like(bound: bool):
