@@ -514,3 +514,8 @@ def test_the_run_report_says_how_long_each_loss_went_unnoticed_and_training_wait
     assert "(noticed 0.500 s after the kill)" in "\n".join(_checkpoint_lines(checkpoint))
     parity["kills"] = []  # a real failure: no kill record, nothing to measure from
     assert "noticed" not in "\n".join(_parity_lines(parity))
+    assert "bulk copy" not in "\n".join(_parity_lines(parity))  # a summary from before the breakdown
+    parity["recoveries"][0] |= {"copy_seconds": 0.15, "copy_task_seconds": 0.1, "copy_read_wait_seconds": 0.07,
+                                "copy_install_seconds": 0.02}
+    assert ("bulk copy 0.150 s: 0.100 s in copy tasks on the new shards' worker (0.070 s waiting for survivors, "
+            "0.020 s decoding and installing)" in "\n".join(_parity_lines(parity)))
