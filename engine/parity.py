@@ -350,6 +350,7 @@ class RecoveryRecord:
     fix_ups: int = 0
     restarts: int = 0
     workers: dict[int, str] = field(default_factory=dict)
+    causes: list[str] = field(default_factory=list)  # the failures that showed each loss (a restart adds one)
 
     def as_dict(self, k: int, start: float) -> dict[str, Any]:
         return {
@@ -364,6 +365,7 @@ class RecoveryRecord:
             "locked_seconds": self.locked_seconds, "copy_task_seconds": self.copy_task_seconds,
             "copy_read_wait_seconds": self.copy_read_wait_seconds, "copy_install_seconds": self.copy_install_seconds,
             "restarts": self.restarts, "new_workers": {member_name(s, k): w for s, w in self.workers.items()},
+            "causes": list(self.causes),
         }
 
 
@@ -477,12 +479,12 @@ class CodedShardGroup(ShardGroup):
                     self._exchange_once(seq, write_ids, write_rows, fetch_ids, out)
                     break
                 except LostMembersError as exc:
-                    self.on_lost(exc.members)  # raises TooManyErasuresError past R; else resend
+                    self.on_lost(exc.members, exc)  # raises TooManyErasuresError past R; else resend
             if len(self.pending) >= self.parity_batches:
                 try:
                     self._send_parity()
                 except LostMembersError as exc:
-                    self.on_lost(exc.members)
+                    self.on_lost(exc.members, exc)
             if len(fetch_ids):
                 self.checked_out.put(fetch_ids, out)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
@@ -623,8 +625,9 @@ class CodedShardGroup(ShardGroup):
         if self.fatal is not None:
             raise self.fatal
 
-    def on_lost(self, members: set[int]) -> None:
+    def on_lost(self, members: set[int], cause: BaseException | None = None) -> None:
         """Members (or replacements being rebuilt) are gone: restart the rebuild of everything lost.
+        ``cause``: the failure that showed it, kept in the recovery's record (the report says why).
 
         Called with the lock held. Losing more than R raises TooManyErasuresError (and keeps it)."""
         now = time.perf_counter()
@@ -650,7 +653,10 @@ class CodedShardGroup(ShardGroup):
             record.members = sorted(lost)
             record.restarts += 1
         else:
-            self.recoveries.append(RecoveryRecord(sorted(lost), now))
+            record = RecoveryRecord(sorted(lost), now)
+            self.recoveries.append(record)
+        if cause is not None:
+            record.causes.append(str(cause))
         if not self.recovering:  # else the running rebuild sees the new generation and starts over
             from dlrmflow.engine.recovery import start_recovery_thread
 
@@ -676,13 +682,13 @@ class CodedShardGroup(ShardGroup):
             try:
                 self._settle()
             except LostMembersError as exc:
-                self.on_lost(exc.members)
+                self.on_lost(exc.members, exc)
                 return
             calls = [(s, remote(self._target(s), "applied_batches")) for s in range(self.code.n_shards)
                      if self._target(s) is not None]
             _, error = _wait_all(calls)
             if error:
-                self.on_lost(error.members)
+                self.on_lost(error.members, error)
 
     def wait_recovered(self, timeout: float = 600.0) -> None:
         """Block until no member is lost (every rebuild finished); re-raise a fatal loss."""
@@ -711,7 +717,7 @@ class CodedShardGroup(ShardGroup):
                 rows, error = _wait_all(calls)
                 if error is None:
                     break
-                self.on_lost(error.members)
+                self.on_lost(error.members, error)
         out = np.empty((self.spec.total_rows, self.spec.width), dtype=np.float32)
         for s in range(self.code.k):
             out[s :: self.code.k] = rows[s]

@@ -2,8 +2,10 @@
 
 The engine rebuilds lost shards in a background thread of the trainer
 (:mod:`dlrmflow.engine.recovery`); the train task hands it ``recovery_runner()`` (below) as its
-``recovery_runner``, so each rebuild is its own Prefect flow run (a child of the training run)
-with its logs, duration, progress artifact and a table of what was rebuilt.
+``recovery_runner``, so each rebuild is reported by its own Prefect flow run (a child of the
+training run) with its logs, progress artifact and a table of what was rebuilt. The rebuild starts
+at once and does not wait for that flow run to start (which took three times as long as the
+rebuild in a CLI kill run); the flow run waits for the rebuild and reports its record.
 
 Why the runner carries its own context: Prefect makes a flow called inside another flow run its
 child only when it finds that parent's ``FlowRunContext`` in the calling thread's context

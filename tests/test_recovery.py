@@ -92,6 +92,8 @@ def _check_recovered(tmp_path, summary, killed: set[str]) -> None:
     names = {f"{'data shard' if k.startswith('shard') else 'parity shard'} {k.split(':')[1]}" for k in killed}
     assert lost == names
     assert all(rec["rebuilt_s"] is not None and rec["seconds"] >= 0 for rec in report["recoveries"])
+    # Each record says what showed the loss: a failed call naming the members it lost.
+    assert all(rec["causes"] and all("lost" in c for c in rec["causes"]) for rec in report["recoveries"])
     # Kill and detection times share the report's clock: a loss is noticed after the first kill.
     assert report["recoveries"][0]["detected_s"] >= min(k["at_s"] for k in report["kills"]) > 0
 
@@ -321,6 +323,42 @@ def test_losing_more_shards_than_parity_is_a_clear_error_and_writes_no_model(clu
         assert not (tmp_path / "run" / name).exists()
 
 
+def test_a_rebuild_starts_at_once_and_its_report_waits_for_it(monkeypatch):
+    """With a recovery runner (the recover-shard subflow, which takes a while to start), the rebuild
+    does not wait for it: it runs from the start, the runner's callable waits for its record and
+    gets every progress count from the latest on; a failed rebuild fails the report and the thread."""
+    started, finish = threading.Event(), threading.Event()
+
+    def rebuild_lost(group, progress=None):
+        started.set()
+        progress(1, 3)
+        assert finish.wait(10)
+        progress(3, 3)
+        if group.fail:
+            raise TooManyErasuresError(2, 1, [0, 1], [2])
+        return {"lost": ["data shard 0"]}
+
+    monkeypatch.setattr(recovery_module, "rebuild_lost", rebuild_lost)
+    for fail in (False, True):
+        started.clear(), finish.clear()
+        seen, reported = [], []
+
+        def runner(rebuild, info):
+            assert started.wait(10), "the rebuild waited for its report to start"
+            assert info == {"lost": ["data shard 0"]}
+            finish.set()
+            reported.append(rebuild(lambda done, total: seen.append((done, total))))  # noqa: B023
+
+        group = type("Group", (), {"recovery_runner": staticmethod(runner), "fail": fail})()
+        if not fail:
+            recovery_module._rebuild_while_reporting(group, {"lost": ["data shard 0"]})
+            assert reported == [{"lost": ["data shard 0"]}] and seen[-1] == (3, 3)
+        else:
+            with pytest.raises(TooManyErasuresError):
+                recovery_module._rebuild_while_reporting(group, {"lost": ["data shard 0"]})
+            assert reported == []
+
+
 def test_a_slow_call_asks_the_scheduler_early_then_sparsely_and_fails_once_its_worker_is_unlisted(monkeypatch):
     """The watch of a member call: the first look-up after WATCH_FIRST_S (a call that had to reconnect
     to a killed worker is noticed by it), later ones every WATCH_S (each is a round trip to the
@@ -515,6 +553,9 @@ def test_the_run_report_says_how_long_each_loss_went_unnoticed_and_training_wait
     parity["kills"] = []  # a real failure: no kill record, nothing to measure from
     assert "noticed" not in "\n".join(_parity_lines(parity))
     assert "bulk copy" not in "\n".join(_parity_lines(parity))  # a summary from before the breakdown
+    assert "noticed by" not in "\n".join(_parity_lines(parity))
+    parity["recoveries"][0]["causes"] = ["members [0] lost: OSError('gone')"]
+    assert "noticed by: members [0] lost: OSError('gone')" in "\n".join(_parity_lines(parity))
     parity["recoveries"][0] |= {"copy_seconds": 0.15, "copy_task_seconds": 0.1, "copy_read_wait_seconds": 0.07,
                                 "copy_install_seconds": 0.02}
     assert ("bulk copy 0.150 s: 0.100 s in copy tasks on the new shards' worker (0.070 s waiting for survivors, "

@@ -160,6 +160,8 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
                      f"{rec['seconds']:.3f} s after detection"
                      f"{_noticed(p['kills'], rec['detected_s'])}; training waited {rec['locked_seconds']:.3f} s "
                      f"for it; {p['degraded_rows_read']:,} degraded row reads")
+        if rec.get("causes"):  # what showed the loss (a restart of the rebuild adds one)
+            lines.append(f"{'':21}noticed by: {'; then '.join(rec['causes'])}")
         if "copy_task_seconds" in rec:  # a summary written before the breakdown was recorded has none
             lines.append(f"{'':21}bulk copy {rec['copy_seconds']:.3f} s: {rec['copy_task_seconds']:.3f} s in copy "
                          f"tasks on the new shards' worker ({rec['copy_read_wait_seconds']:.3f} s waiting for "
