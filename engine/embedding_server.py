@@ -201,9 +201,12 @@ class ServerCall:
             try:
                 return answer(self.future, wait)
             except TimeoutError:
+                # Answered as the wait ran out, or the call's own TimeoutError: its outcome, as it is. Raising
+                # the wait's TimeoutError here (an OSError) declared a live member lost, and with R = 1 a kill
+                # then lost two: seen in CLI kill runs once the first wait was 50 ms.
+                if self.future.done():
+                    return answer(self.future)
                 wait = WATCH_S
-                if self.future.done():  # the call's own TimeoutError, not the wait's
-                    raise
                 if self.worker not in cluster_workers(self.client):
                     raise OSError(f"the worker {self.worker} is gone (the scheduler no longer lists it)") from None
 

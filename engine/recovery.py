@@ -166,7 +166,10 @@ def _rebuild_while_reporting(group: CodedShardGroup, info: dict[str, Any]) -> No
         except BaseException as exc:  # noqa: BLE001 - raised below and by the report
             outcome.set_exception(exc)
 
-    worker = threading.Thread(target=rebuild, name="dlrmflow-rebuild", daemon=True)
+    # In a copy of this thread's context (the train task's, under Prefect): the report's progress
+    # callback, called from the rebuild, talks to the Prefect API that context names.
+    worker = threading.Thread(target=contextvars.copy_context().run, args=(rebuild,), name="dlrmflow-rebuild",
+                              daemon=True)
     worker.start()
 
     def report(reporter: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -389,7 +392,8 @@ def _wait_done(group: CodedShardGroup, future, generation: int, worker: str, pol
         try:
             return future.result(timeout=poll_s)
         except TimeoutError:
-            pass
+            if future.done():  # the task's own TimeoutError (or done as the wait ran out): its outcome
+                return future.result()
         with group.lock:
             if group.generation != generation or group.fatal is not None:
                 raise _Superseded()

@@ -384,6 +384,41 @@ def test_a_slow_call_asks_the_scheduler_early_then_sparsely_and_fails_once_its_w
     assert embedding_server.WATCH_FIRST_S < embedding_server.WATCH_S
 
 
+@pytest.mark.parametrize("outcome", ["rows", ValueError("bad ids"), TimeoutError("the call's own")])
+def test_a_call_answered_as_its_wait_runs_out_gives_its_own_outcome(monkeypatch, outcome):
+    """A wait that times out just as the answer lands must not pass for a lost worker: a TimeoutError
+    is an OSError, which marks the member lost (a live member was, and with R = 1 a kill then lost
+    two). The caller gets the call's own result or error, and the scheduler is not asked."""
+    from dlrmflow.engine import embedding_server
+
+    class AnsweredAsTheWaitEnded:
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def done(self) -> bool:
+            return self.asked > 0
+
+        def result(self, timeout: float | None = None):
+            self.asked += 1
+            if self.asked == 1:
+                raise TimeoutError  # the wait's
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+    def no_scheduler(client):
+        raise AssertionError("the scheduler was asked about a call that had answered")
+
+    monkeypatch.setattr(embedding_server, "cluster_workers", no_scheduler)
+    call = embedding_server.ServerCall(AnsweredAsTheWaitEnded(), "w", client=object())
+    if isinstance(outcome, BaseException):
+        with pytest.raises(type(outcome)) as raised:
+            call.result()
+        assert raised.value is outcome
+    else:
+        assert call.result() == outcome
+
+
 def test_a_call_to_a_killed_worker_fails_even_when_it_must_reconnect(cluster):
     """The first call to a killed worker fails at once (its pooled connection is broken), but a call
     that has to open a new connection to the dead address retries the refused connect for the
