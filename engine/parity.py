@@ -62,6 +62,7 @@ from dlrmflow.engine.embedding_server import (
 )
 from dlrmflow.engine.erasure import ErasureCode, gather_stripes, xor_bits
 from dlrmflow.engine.placement import choose_rebuild_worker, place
+from dlrmflow.engine.prefault import prefault_in_background
 from dlrmflow.errors import UserInputError
 
 ENCODE_CHUNK_STRIPES = 1 << 16
@@ -107,6 +108,7 @@ class _Sequenced:
     applied: set[int]
     fresh: np.ndarray | None
     rebuild: str = ""
+    prefaulting: threading.Thread | None = None
     _installing = threading.Lock()  # one per worker process: installs are few and short
 
     def _initial_rows(self, local: np.ndarray) -> np.ndarray:
@@ -129,10 +131,13 @@ class _Sequenced:
 
     def reset(self, rebuild: str = "") -> int:
         """Back to the initial rows, all fresh, as the target of ``rebuild``: a rebuild that starts over
-        installs everything else again."""
+        installs everything else again. The first reset also faults the rows' pages in, in the
+        background, while the rebuild's reads are on their way (:mod:`~dlrmflow.engine.prefault`)."""
         with self._installing:
             self.fresh = np.ones(len(self.rows), dtype=bool)
             self.rebuild = rebuild
+        if self.prefaulting is None:
+            self.prefaulting = prefault_in_background(self.rows)
         return len(self.rows)
 
     def read_stripes(self, start: int, stop: int) -> np.ndarray:
@@ -496,11 +501,11 @@ class CodedShardGroup(ShardGroup):
         shard only where the trainer wrote its row, a lost parity shard where it wrote any row of
         the stripe (parity changes with every data row). Every other stripe a replacement generates."""
         k = self.code.k
-        by_stripe = np.zeros(self.n_stripes * k, dtype=bool)
-        by_stripe[: self.spec.total_rows] = self.written
-        by_stripe = by_stripe.reshape(self.n_stripes, k)
-        columns = list(range(k)) if any(s >= k for s in lost) else sorted(lost)
-        return np.flatnonzero(by_stripe[:, columns].any(axis=1))
+        copy = np.zeros(self.n_stripes, dtype=bool)
+        for column in range(k) if any(s >= k for s in lost) else sorted(lost):
+            rows = self.written[column::k]  # data shard ``column``'s rows, one per stripe (a short shard: fewer)
+            copy[: len(rows)] |= rows
+        return np.flatnonzero(copy)
 
     def _combine_pending(self) -> None:
         """Turn each pending batch's row changes into its parity delta (each touched stripe once).
