@@ -50,7 +50,7 @@ def prefault(array: np.ndarray) -> bool:
     # madvise wants a page-aligned start: bytes before the array in its first page are left as they are too.
     start = address - address % page
     end = address + array.nbytes
-    # In slices: the kernel holds the process's memory-map lock for the whole of one call, and any
+    # In slices: the kernel may hold the process's memory-map lock for the whole of one call, and any
     # allocation in this process that maps memory (a large array, a message buffer) waits for it.
     for lo in range(start, end, PREFAULT_SLICE_BYTES):
         if _MADVISE(lo, min(PREFAULT_SLICE_BYTES, end - lo), MADV_POPULATE_WRITE) != 0:  # the GIL is released
