@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_erasure import assert_bits_equal, random_rows
 
 from dlrmflow.engine import prefault as prefault_module
 from dlrmflow.engine.embedding_rows import RowSpec
@@ -26,21 +27,16 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _random_bits(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 rows from random bit patterns: NaNs (signalling too), infinities and denormals."""
-    return rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32).view(np.float32)
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_prefault_leaves_every_byte_as_it_was(seed):
     rng = np.random.default_rng(seed)
     rows = np.zeros((int(rng.integers(1, 300_000)), int(rng.integers(1, 40))), dtype=np.float32)
     touched = rng.choice(len(rows), size=min(len(rows), 1000), replace=False)
-    rows[touched] = _random_bits(rng, (len(touched), rows.shape[1]))
+    rows[touched] = random_rows(rng, len(touched), rows.shape[1])
     view = rows[int(rng.integers(0, len(rows))):]  # an array that starts inside a page
     before = rows.copy()
     assert prefault(view) is LINUX_5_14
-    assert np.array_equal(rows.view(np.uint32), before.view(np.uint32))
+    assert_bits_equal(rows, before)
 
 
 @pytest.mark.skipif(not LINUX_5_14, reason="MADV_POPULATE_WRITE needs Linux 5.14+")
@@ -65,11 +61,11 @@ def test_writes_during_a_prefault_all_land(monkeypatch):
     thread = prefault_module.prefault_in_background(rows)
     for _ in range(200):
         ids = rng.choice(len(rows), size=500, replace=False)
-        values = _random_bits(rng, (500, 8))
+        values = random_rows(rng, 500, 8)
         rows[ids] = values
         expected[ids] = values
     thread.join()
-    assert np.array_equal(rows.view(np.uint32), expected.view(np.uint32))
+    assert_bits_equal(rows, expected)
 
 
 def test_a_replacement_prefaults_its_rows_once_when_a_rebuild_resets_it():
@@ -83,4 +79,4 @@ def test_a_replacement_prefaults_its_rows_once_when_a_rebuild_resets_it():
         member.reset("second")  # a rebuild that starts over does not start another
         assert member.prefaulting is first
         first.join()
-        assert np.array_equal(member.all_local_rows().view(np.uint32), initial.view(np.uint32))
+        assert_bits_equal(member.all_local_rows(), initial)
