@@ -256,6 +256,9 @@ def main() -> None:
     parser.add_argument("--trainer-cores", type=int, default=0,
                         help="give the trainer the first N cores (and torch N threads) and the Dask processes the "
                              "rest, as if they ran on machines of their own (default 0: everything shares every core)")
+    parser.add_argument("--torch-threads", type=int, default=0, metavar="N",
+                        help="the trainer's torch threads (default: torch's own choice, or N = --trainer-cores); "
+                             "on shared cores 1 thread loses less to the rebuild than 2 (see the README)")
     parser.add_argument("--device", default="cpu",
                         help="the trainer's torch device (cuda: model and cache on the GPU; the embedding servers "
                              "and their parity stay on the Dask workers' CPUs)")
@@ -265,7 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     global STALL_DUMP_S, MODES
     STALL_DUMP_S = args.stall_dump
-    server_cores = partition_cores(args.trainer_cores, args.cluster)
+    server_cores = partition_cores(args.trainer_cores, args.cluster, args.torch_threads)
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {args.device}: no CUDA GPU is available")
@@ -323,14 +326,19 @@ def main() -> None:
     print_table(results, table_bytes, args.kill_at)
 
 
-def partition_cores(trainer_cores: int, cluster: str) -> list[int] | None:
+def partition_cores(trainer_cores: int, cluster: str, torch_threads: int = 0) -> list[int] | None:
     """Pin this process (the trainer) to its first ``trainer_cores`` cores; the cores left for the
     Dask processes (None: no partition). A trainer whose torch threads share cores with the servers
     waits for its slowest thread whenever a server works, which a deployment with servers on their
-    own machines does not see."""
+    own machines does not see. ``torch_threads``: the trainer's torch threads (0: torch's default,
+    or ``trainer_cores``)."""
     cores = sorted(os.sched_getaffinity(0))
+    if torch_threads < 0:
+        raise SystemExit(f"--torch-threads must be 0 (the default) or more, got {torch_threads}")
     print(f"machine: {len(cores)} cores, torch {torch.__version__}", end="")
     if not trainer_cores:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
         print(f" ({torch.get_num_threads()} threads); trainer and Dask processes share every core", flush=True)
         return None
     if cluster != "processes":
@@ -338,8 +346,8 @@ def partition_cores(trainer_cores: int, cluster: str) -> list[int] | None:
     if not 0 < trainer_cores < len(cores):
         raise SystemExit(f"--trainer-cores must be between 1 and {len(cores) - 1} on this machine, got {trainer_cores}")
     os.sched_setaffinity(0, cores[:trainer_cores])
-    torch.set_num_threads(trainer_cores)
-    print(f"; trainer on cores {cores[0]}-{cores[trainer_cores - 1]} ({trainer_cores} torch threads), "
+    torch.set_num_threads(torch_threads or trainer_cores)
+    print(f"; trainer on cores {cores[0]}-{cores[trainer_cores - 1]} ({torch.get_num_threads()} torch threads), "
           f"Dask scheduler and workers on cores {cores[trainer_cores]}-{cores[-1]}", flush=True)
     return cores[trainer_cores:]
 
