@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean
 
 # Creates .venv when missing. torch is installed first and pinned, so that pip takes the
 # CPU wheel that lies on disk instead of downloading a multi-GB CUDA build.
@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/dlrmflow demo
 
+# Every test, the slow end-to-end ones included (what CI runs).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The quick loop while editing: every test not marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -11,9 +11,10 @@ Shards hold float32 rows of ``--width`` floats (default 17: a 16-float embedding
 accumulator). Operations and the bytes their GB/s counts:
 
 - encode:  all r parity shards from k data shards; bytes = the k data shards.
-- delta:   one write-back batch: ``--delta-fraction`` of every data shard's rows change; the
-           combined per-parity message is computed (combine_deltas) and applied to every parity
-           shard; bytes = the changed data rows.
+- delta:   one write-back batch: ``--delta-fraction`` of every data shard's rows change; their
+           changes (xor_bits) are combined into one message per parity shard (combine_changes) and
+           applied to every parity shard (apply_delta), as the parity write path does; bytes = the
+           changed data rows.
 - replica rows: the reference for delta: writing the same changed rows into a full replica of
            the shards (a row scatter); bytes = the changed data rows.
 - decode n: rebuild n lost data shards from k survivors: n = 1 (XOR from parity 0) and n = r (the
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.erasure import ErasureCode, RowUpdate
+from dlrmflow.engine.erasure import ErasureCode, xor_bits
 
 
 def _sync(xp: Any) -> None:
@@ -70,28 +71,28 @@ def bench(xp: Any, k: int, r: int, rows: int, width: int, fraction: float, repea
     parity = code.encode(data, xp)
 
     n_changed = max(1, int(rows * fraction))
-    updates = []
-    for shard in range(k):
-        changed = xp.asarray(np.sort(rng.choice(rows, size=n_changed, replace=False)))
-        updates.append(
-            RowUpdate(shard, changed, data[shard][changed], random_shard(xp, rng, n_changed, width))
-        )
+    changed = [xp.asarray(np.sort(rng.choice(rows, size=n_changed, replace=False))) for _ in range(k)]
+    old_rows = [data[s][changed[s]] for s in range(k)]
+    new_rows = [random_shard(xp, rng, n_changed, width) for _ in range(k)]
+    shard_of_change = xp.concatenate([xp.full(n_changed, shard, dtype=xp.int64) for shard in range(k)])
+    rows_of_change = xp.concatenate(changed)
 
     def delta_round() -> None:
-        message = code.combine_deltas(updates, xp)
+        changes = xp.concatenate([xor_bits(old_rows[s], new_rows[s], xp) for s in range(k)])
+        message = code.combine_changes(shard_of_change, rows_of_change, changes, xp)
         for p in range(r):
             code.apply_delta(parity[p], message.parity[p], xp, rows=message.stripes)
 
     def replica_rows() -> None:  # what a replica of the changed rows would write instead
-        for u in updates:
-            replica[u.shard][u.rows] = u.new
+        for s in range(k):
+            replica[s][changed[s]] = new_rows[s]
 
     replica = [xp.empty_like(d) for d in data]
     shards = data + parity
     ops = [
         ("encode", lambda: code.encode(data, xp), k * shard_bytes),
-        ("delta", delta_round, sum(u.new.nbytes for u in updates)),
-        ("replica rows", replica_rows, sum(u.new.nbytes for u in updates)),
+        ("delta", delta_round, sum(n.nbytes for n in new_rows)),
+        ("replica rows", replica_rows, sum(n.nbytes for n in new_rows)),
     ]
     for n_lost in sorted({1, r}):  # one data shard (XOR from parity 0) and r data shards
         lost = list(range(n_lost))

@@ -70,10 +70,12 @@ import torch
 from bench_data import synthetic_dataset
 from distributed import Client
 
-from dlrmflow.engine import recovery
 from dlrmflow.engine.cluster import local_cluster
+from dlrmflow.engine.coded_shards import REBUILD_CHUNK
+from dlrmflow.engine.coded_shards import rebuild as recovery
 from dlrmflow.engine.planner import PlanConfig, make_plan
-from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
+from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.trainer import prepare_run, train
 
 MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each N, parity R=1, R=2, R=1 rate-limited
 
@@ -242,7 +244,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", default="20,100",
                         help="checkpoint intervals to compare (default 20,100: the kill at 150 replays 10 and 50 "
                              "iterations; 100 costs about what parity costs per iteration)")
-    parser.add_argument("--rebuild-chunk", type=int, default=262144)
+    parser.add_argument("--rebuild-chunk", type=int, default=REBUILD_CHUNK)
     parser.add_argument("--paced-rate", type=float, default=100.0, metavar="MB/S",
                         help="also run R=1 with the rebuild capped at MB/S (--rebuild-rate; default 100; 0: skip)")
     parser.add_argument("--cache", choices=["lru", "oracle"], default="lru",
@@ -258,7 +260,7 @@ def main() -> None:
                              "rest, as if they ran on machines of their own (default 0: everything shares every core)")
     parser.add_argument("--torch-threads", type=int, default=0, metavar="N",
                         help="the trainer's torch threads (default: torch's own choice, or N = --trainer-cores); "
-                             "on shared cores 1 thread loses less to the rebuild than 2 (see the README)")
+                             "on shared cores 1 thread loses less to the rebuild than 2 (see benchmarks/RESULTS.md)")
     parser.add_argument("--device", default="cpu",
                         help="the trainer's torch device (cuda: model and cache on the GPU; the embedding servers "
                              "and their parity stay on the Dask workers' CPUs)")

@@ -42,7 +42,8 @@ from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.cluster import local_cluster
 from dlrmflow.engine.planner import PlanConfig, load_plan, make_plan
-from dlrmflow.engine.trainer import TrainConfig, train
+from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.trainer import train
 
 CONFIGS = {
     "a": dict(name="criteo-arch", scale=0.05, batch=4096, dim=16, bottom=(512, 256, 64, 16), top=(512, 256, 1),
@@ -182,7 +183,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="a,b", help="comma-separated: a (Criteo arch), b (embedding-bound)")
     parser.add_argument("--iterations", type=int, help="override the per-config iteration count")
-    parser.add_argument("--lookahead", type=int, default=20, help="L (default 20)")
+    parser.add_argument("--lookahead", type=int, default=20,
+                        help="L: the oracle keeps a row across gaps of at most L iterations (default 20)")
     parser.add_argument("--distance", type=int, default=2, help="P (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="embedding servers (default 2)")
     parser.add_argument("--device", default="cpu")

@@ -17,7 +17,7 @@ The job runs in three parallel stages over a Dask cluster (or in-process without
 Everything is written under a hidden ``.NAME.partial`` directory next to the output and
 renamed into place at the end, so an interrupted run never leaves a dataset that looks
 complete. Rerunning with unchanged inputs (path, size, mtime) and parameters finds the same
-fingerprint in ``meta.json`` and skips the work.
+fingerprint in ``meta.json`` and skips the work (:mod:`dlrmflow.up_to_date`).
 
 The result depends only on the inputs and parameters (including ``block_bytes``, which fixes
 the pieces), never on the number of workers.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -47,6 +46,7 @@ import pyarrow.parquet as pq
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
 from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, read_meta, write_meta
 from dlrmflow.errors import UserInputError
+from dlrmflow.up_to_date import file_identity, fingerprint, saved_result
 
 DEFAULT_BLOCK_BYTES = 64 << 20
 GZIP_EXPANSION_ESTIMATE = 4  # compressed Criteo text expands about 4x; only sizes the shuffle
@@ -175,17 +175,9 @@ def split_pieces(paths: list[Path], fmt: RawFormat, block_bytes: int) -> list[Pi
     return pieces
 
 
-def input_identity(paths: list[Path]) -> list[dict[str, Any]]:
-    out = []
-    for p in paths:
-        st = p.stat()
-        out.append({"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
-
-
-def fingerprint(identity: list[dict[str, Any]], params: PreprocessParams) -> str:
-    blob = json.dumps({"version": 1, "inputs": identity, "params": asdict(params)}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+def dataset_fingerprint(identity: list[dict[str, Any]], params: PreprocessParams) -> str:
+    """The dataset's key (``meta.json``'s ``fingerprint``): its inputs' identity and the parameters."""
+    return fingerprint({"version": 1, "inputs": identity, "params": asdict(params)})
 
 
 def n_buckets_for(paths: list[Path], block_bytes: int) -> int:
@@ -473,8 +465,8 @@ def preprocess(
     # Absolute paths: the work may run on Dask workers started in another directory.
     output = Path(output).resolve()
     paths = [p.resolve() for p in check_inputs(inputs, raw_format)]
-    identity = input_identity(paths)
-    fp = fingerprint(identity, params)
+    identity = file_identity(paths)
+    fp = dataset_fingerprint(identity, params)
 
     if output.exists():
         if not (output / META_FILE).is_file():
@@ -484,12 +476,12 @@ def preprocess(
                 raise UserInputError(
                     f"output {str(output)!r} exists and is not a dlrmflow dataset; refusing to overwrite it"
                 )
-        elif not force:
+        elif not force and saved_result(output / META_FILE, {"fingerprint": fp}) is not None:
             try:
                 existing = read_meta(output)
             except UserInputError:
-                existing = None
-            if existing is not None and existing.fingerprint == fp:
+                existing = None  # made from the same inputs, but incomplete: made again
+            if existing is not None:
                 return _summary(existing, output, skipped=True, seconds=time.perf_counter() - started)
 
     partial = _partial_dir(output)

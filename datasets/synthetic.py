@@ -40,7 +40,7 @@ share peaks at ~0.86 (exponent ~1.5) and falls for steeper or flatter laws, beca
 must be steep while the rare values must be numerous (each rare value seen once adds a row and
 so widens the top 1%). Real data has both, so the law is a steep head plus a flat tail:
 ``HEAD_EXPONENT = 2.0`` and ``TAIL_SHARE = 0.05`` give, measured by brute force with this
-module (seed 0; ``python -m dlrmflow.datasets.synthetic`` prints this table):
+module (seed 0; ``python benchmarks/generate.py`` prints this table):
 
     rows        scale   embedding rows   top1pct_share
     50,000      0.01            17,839           0.935
@@ -86,7 +86,7 @@ N_FIELDS = 1 + N_DENSE + N_SPARSE
 # Rows per random block; fixed forever, part of the output's definition. Small on purpose: a
 # block's temporaries stay near glibc's 128 KiB mmap threshold. Dask workers set
 # MALLOC_TRIM_THRESHOLD_, which pins that threshold, so every bigger temporary would be a fresh
-# mmap and page faults: 8192-row blocks ran ~45% slower on a worker, 512-row blocks ~10%.
+# mmap and page faults.
 BLOCK_ROWS = 512
 # The calibrated access law (see the module docstring): a power-law head and a uniform tail.
 HEAD_EXPONENT = 2.0
@@ -526,53 +526,3 @@ def measure_skew(rows: int, *, seed: int = 0, scale: float = 1.0) -> dict:
             missing[k] += int((~present).sum())
     share, total_rows = top1pct_share(counts, missing)
     return {"rows": rows, "scale": scale, "embedding_rows": total_rows, "top1pct_share": share}
-
-
-def _print_skew_table(argv: list[str]) -> None:
-    sizes = [(int(a.split(":")[0]), float(a.split(":")[1]) if ":" in a else 1.0) for a in argv] or [
-        (50_000, 0.01), (100_000, 0.01), (1_000_000, 0.01), (100_000, 0.1), (1_000_000, 0.1),
-        (100_000, 1.0), (1_000_000, 1.0), (10_000_000, 1.0),
-    ]
-    print(f"HEAD_EXPONENT = {HEAD_EXPONENT}, TAIL_SHARE = {TAIL_SHARE}")
-    print(f"    {'rows':>12} {'scale':>6} {'embedding rows':>15} {'top1pct_share':>14}")
-    for n, s in sizes:
-        r = measure_skew(n, scale=s)
-        print(f"    {n:>12,} {s:>6} {r['embedding_rows']:>15,} {r['top1pct_share']:>14.3f}", flush=True)
-
-
-def _print_speed(rows: int) -> None:
-    """generate_rows per core (CPU time, so other load on the machine matters less), then whole
-    files in process and on a 2-worker LocalCluster, plain and gzip."""
-    import tempfile
-
-    from dlrmflow.engine.cluster import dask_client
-
-    cpu, wall = [], []
-    for i in range(5):
-        c0, w0 = time.process_time(), time.perf_counter()
-        generate_rows(i * 100_000, 100_000, seed=0)
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    print(f"generate_rows, 100,000-row chunks (median of 5): {1e5 / np.median(cpu):,.0f} rows per CPU second, "
-          f"{1e5 / np.median(wall):,.0f} rows/s wall")
-    with tempfile.TemporaryDirectory() as tmp, dask_client(n_workers=2) as client:
-        for name in ("x.tsv", "x.tsv.gz"):
-            for label, c in (("in process", None), ("Dask, 2 workers", client)):
-                r = generate(Path(tmp) / name, rows, seed=0, client=c)
-                print(f"generate {rows:,} rows to {name:8} {label:16}: {r['seconds']:6.2f} s, "
-                      f"{rows / r['seconds']:>9,.0f} rows/s, {r['bytes'] / 2**20:8.1f} MiB")
-
-
-def _main(argv: list[str]) -> None:
-    """python -m dlrmflow.datasets.synthetic [ROWS[:SCALE] ...]  -> the calibration table
-    python -m dlrmflow.datasets.synthetic --speed [ROWS]       -> throughput"""
-    if argv[:1] == ["--speed"]:
-        _print_speed(int(argv[1]) if len(argv) > 1 else 2_000_000)
-    else:
-        _print_skew_table(argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    _main(sys.argv[1:])

@@ -6,6 +6,8 @@ rename) with every embedding row (the shards' rows overlaid with the rows the tr
 copies of: the pending write-back, the LRU cache, or the oracle's cache once its prefetch worker
 is idle, i.e. every eviction before the checkpoint written back), the dense parameters, the dense optimizer state,
 the plan position (the next iteration) and the training log so far (losses, timings, metrics).
+The rows and the traffic come from the row store's checkpoint view (``logical_rows``, ``traffic``,
+``drop_pending``, ``replace_shards``, ``restart_at``: :mod:`.row_stores`), the same calls in every mode.
 
 Two failures use it:
 
@@ -33,6 +35,7 @@ A checkpointed run directory::
 ``dlrmflow train`` refuses an ``--output`` holding an unfinished run with a checkpoint (and names
 the ``dlrmflow resume`` command); a resume refuses a run without a checkpoint, a finished run, a
 changed dataset or plan, and a configuration other than the one the run started with.
+Design notes: docs/checkpoint-resume.md.
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ from dlrmflow.engine.embedding_server import (
     ShardGroup,
     answer,
     is_lost_actor_error,
+    remote,
+    wait_all,
     warm_up_workers,
 )
-from dlrmflow.engine.parity import _wait_all, remote
 from dlrmflow.engine.placement import place
 from dlrmflow.engine.prefetch import PrefetchError
+from dlrmflow.engine.row_stores import ShardRows
 from dlrmflow.engine.run_state import SUMMARY_FILE
-from dlrmflow.engine.trainer_modes import LruRows, OracleRows, RemoteRows, SlotDirectory
 from dlrmflow.errors import UserInputError
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -116,17 +120,16 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
     shard_class = EmbeddingShard if rows is None else RestoredShard
     futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)
                for i, w in enumerate(placed)]
-    group = ShardGroup(spec, [f.result() for f in futures], futures)
+    group = ShardGroup(spec, [f.result() for f in futures], futures, worker_of=list(placed))
     if rows is not None:
         for call in [actor.restore(np.ascontiguousarray(rows[i::k])) for i, actor in enumerate(group.actors)]:
             answer(call)
-    group.worker_of = placed
     return group
 
 
 def workers_not_answering(group: ShardGroup) -> set[str]:
     """The workers of ``group``'s shards whose actors are lost (a call fails as a lost worker's does)."""
-    _, error = _wait_all([(i, remote(actor, "stats")) for i, actor in enumerate(group.actors)])
+    _, error = wait_all([(i, remote(actor, "stats")) for i, actor in enumerate(group.actors)])
     return set() if error is None else {group.worker_of[i] for i in error.members}
 
 
@@ -140,43 +143,15 @@ def is_lost_shard(exc: BaseException) -> bool:
 # ---- the checkpoint file ----------------------------------------------------------------------------
 
 
-def logical_rows(store) -> np.ndarray:
-    """Every row's current value: the shards' rows overlaid with the trainer's newer copies."""
-    if isinstance(store, OracleRows):
-        store.quiesce()  # before reading the shards: their rows must not change under the read
-    rows = store.shards.all_rows()
-    if isinstance(store, RemoteRows):
-        rows[store._pending_ids] = store._pending_rows
-    elif isinstance(store, LruRows):
-        ids = store.directory.cached_ids()
-        rows[ids] = store._rows_in_slots(store.directory.slot_of[ids])
-    elif isinstance(store, OracleRows):
-        ids, held = store.held_rows()  # after quiesce(): no write-back in flight
-        rows[ids] = held
-    return rows
-
-
-def _traffic(store) -> dict[str, int]:
-    """The store's traffic so far; a remote store's pending write-back is in the checkpoint's rows and
-    counted as written (the run it resumes then counts exactly what an uninterrupted one does)."""
-    written = store.bytes_written
-    fetched = store.bytes_fetched
-    if isinstance(store, RemoteRows):
-        written += len(store._pending_ids) * store.spec.row_bytes
-    elif isinstance(store, OracleRows):  # idle worker: its traffic so far, less what it fetched ahead
-        store.quiesce()
-        fetched += store.worker.bytes_fetched - store.worker.bytes_fetched_ahead()
-        written += store.worker.bytes_written
-    return {"bytes_fetched": int(fetched), "bytes_written": int(written)}
-
-
-def save_checkpoint(path: Path, t: int, store, model: torch.nn.Module, optimizer, log=None,
+def save_checkpoint(path: Path, t: int, store: ShardRows, model: torch.nn.Module, optimizer, log=None,
                     config_sha256: str | None = None) -> dict[str, Any]:
+    """Write the checkpoint taken before iteration ``t``: the store's logical rows and traffic (its
+    checkpoint view, :mod:`.row_stores`), the dense state and the training log so far."""
     start = time.perf_counter()
     state = {"format_version": CHECKPOINT_FORMAT_VERSION, "iteration": t, "config_sha256": config_sha256,
-             "rows": torch.from_numpy(logical_rows(store)),
+             "rows": torch.from_numpy(store.logical_rows()),
              "dense": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-             "dense_optimizer": optimizer.state_dict(), "traffic": _traffic(store),
+             "dense_optimizer": optimizer.state_dict(), "traffic": store.traffic(),
              "log": None if log is None else log.snapshot(t)}
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
@@ -206,25 +181,18 @@ def restore_dense(state: dict[str, Any], model: torch.nn.Module, optimizer) -> N
     optimizer.load_state_dict(state["dense_optimizer"])
 
 
-def restore_checkpoint(path: Path, client: Client, store, model: torch.nn.Module, optimizer) -> int:
-    """Reload ``path`` into fresh shards, an empty cache and the dense model; the iteration to replay from."""
+def restore_checkpoint(path: Path, client: Client, store: ShardRows, model: torch.nn.Module, optimizer) -> int:
+    """Reload ``path`` into fresh shards, the store (restarted at the checkpoint's iteration, what it
+    held dropped) and the dense model; the iteration to replay from."""
     state = load_checkpoint(path)
-    if isinstance(store, OracleRows):
-        store.worker.stop()  # before its shards go away
-    old = store.shards
-    store.shards = start_placed_shards(client, store.spec, old.num_shards, state["rows"].numpy(),
-                                       avoid=workers_not_answering(old))
-    old.close()  # the survivors hold newer rows than the checkpoint: drop them
-    if isinstance(store, OracleRows):
-        store.restart_at(int(state["iteration"]), state["rows"].numpy())
-    elif isinstance(store, RemoteRows):
-        store._pending_ids, store._pending_rows = store._pending_ids[:0], store._pending_rows[:0]
-    elif isinstance(store, LruRows):
-        store.cache.zero_()
-        store.directory = SlotDirectory(store.spec.total_rows, store.capacity)
-        store.last_used[:] = -1
+    t, rows = int(state["iteration"]), state["rows"].numpy()
+    store.drop_pending()  # also stops background traffic (the oracle's worker) before the old shards go away
+    restored = start_placed_shards(client, store.spec, store.shards.num_shards, rows,
+                                   avoid=workers_not_answering(store.shards))
+    store.replace_shards(restored).close()  # the survivors hold newer rows than the checkpoint: drop them
+    store.restart_at(t, rows)
     restore_dense(state, model, optimizer)
-    return int(state["iteration"])
+    return t
 
 
 class Checkpointer:

@@ -38,6 +38,10 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
+# Rows initialised per step when a whole table or shard is filled with init_rows: bounds the hash's
+# temporaries (a few uint64 arrays of CHUNK x dim values) whatever the table's size.
+INIT_CHUNK_ROWS = 1 << 18
+
 
 @dataclass(frozen=True)
 class RowSpec:

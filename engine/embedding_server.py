@@ -22,10 +22,9 @@ import numpy as np
 from distributed import Actor, Client
 
 from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
+from dlrmflow.engine.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
 from dlrmflow.engine.placement import place
-
-INIT_CHUNK_ROWS = 1 << 18  # rows initialised per step (bounds the hash's temporaries)
 
 
 class EmbeddingShard:
@@ -47,7 +46,8 @@ class EmbeddingShard:
         self.rows_fetched = 0
         self.rows_written = 0
 
-    def _local_index(self, ids: np.ndarray) -> np.ndarray:
+    def local_index(self, ids: np.ndarray) -> np.ndarray:
+        """Local indices of ``ids`` on this shard (ValueError for an id it does not hold)."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1:
             raise ValueError(f"ids must be 1-d, got shape {ids.shape}")
@@ -59,13 +59,13 @@ class EmbeddingShard:
 
     def fetch(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` as one contiguous ``[len(ids), width]`` float32 array."""
-        local = self._local_index(ids)
+        local = self.local_index(ids)
         self.rows_fetched += len(local)
         return self.rows[local]
 
     def write_back(self, ids: np.ndarray, rows: np.ndarray) -> int:
         """Store ``rows`` ``[len(ids), width]`` for ``ids`` (distinct). Returns the number stored."""
-        local = self._local_index(ids)
+        local = self.local_index(ids)
         rows = np.asarray(rows)
         if rows.dtype != np.float32 or rows.shape != (len(local), self.spec.width):
             raise ValueError(
@@ -106,6 +106,7 @@ class ShardGroup:
     spec: RowSpec
     actors: list
     futures: list = field(default_factory=list)  # hold the actor futures: the actors live as long as they do
+    worker_of: list[str] = field(default_factory=list)  # shard k's worker address, where the starter recorded it
     bytes_fetched: int = 0
     bytes_written: int = 0
 
@@ -113,7 +114,8 @@ class ShardGroup:
     def num_shards(self) -> int:
         return len(self.actors)
 
-    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    def split_by_shard(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """``(shard, positions in ids of the ids it holds)`` for every shard."""
         shard_of = ids % self.num_shards
         return [(k, np.flatnonzero(shard_of == k)) for k in range(self.num_shards)]
 
@@ -134,7 +136,7 @@ class ShardGroup:
         if out is None:
             out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
         calls = []
-        for (k, w), (_, f) in zip(self._split(write_ids), self._split(fetch_ids), strict=True):
+        for (k, w), (_, f) in zip(self.split_by_shard(write_ids), self.split_by_shard(fetch_ids), strict=True):
             if len(w) or len(f):
                 rows = np.ascontiguousarray(write_rows[w])
                 calls.append((f, call_server(self.actors[k], "exchange", write_ids[w], rows, fetch_ids[f])))
@@ -170,9 +172,9 @@ class ShardGroup:
 
 
 # A call not answered after WATCH_FIRST_S has its worker looked up with the scheduler, and again every
-# WATCH_S. The first look comes early because a loss is noticed by it when the call had to reconnect
-# (0.2 s after the kill, seen in oracle runs on a 16-core machine); the later ones are sparser because
-# each is a round trip to the scheduler, and a call slower than that is a busy server far more often.
+# WATCH_S. The first look comes early because a call that had to reconnect to a killed worker is noticed
+# only by it; the later ones are sparser because each is a round trip to the scheduler, and a call slower
+# than that is a busy server far more often.
 WATCH_FIRST_S = 0.05
 WATCH_S = 0.2
 
@@ -182,11 +184,11 @@ class ServerCall:
 
     Waiting for it also watches that worker. The first call to a killed worker fails at once (its
     pooled connection is broken), but a call that needs a new connection to the dead address
-    retries the refused connect until the client's connect timeout runs out (30 s by default, and
-    a second time while Dask has not yet marked the actor lost: 60 s measured). The scheduler drops
-    a killed worker within milliseconds, so a call still unanswered after WATCH_FIRST_S asks it (and
-    again every WATCH_S), and fails with OSError (as a broken connection does) once the worker is
-    gone. The abandoned attempt ends on its own in the client's loop; nothing reads its outcome."""
+    retries the refused connect until the client's connect timeout runs out (twice while Dask has
+    not yet marked the actor lost). The scheduler drops a killed worker quickly, so a call still
+    unanswered after WATCH_FIRST_S asks it (and again every WATCH_S), and fails with OSError (as a
+    broken connection does) once the worker is gone. The abandoned attempt ends on its own in the
+    client's loop; nothing reads its outcome."""
 
     __slots__ = ("future", "worker", "client")
 
@@ -201,9 +203,8 @@ class ServerCall:
             try:
                 return answer(self.future, wait)
             except TimeoutError:
-                # Answered as the wait ran out, or the call's own TimeoutError: its outcome, as it is. Raising
-                # the wait's TimeoutError here (an OSError) declared a live member lost, and with R = 1 a kill
-                # then lost two: seen in CLI kill runs once the first wait was 50 ms.
+                # Answered as the wait ran out, or the call's own TimeoutError: its outcome, as it is. The wait's
+                # TimeoutError is an OSError, which would declare a live member lost.
                 if self.future.done():
                     return answer(self.future)
                 wait = WATCH_S
@@ -216,27 +217,62 @@ def call_server(actor: Any, method: str, *args: Any) -> ServerCall:
     future = getattr(actor, method)(*args)
     if not isinstance(actor, Actor):  # an object called in this process (tests)
         return ServerCall(future)
-    return ServerCall(future, actor._address, actor._client)
+    return ServerCall(future, actor_address(actor), actor_client(actor))
 
 
 def answer(call: Any, timeout: float | None = None) -> Any:
     """The result of an actor call (raising its error; TimeoutError after ``timeout`` seconds),
     without a trip through the client's event loop when the answer is already in: ``result()``
-    hands every wait to the loop thread, ~0.2 ms even for a finished call, and a write-back waits
-    on K + R of them per batch. ``_out`` is where ``distributed.actor.ActorFuture`` keeps the
-    outcome once done; any other call (or a Dask version without it) takes ``result()``."""
+    hands every wait to the loop thread, even for a finished call, and a write-back waits on
+    K + R of them per batch (:func:`~dlrmflow.engine.dask_internals.finished_outcome`)."""
     if isinstance(call, ServerCall):
         return call.result()
-    out = getattr(call, "_out", None)
-    if out is not None and call.done():
-        return out.unwrap()
+    done, value = finished_outcome(call)
+    if done:
+        return value
     return call.result() if timeout is None else call.result(timeout=timeout)
 
 
-def is_lost_actor_error(exc: BaseException) -> bool:
-    """An actor call failed because the actor's worker is gone: a broken connection (OSError, which
-    CommClosedError is too), or Dask refusing to send to a worker it knows is lost."""
-    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "Worker holding Actor was lost" in str(exc))
+class LostMembersError(RuntimeError):
+    """Calls to these members (shards, by index) failed: their workers are gone."""
+
+    def __init__(self, members: set[int], cause: BaseException) -> None:
+        self.members = members
+        super().__init__(f"members {sorted(members)} lost: {cause!r}")
+
+
+class DeadCall:
+    """A call that could not even be sent: the actor's worker is known to be gone."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+    def result(self):
+        raise OSError(f"the actor's worker is gone: {self.cause}")
+
+
+def remote(actor: Any, method: str, *args: Any) -> ServerCall | DeadCall:
+    """``actor.method(*args)`` (a :class:`ServerCall`), or a call whose ``result()`` raises OSError when
+    Dask already knows the worker is lost (it then refuses to even send the call)."""
+    try:
+        return call_server(actor, method, *args)
+    except (OSError, RuntimeError) as exc:
+        if is_lost_actor_error(exc):
+            return DeadCall(exc)
+        raise
+
+
+def wait_all(calls: list[tuple[int, Any]]) -> tuple[dict[int, Any], LostMembersError | None]:
+    """Results of every ``(member, call)`` (waiting for all, even after a failure), and a
+    LostMembersError naming the members whose call failed because their worker is gone (or None)."""
+    results, lost, cause = {}, set(), None
+    for s, call in calls:
+        try:
+            results[s] = answer(call)
+        except OSError as exc:  # CommClosedError is an OSError too: the member's worker is gone
+            lost.add(s)
+            cause = exc
+    return results, (LostMembersError(lost, cause) if lost else None)
 
 
 def _import(module: str) -> None:

@@ -30,9 +30,15 @@ Row 0 being all ones makes parity 0 a plain XOR, so r = 1 *is* XOR parity, and f
 common single-failure rebuild (one data shard, from parity 0) is XOR only.
 
 Updates are linear: when data row ``j`` of shard ``i`` changes from ``old`` to ``new``, parity p
-changes by ``C[p, i] * (old ^ new)`` (:meth:`ErasureCode.parity_delta`), and deltas of one stripe
-from several shards, and successive changes of one row, simply XOR together
-(:meth:`ErasureCode.combine_deltas`, :meth:`ErasureCode.combine_changes`).
+changes by ``C[p, i] * (old ^ new)``, and the changes of one stripe from several shards, and
+successive changes of one row, simply XOR together: :meth:`ErasureCode.combine_changes` turns the
+row changes (:func:`xor_bits`) of any number of write-back batches into one message per parity
+shard, which :meth:`ErasureCode.apply_delta` XORs into it.
+
+Reads of lost rows. A degraded read gathers the wanted stripes from k survivors
+(:meth:`ErasureCode.survivors_for`, :func:`gather_stripes`) and decodes them
+(:meth:`ErasureCode.decode`); a rebuild does the same over whole chunks of stripes
+(:func:`stripe_chunks`), with ``n_rows`` cutting a short data shard's rows.
 
 Every bulk operation takes ``xp`` (NumPy or CuPy); arrays stay on that module's device.
 """
@@ -40,10 +46,10 @@ Every bulk operation takes ``xp`` (NumPy or CuPy); arrays stay on that module's 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -118,18 +124,9 @@ def decoding_matrix(k: int, r: int, survivors: tuple[int, ...], targets: tuple[i
     return rows
 
 
-class RowUpdate(NamedTuple):
-    """Rows ``rows`` (local indices = stripe indices, unique) of data shard ``shard`` went old -> new."""
-
-    shard: int
-    rows: Any
-    old: Any
-    new: Any
-
-
 @dataclass(frozen=True)
 class StripeDelta:
-    """The combined parity change of a batch of row updates: one message per parity shard.
+    """The combined parity change of a batch of row changes: one message per parity shard.
 
     Parity shard p applies it with ``code.apply_delta(parity_p, delta.parity[p], rows=delta.stripes)``.
     """
@@ -289,68 +286,14 @@ class ErasureCode:
 
     # -- updates --------------------------------------------------------------------------------
 
-    def parity_delta(self, shard: int, old: Any, new: Any, xp: Any = np) -> list[Any]:
-        """What data shard ``shard`` changing rows ``old -> new`` adds to each parity shard.
-
-        Returns r arrays shaped like ``old``: ``C[p, shard] * (old ^ new)``; XOR them into the
-        parity shards' rows at the same stripes with :meth:`apply_delta`.
-        """
-        shard = self._data_shard(shard)
-        if old.shape != new.shape or old.dtype != new.dtype:
-            raise UserInputError(
-                "old and new rows differ in shape or dtype: "
-                f"{old.dtype} {old.shape} vs {new.dtype} {new.shape}"
-            )
-        delta = xp.bitwise_xor(_bytes(old, "old rows", xp), _bytes(new, "new rows", xp))
-        deltas = [delta]  # parity 0 is XOR parity: its coefficients are all 1
-        for p in range(1, self.r):
-            deltas.append(xp.empty_like(delta))
-            gf256.mul_into(deltas[p], self.coefficient(p, shard), delta, xp)
-        return [d.view(old.dtype) for d in deltas]
-
-    def combine_deltas(self, updates: Sequence[RowUpdate], xp: Any = np) -> StripeDelta:
-        """Combine the row updates of several data shards into one delta per parity shard.
-
-        Updates of the same stripe from different shards XOR into one row (the code is linear),
-        so each parity shard receives one message with each touched stripe once. Applying the
-        result equals applying every update's :meth:`parity_delta` one by one. Each update lists
-        a row at most once (its ``old`` would be ambiguous); :meth:`combine_changes` takes any
-        sequence of changes.
-        """
-        if not updates:
-            raise UserInputError("combine_deltas needs at least one row update")
-        updates = [RowUpdate(*u) for u in updates]
-        _check_rows(
-            {
-                f"update {n} {name} rows": a
-                for n, u in enumerate(updates)
-                for name, a in (("old", u.old), ("new", u.new))
-            }
-        )
-        shards, rows, changes = [], [], []
-        for n, u in enumerate(updates):
-            self._data_shard(u.shard)
-            idx = _index_array(u.rows, f"update {n} (shard {u.shard}) rows", xp)
-            if idx.size and int(idx.min()) < 0:
-                raise UserInputError(f"update {n} (shard {u.shard}) has a negative row index")
-            if idx.size != u.old.shape[0] or u.old.shape != u.new.shape:
-                raise UserInputError(
-                    f"update {n} (shard {u.shard}) has {idx.size} row indices but old/new rows of shapes "
-                    f"{u.old.shape} and {u.new.shape}"
-                )
-            shards.append(xp.full(idx.size, u.shard, dtype=xp.int64))
-            rows.append(idx)
-            changes.append(xor_bits(u.old, u.new, xp))
-        return self.combine_changes(xp.concatenate(shards), xp.concatenate(rows), xp.concatenate(changes), xp)
-
     def combine_changes(self, shards: Any, rows: Any, changes: Any, xp: Any = np) -> StripeDelta:
         """The parity change of a sequence of row changes: one row per touched stripe and parity shard.
 
         Change ``n``: row ``rows[n]`` of data shard ``shards[n]`` went from ``old`` to ``new``, and
         ``changes[n]`` is ``old ^ new`` (:func:`xor_bits`). The changes may come from many write-back
         batches in any order, and a row may change several times: the code is linear and
-        ``(a ^ b) ^ (b ^ c) = a ^ c``, so they compose. Applying the result equals applying every
-        change's :meth:`parity_delta` one by one.
+        ``(a ^ b) ^ (b ^ c) = a ^ c``, so they compose. Applying the result equals applying, one change
+        at a time, ``C[p, shards[n]] * changes[n]`` to stripe ``rows[n]`` of every parity shard ``p``.
         """
         shards = _index_array(shards, "change shards", xp, unique=False)
         rows = _index_array(rows, "change rows", xp, unique=False)
@@ -506,23 +449,12 @@ class ErasureCode:
             )
         return s
 
-    def _data_shard(self, s: Any) -> int:
-        s = _check_index(s, "a data shard index")
-        if not 0 <= s < self.k:
-            raise UserInputError(f"data shard index {s} is outside 0..{self.k - 1}")
-        return s
-
 
 def _to_host(a: Any) -> Any:
     return a.get() if hasattr(a, "get") else a  # cupy -> numpy; numpy unchanged
 
 
 # -- stripes, chunks and degraded reads ---------------------------------------------------------
-
-
-def rows_in_stripes(n_rows: int, start: int, stop: int) -> int:
-    """How many of a shard's ``n_rows`` rows fall in stripes ``[start, stop)``."""
-    return max(0, min(n_rows, stop) - start)
 
 
 def stripe_chunks(n_stripes: int, chunk: int) -> list[tuple[int, int]]:
@@ -540,67 +472,9 @@ def gather_stripes(shard: Any, stripes: Any, xp: Any = np) -> Any:
     source = _bytes(shard, "shard", xp)
     if not idx.size or int(idx.max()) < source.shape[0]:
         # Every stripe inside (all but a short data shard's last): one copy. take() moves whole rows,
-        # about 4x faster than a fancy index into zeros (a rebuild's read of 48k scattered rows: 2.0 -> 0.5 ms).
+        # several times faster than a fancy index into zeros.
         return _as_rows(xp.take(source, idx, axis=0), shard.dtype)
     out = xp.zeros((idx.size, source.shape[1]), dtype=xp.uint8)
     inside = idx < source.shape[0]
     out[inside] = source[idx[inside]]
     return _as_rows(out, shard.dtype)
-
-
-def degraded_read(
-    code: ErasureCode,
-    gather: Callable[[int, Any], Any],
-    lost: Sequence[int],
-    target: int,
-    stripes: Any,
-    xp: Any = np,
-) -> Any:
-    """Rows of the lost shard ``target`` at ``stripes``, decoded on demand from k survivors.
-
-    ``gather(shard, stripes)`` returns a surviving shard's rows at those stripes (on a shard
-    server: :func:`gather_stripes`). ``lost`` lists every shard that is down, ``target`` among them.
-    """
-    if target not in lost:
-        raise UserInputError(f"shard {target} is not among the lost shards {sorted(lost)}")
-    survivors = code.survivors_for([s for s in range(code.n_shards) if s not in set(lost)])
-    return code.decode({s: gather(s, stripes) for s in survivors}, [target], xp)[target]
-
-
-def rebuild(
-    code: ErasureCode,
-    read: Callable[[int, int, int], Any],
-    lost: Sequence[int],
-    shard_rows: Sequence[int],
-    *,
-    chunk: int,
-    xp: Any = np,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict[int, Any]:
-    """Rebuild whole lost shards chunk by chunk.
-
-    ``read(shard, start, stop)`` returns a survivor's rows for stripes ``[start, stop)`` (fewer
-    when the shard ends earlier; it is where a caller fetches remotely and pins each chunk to one
-    consistent version). ``shard_rows`` holds the k data shards' row counts. Only k survivors are
-    read. ``progress(done, total)`` is called with stripes done after every chunk.
-    """
-    if len(shard_rows) != code.k:
-        raise UserInputError(f"shard_rows must give the row counts of the k={code.k} data shards")
-    lost = list(lost)
-    survivors = code.survivors_for([s for s in range(code.n_shards) if s not in set(lost)])
-    n_stripes = max(shard_rows)
-    total_rows = {s: (shard_rows[s] if s < code.k else n_stripes) for s in lost}
-    out: dict[int, Any] = {}
-    # With no stripes at all, one empty chunk still tells the rebuilt shards' dtype and width.
-    for start, stop in stripe_chunks(n_stripes, chunk) or [(0, 0)]:
-        pieces = {s: read(s, start, stop) for s in survivors}
-        if not out:
-            first = pieces[survivors[0]]
-            out = {s: xp.empty((total_rows[s], *first.shape[1:]), dtype=first.dtype) for s in lost}
-        n_rows = {s: rows_in_stripes(total_rows[s], start, stop) for s in lost}
-        for s, rows in code.decode(pieces, lost, xp, n_rows=n_rows).items():
-            # Copy bytes, not floats: a float copy is bit-exact in practice, a byte copy by definition.
-            out[s].view(xp.uint8)[start : start + rows.shape[0]] = rows.view(xp.uint8)
-        if progress is not None:
-            progress(stop, n_stripes)
-    return out

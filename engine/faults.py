@@ -13,11 +13,13 @@ import os
 import re
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dlrmflow.errors import UserInputError
 
+KILL_SYNTAX = "shard:I@ITER or parity:J@ITER"
 _KILL = re.compile(r"^(shard|parity):(\d+)@(\d+)$")
 
 
@@ -41,22 +43,25 @@ class Kill:
 def parse_kill(text: str) -> Kill:
     match = _KILL.match(text.strip())
     if not match:
-        raise FaultSpecError(f"--kill {text!r}: expected shard:I@ITER or parity:J@ITER (e.g. shard:0@10)")
+        raise FaultSpecError(f"kills: --kill {text!r}: expected {KILL_SYNTAX} (e.g. shard:0@10)")
     return Kill(match[1], int(match[2]), int(match[3]))
 
 
-def check_kills(kills: tuple[str, ...], *, num_shards: int, parity: int, iterations: int) -> list[Kill]:
+def check_kills(kills: Sequence[str], *, num_shards: int, parity: int, iterations: int | None) -> list[Kill]:
+    """The rule for ``--kill`` (the ``kills`` setting), wherever kills are given: each parses, names a
+    shard of the group (data shards ``0..num_shards-1``, parity shards ``0..parity-1``) and an iteration
+    of the run (``iterations``: None while the count is not known yet), and no shard is named twice."""
     parsed = [parse_kill(k) for k in kills]
     for kill in parsed:
         limit = num_shards if kill.kind == "shard" else parity
         if kill.index >= limit:
             what = f"--shards {num_shards}" if kill.kind == "shard" else f"--parity {parity}"
-            raise FaultSpecError(f"--kill {kill}: there is no {kill.kind} {kill.index} with {what}")
-        if kill.iteration >= iterations:
-            raise FaultSpecError(f"--kill {kill}: iteration {kill.iteration} is past the last one "
+            raise FaultSpecError(f"kills: --kill {kill}: there is no {kill.kind} {kill.index} with {what}")
+        if iterations is not None and kill.iteration >= iterations:
+            raise FaultSpecError(f"kills: --kill {kill}: iteration {kill.iteration} is past the last one "
                                  f"({iterations - 1})")
     if len({(k.kind, k.index) for k in parsed}) != len(parsed):
-        raise FaultSpecError("--kill names the same shard twice")
+        raise FaultSpecError("kills: --kill names the same shard twice")
     return parsed
 
 
@@ -76,7 +81,7 @@ class FaultInjector:
                 self.kill(kill)
             elif kill.iteration == t + 1 and kill not in self.fired:
                 # A real failure sends nothing: asked at the kill, the pid would add a round trip to the
-                # Dask worker to the iteration the kill slows down (3-4 ms measured).
+                # Dask worker to the iteration the kill slows down.
                 self._pid(self.worker_of(kill.member(self.k)))
 
     def _pid(self, address: str) -> int:

@@ -17,6 +17,8 @@ gaps, so it fetches the fewest rows; with ``P = 0`` and an unbounded window it i
 
 Everything works on dense per-id arrays indexed by global id (tables own disjoint, contiguous id
 ranges), so a batch costs one gather and one scatter instead of hashing or a per-batch sort.
+
+Why these rules are correct, and how ``L`` relates to Bagpipe's ``lookahead_value``: docs/planner.md.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ Both end with the same cheap sequential passes on the driver: the capacity bound
 window) and slot assignment, which replays the trainer's timing and rejects any stale read.
 A plan directory holds Parquet files of consecutive iterations plus ``plan.json``; it is written
 to a temporary directory and renamed, so an interrupted run never leaves a plan that looks complete.
+Design notes: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class PlanMismatchError(PlanError):
 
 
 class CapacityError(PlanError):
-    """The cache capacity cannot hold what one iteration (plus its prefetches in flight) needs."""
+    """A cache capacity cannot hold what one iteration needs: the oracle plan's (an iteration plus its
+    prefetches in flight), the LRU cache's (an iteration's distinct rows), or ``--capacity`` itself.
+    The one capacity error of dlrmflow: the planner, the trainer's checks and the row stores raise it."""
 
 
 @dataclass(frozen=True)

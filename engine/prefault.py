@@ -1,8 +1,8 @@
 """Fault in an array's memory ahead of the writes that would otherwise fault it in.
 
 A replacement member's rows are allocated as zero pages (``np.zeros`` maps them lazily), so a
-rebuild's install of scattered stripes is also the first touch of most of the shard (the README's
-fault-tolerance benchmark measures what that costs). Linux's ``MADV_POPULATE_WRITE`` (5.14+) faults a range in
+rebuild's install of scattered stripes is also the first touch of most of the shard, and pays for the
+page faults. Linux's ``MADV_POPULATE_WRITE`` (5.14+) faults a range in
 writable without touching its bytes, so it can run in a thread while other threads write the same
 rows: the values are never read or written by it, only the page tables. A rebuild starts it on a
 replacement when it resets it, and it runs while the survivors' reads travel.
@@ -61,10 +61,7 @@ def prefault(array: np.ndarray) -> bool:
 def prefault_in_background(array: np.ndarray) -> threading.Thread:
     """:func:`prefault` in a daemon thread (which keeps ``array`` alive until it is done).
 
-    At normal priority. Probe kill runs on 2 shared cores (LRU, R = 1, 4 each): without a prefault the
-    install took 11-15 ms and recovery 0.083-0.107 s; at normal priority 5.4-5.8 ms and 0.078-0.096 s;
-    at nice 19, starved by the busy cores (and maybe holding the memory-map lock meanwhile), 5-11 ms
-    and 0.071-0.115 s."""
+    At normal priority: at a low one, busy cores starve it and the install faults the pages in itself."""
     thread = threading.Thread(target=prefault, args=(array,), name="dlrmflow-prefault", daemon=True)
     thread.start()
     return thread

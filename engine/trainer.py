@@ -41,7 +41,6 @@ import torch
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import Batch, BatchStream, global_ids
 from dlrmflow.engine.checkpoint import (
-    CHECKPOINT_MODES,
     Checkpointer,
     check_resumable,
     config_sha256,
@@ -52,65 +51,31 @@ from dlrmflow.engine.checkpoint import (
     start_placed_shards,
     start_run_dir,
 )
-from dlrmflow.engine.embedding_rows import EMBEDDING_OPTIMIZERS, RowSpec, apply_update
+from dlrmflow.engine.coded_shards import parity_report, start_coded_shards
+from dlrmflow.engine.embedding_rows import RowSpec, apply_update
 from dlrmflow.engine.embedding_server import start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
-from dlrmflow.engine.faults import FaultInjector, check_kills
+from dlrmflow.engine.faults import FaultInjector, Kill, check_kills
 from dlrmflow.engine.metrics import log_loss, roc_auc
 from dlrmflow.engine.model import DLRM, DLRMConfig, bce_loss
-from dlrmflow.engine.parity import PARITY_BATCHES, parity_report, start_coded_shards
+from dlrmflow.engine.planner import CapacityError, load_plan
 from dlrmflow.engine.prefetch import PrefetchError
+from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
 from dlrmflow.engine.run_state import FORMAT_VERSION, save_state, state_hash, write_summary
-from dlrmflow.engine.trainer_modes import CapacityError, LocalRows, LruRows, OracleRows, RemoteRows, RowStore
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
 
-MODES = ("local", "remote", "lru", "oracle")
-DENSE_OPTIMIZERS = ("sgd", "adam")
 ITERATIONS_FILE = "iterations.csv"
 
 Progress = Callable[[int, int], None]
 MetricsCallback = Callable[[dict[str, Any]], None]
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    dataset_dir: str
-    mode: str
-    output_dir: str
-    batch_size: int = 128
-    iterations: int | None = None  # None: every batch before the held-out rows
-    num_shards: int = 2
-    capacity: int | None = None  # lru: cache rows (required); oracle: optional bound on the plan's slots
-    plan_dir: str | None = None
-    device: str = "cpu"
-    seed: int = 0
-    embedding_dim: int = 16
-    bottom_mlp: tuple[int, ...] | None = None  # None: (512, 256, 64, embedding_dim)
-    top_mlp: tuple[int, ...] = (512, 256, 1)
-    embedding_optimizer: str = "adagrad"
-    dense_optimizer: str = "sgd"
-    lr: float = 0.01
-    embedding_lr: float | None = None  # None: lr
-    eval_fraction: float = 0.1
-    eval_batch_size: int = 4096
-    metrics_every: int = 50
-    save_state: bool = True  # write final_state.pt (the hash is always computed)
-    parity: int = 0  # R parity shards (erasure-coded embedding servers; 0: none)
-    kills: tuple[str, ...] = ()  # failure injection: "shard:I@ITER" / "parity:J@ITER"
-    rebuild_chunk: int = 262144  # stripes per recovery task (bounds a rebuild's memory per chunk)
-    parity_batches: int = PARITY_BATCHES  # write-back batches whose parity deltas share one message
-    rebuild_rate: float = 0.0  # MB/s of rows a rebuild may write (0: unlimited); leaves the trainer its cores
-    checkpoint_every: int | None = None  # checkpoint every N iterations: reload + replay on a loss, resume a crash
-    resume: bool = False  # continue the unfinished run in output_dir from its checkpoint (same configuration)
-
-
-class TrainConfigError(UserInputError):
-    """The training configuration does not fit the data, the plan or the machine."""
-
-
 @dataclass
 class RunSetup:
-    """A checked configuration: everything resolved before any work starts."""
+    """A checked configuration: everything resolved before any work starts (:func:`prepare_run`).
+
+    Made once per run and handed down (CLI check, flow, task, :func:`train`) rather than recomputed:
+    making it reads the plan and, in lru mode, scans every training batch's ids."""
 
     config: TrainConfig
     meta: DatasetMeta
@@ -121,7 +86,7 @@ class RunSetup:
     spec: RowSpec
     plan: Any = None
     checks: dict[str, Any] = field(default_factory=dict)
-    kills: list = field(default_factory=list)  # parsed --kill specs (dlrmflow.engine.faults.Kill)
+    kills: list[Kill] = field(default_factory=list)  # the parsed kills
     plan_fingerprint: str | None = None
     resume_at: int | None = None  # resume: the iteration of the checkpoint the run continues from
 
@@ -137,101 +102,54 @@ def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:
     return most
 
 
-def _load_plan(config: TrainConfig):
-    try:
-        from dlrmflow.engine.planner import load_plan
-    except ImportError as exc:  # the planner ships separately; say so rather than fail obscurely
-        raise TrainConfigError(
-            f"--mode oracle needs dlrmflow.engine.planner, which cannot be imported: {exc}"
-        ) from exc
-    return load_plan(config.plan_dir, dataset_dir=config.dataset_dir, batch_size=config.batch_size)
-
-
 def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
-    """Check the configuration against the dataset, the plan and the device; raise TrainConfigError.
+    """Check ``config`` (valid by construction) against the dataset, the plan, the device and the run
+    directory; resolve the iteration count. Raises a UserInputError whose message names the field.
 
     ``plan``: an already loaded plan for ``--mode oracle`` (else it is loaded from ``plan_dir``)."""
-    if config.mode not in MODES:
-        raise TrainConfigError(f"unknown mode {config.mode!r}; choose one of {', '.join(MODES)}")
-    if config.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
-        raise TrainConfigError(f"unknown embedding optimizer {config.embedding_optimizer!r}; "
-                               f"choose one of {', '.join(EMBEDDING_OPTIMIZERS)}")
-    if config.dense_optimizer not in DENSE_OPTIMIZERS:
-        raise TrainConfigError(f"unknown dense optimizer {config.dense_optimizer!r}; "
-                               f"choose one of {', '.join(DENSE_OPTIMIZERS)}")
-    if config.batch_size < 1 or config.eval_batch_size < 1:
-        raise TrainConfigError(
-            f"batch sizes must be >= 1, got {config.batch_size} and {config.eval_batch_size}"
-        )
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise TrainConfigError(f"--eval-fraction must be in [0, 1), got {config.eval_fraction}")
-    if not config.lr > 0 or (config.embedding_lr is not None and not config.embedding_lr > 0):
-        raise TrainConfigError("learning rates must be > 0")
-    if config.mode != "local" and config.num_shards < 1:
-        raise TrainConfigError(f"--shards must be >= 1, got {config.num_shards}")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise TrainConfigError(f"--device {config.device}: no CUDA GPU is available")
-    if config.metrics_every < 1:
-        raise TrainConfigError(f"metrics_every must be >= 1, got {config.metrics_every}")
-    if config.parity and config.mode == "local":
-        raise TrainConfigError("--parity needs embedding servers; use --mode remote, lru or oracle")
-    if not 0 <= config.parity <= 4:
-        raise TrainConfigError(f"--parity must be between 0 and 4, got {config.parity}")
-    if config.kills and not (config.parity or config.checkpoint_every):
-        raise TrainConfigError("--kill needs --parity R >= 1 or --checkpoint-every N (nothing could recover "
-                               "the lost shard)")
-    if config.checkpoint_every is not None:
-        if config.checkpoint_every < 1:
-            raise TrainConfigError(f"--checkpoint-every must be >= 1, got {config.checkpoint_every}")
-        if config.mode not in CHECKPOINT_MODES:
-            raise TrainConfigError("--checkpoint-every works with --mode remote, lru or oracle")
-    if config.rebuild_chunk < 1:
-        raise TrainConfigError(f"rebuild_chunk must be >= 1, got {config.rebuild_chunk}")
-    if config.parity_batches < 1:
-        raise TrainConfigError(f"--parity-batches must be >= 1, got {config.parity_batches}")
-    if not config.rebuild_rate >= 0:  # also refuses NaN
-        raise TrainConfigError(f"--rebuild-rate must be >= 0 MB/s (0: unlimited), got {config.rebuild_rate}")
-    if config.capacity is not None and config.mode in ("local", "remote"):
-        raise TrainConfigError(f"--capacity is used by --mode lru and oracle, not --mode {config.mode}")
-    if config.mode == "lru" and (config.capacity is None or config.capacity < 1):
-        raise CapacityError("--mode lru needs --capacity ROWS (>= 1)")
+        raise TrainConfigError(f"device: --device {config.device}: no CUDA GPU is available")
+    if config.mode == "lru" and config.capacity is None:
+        raise CapacityError("capacity: --mode lru needs --capacity ROWS (>= 1)")
     meta = read_meta(config.dataset_dir)  # DatasetError (a UserInputError) if missing or broken
     model_config = DLRMConfig(
         num_dense=len(meta.dense_columns),
         num_tables=len(meta.sparse_columns),
         embedding_dim=config.embedding_dim,
-        bottom_mlp=tuple(config.bottom_mlp or (512, 256, 64, config.embedding_dim)),
+        bottom_mlp=config.bottom_layers,
         top_mlp=tuple(config.top_mlp),
     )
     if not model_config.num_dense:
-        raise TrainConfigError("the dataset has no dense features; DLRM's bottom MLP needs at least one")
+        raise TrainConfigError("dataset_dir: the dataset has no dense features; DLRM's bottom MLP needs at least one")
 
     drop_last = False
     if config.mode == "oracle":
         if plan is None and not config.plan_dir:
-            raise TrainConfigError("--mode oracle needs --plan PLAN_DIR (make one with `dlrmflow plan`)")
-        plan = plan if plan is not None else _load_plan(config)
+            raise TrainConfigError("plan_dir: --mode oracle needs --plan PLAN_DIR (make one with `dlrmflow plan`)")
+        if plan is None:
+            plan = load_plan(config.plan_dir, dataset_dir=config.dataset_dir, batch_size=config.batch_size)
         if plan.config.batch_size != config.batch_size:
-            raise TrainConfigError(f"the plan was made for batch size {plan.config.batch_size}, "
+            raise TrainConfigError(f"batch_size: the plan was made for batch size {plan.config.batch_size}, "
                                    f"not --batch-size {config.batch_size}")
         drop_last = bool(plan.config.drop_last)
-    elif config.plan_dir or plan is not None:
-        raise TrainConfigError(f"--plan is only used by --mode oracle, not --mode {config.mode}")
+    elif plan is not None:
+        raise TrainConfigError(f"plan_dir: --plan is only used by --mode oracle, not --mode {config.mode}")
 
     stream = BatchStream(config.dataset_dir, config.batch_size, drop_last=drop_last)
     eval_rows = int(round(config.eval_fraction * meta.rows))
     eval_start = meta.rows - eval_rows
     if config.eval_fraction > 0 and eval_rows == 0:
-        raise TrainConfigError(f"--eval-fraction {config.eval_fraction} of {meta.rows} rows holds out no row")
+        raise TrainConfigError(f"eval_fraction: --eval-fraction {config.eval_fraction} of {meta.rows} rows holds "
+                               "out no row")
     fit = sum(1 for t in range(len(stream)) if stream.batch_rows(t)[1] <= eval_start)
     iterations = fit if config.iterations is None else config.iterations
     if iterations < 1:
-        raise TrainConfigError(f"--iterations must be >= 1, got {iterations}"
-                               + ("" if config.iterations else " (no whole batch fits before the held-out rows)"))
+        raise TrainConfigError(f"iterations: --iterations must be >= 1, got {iterations} (no whole batch fits "
+                               "before the held-out rows)")
     if iterations > fit:
         raise TrainConfigError(
-            f"--iterations {iterations} is beyond the data: {meta.rows} rows with {eval_rows} held out for "
-            f"evaluation leave {fit} batches of {config.batch_size} (lower --iterations, --batch-size "
+            f"iterations: --iterations {iterations} is beyond the data: {meta.rows} rows with {eval_rows} held "
+            f"out for evaluation leave {fit} batches of {config.batch_size} (lower --iterations, --batch-size "
             "or --eval-fraction)"
         )
     spec = RowSpec(
@@ -246,23 +164,22 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     if plan is not None:
         if plan.num_iterations < iterations:
             raise TrainConfigError(
-                f"the plan covers {plan.num_iterations} iterations, fewer than --iterations {iterations}"
+                f"iterations: the plan covers {plan.num_iterations} iterations, fewer than --iterations {iterations}"
             )
         if config.capacity is not None and plan.num_slots > config.capacity:
-            raise CapacityError(f"the plan needs a cache of {plan.num_slots} rows, more than --capacity "
+            raise CapacityError(f"capacity: the plan needs a cache of {plan.num_slots} rows, more than --capacity "
                                 f"{config.capacity}")
     if config.mode == "lru":
         most = _max_distinct_rows(stream, iterations)  # a pass over the ids only
         checks["max_distinct_rows_per_batch"] = most
         if most > config.capacity:
-            raise CapacityError(f"--capacity {config.capacity} is too small: a batch uses up to {most} "
+            raise CapacityError(f"capacity: --capacity {config.capacity} is too small: a batch uses up to {most} "
                                 "distinct embedding rows")
-    kills = check_kills(tuple(config.kills), num_shards=config.num_shards, parity=config.parity,
-                        iterations=iterations)
+    kills = check_kills(config.kills, num_shards=config.num_shards, parity=config.parity, iterations=iterations)
     plan_fp = plan_fingerprint(plan)
     resume_at = None
     if config.resume:  # ResumeError: no checkpoint, a finished run, changed data or plan, another configuration
-        resume_at = check_resumable(config.output_dir, asdict(config), dataset_fingerprint=meta.fingerprint,
+        resume_at = check_resumable(config.output_dir, config.model_dump(), dataset_fingerprint=meta.fingerprint,
                                     plan_fingerprint=plan_fp, iterations=iterations)
     else:
         refuse_unfinished_run(config.output_dir)  # names `dlrmflow resume RUN_DIR`
@@ -427,9 +344,9 @@ def train(
     output.mkdir(parents=True, exist_ok=True)
     resumed = None
     if config.resume:
-        resumed = load_resume_point(output, asdict(config), setup.spec, setup.iterations)
+        resumed = load_resume_point(output, config.model_dump(), setup.spec, setup.iterations)
     elif config.checkpoint_every:
-        start_run_dir(output, asdict(config), dataset_fingerprint=setup.meta.fingerprint,
+        start_run_dir(output, config.model_dump(), dataset_fingerprint=setup.meta.fingerprint,
                       plan_fingerprint=setup.plan_fingerprint, iterations=setup.iterations)
     with deterministic_torch(device):
         model = DLRM(setup.model_config, seed=config.seed).to(device)
@@ -452,7 +369,8 @@ def train(
         checkpoints = None
         if config.checkpoint_every:
             checkpoints = Checkpointer(output, config.checkpoint_every, client,
-                                       config_sha256=config_sha256(asdict(config)), reload_on_loss=not config.parity,
+                                       config_sha256=config_sha256(config.model_dump()),
+                                       reload_on_loss=not config.parity,
                                        resumed_at=None if resumed is None else history.start)
         try:
             try:

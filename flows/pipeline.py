@@ -9,57 +9,20 @@ work with a message naming the field.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.cluster import dask_scheduler
+from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
+from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.reporting import publish_table
-
-
-class PipelineConfig(BaseModel):
-    """Everything the pipeline needs; the defaults run in a few minutes on 2 cores."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    work_dir: str = Field("runs/demo", description="where the raw data, dataset, plan and runs go")
-    raw_inputs: list[str] | None = Field(None, description="raw files to preprocess; none: generate data")
-    format: Literal["criteo", "criteo-csv", "avazu"] = "criteo"
-    rows: int = Field(500_000, ge=1, description="rows to generate when raw_inputs is empty")
-    scale: float = Field(0.05, gt=0, description="table sizes vs Criteo Kaggle, for generated data")
-    seed: int = 0
-    batch_size: int = Field(2048, ge=1)
-    lookahead: int = Field(200, ge=1, description="L, iterations the oracle cacher looks ahead")
-    prefetch_distance: int = Field(2, ge=1, description="P, iterations ahead a fetch is issued (P <= L)")
-    cache_fraction: float = Field(0.1, gt=0, le=1, description="cache size (share of rows) to compare policies at")
-    train_iterations: int = Field(100, ge=1)
-    shards: int = Field(2, ge=1, le=64, description="embedding server shards")
-    parity: int = Field(1, ge=0, le=4, description="parity shards (0: no fault tolerance)")
-    kills: list[str] = Field(default_factory=list, description="failure injection, e.g. shard:0@50")
-    dask_address: str | None = Field(None, description="existing Dask scheduler; none: a LocalCluster")
-
-    @model_validator(mode="after")
-    def _prefetch_within_window(self) -> PipelineConfig:
-        if self.prefetch_distance > self.lookahead:
-            raise ValueError(f"prefetch_distance ({self.prefetch_distance}) must be <= lookahead ({self.lookahead})")
-        if self.kills and not self.parity:
-            raise ValueError("kills need parity >= 1 (without parity a lost shard cannot be rebuilt)")
-        return self
-
-
-def _saved_result(path: Path, expect: dict[str, Any]) -> dict[str, Any] | None:
-    """The JSON at ``path`` if every ``expect`` key has the expected value there."""
-    if not path.is_file():
-        return None
-    saved = json.loads(path.read_text())
-    return saved if all(saved.get(k) == v for k, v in expect.items()) else None
+from dlrmflow.up_to_date import saved_result
 
 
 def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
@@ -67,13 +30,14 @@ def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, p
     out = Path(cfg.work_dir) / "runs" / name
     expect = {"dataset_fingerprint": fingerprint, "mode": mode, "iterations": cfg.train_iterations,
               "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if mode != "local" else 0}
-    earlier = None if kills else _saved_result(out / "summary.json", expect)
+    earlier = None if kills else saved_result(out / "summary.json", expect)
     if earlier is not None and bool(earlier.get("parity")) == bool(parity):
         get_run_logger().info("training run %s is up to date: skipped", out)
         return {**earlier, "skipped": True}
-    return train_flow(dataset, mode, str(out), batch_size=cfg.batch_size, iterations=cfg.train_iterations,
-                      num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed, parity=parity, kills=kills,
-                      dask_address=cfg.dask_address)
+    config = TrainConfig(dataset_dir=dataset, mode=mode, output_dir=str(out), batch_size=cfg.batch_size,
+                         iterations=cfg.train_iterations, num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed,
+                         parity=parity, kills=kills)
+    return train_flow(config, cfg.dask_address)
 
 
 @flow(name="pipeline")
@@ -97,7 +61,7 @@ def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
                                                dask_address=address)
         fingerprint = read_meta(dataset).fingerprint
 
-        profile = _saved_result(Path(dataset) / "profile.json", {"fingerprint": fingerprint})
+        profile = saved_result(Path(dataset) / "profile.json", {"fingerprint": fingerprint})
         if profile is None:
             profile = profile_flow(dataset, address)
         else:
@@ -107,7 +71,7 @@ def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         result["profile"] = profile
 
         plan_dir = str(work / "plan")
-        plan = _saved_result(Path(plan_dir) / "plan.json", {
+        plan = saved_result(Path(plan_dir) / "plan.json", {
             "dataset_fingerprint": fingerprint, "batch_size": cfg.batch_size, "lookahead": cfg.lookahead,
             "prefetch_distance": cfg.prefetch_distance, "capacity": None})
         if plan is None:

@@ -1,11 +1,11 @@
 """The recover-shard subflow: one flow run per shard recovery, started by the train flow.
 
 The engine rebuilds lost shards in a background thread of the trainer
-(:mod:`dlrmflow.engine.recovery`); the train task hands it ``recovery_runner()`` (below) as its
-``recovery_runner``, so each rebuild is reported by its own Prefect flow run (a child of the
-training run) with its logs, progress artifact and a table of what was rebuilt. The rebuild starts
-at once and does not wait for that flow run to start (which took three times as long as the
-rebuild in a CLI kill run); the flow run waits for the rebuild and reports its record.
+(:mod:`dlrmflow.engine.coded_shards.rebuild`). The train flow makes ``recovery_runner()`` (below) and
+the train task hands it to the engine, so each rebuild is reported by its own Prefect flow run (a
+child of the training run) with its logs, progress artifact and a table of what was rebuilt. The
+rebuild starts at once and does not wait for that flow run to start (which can take longer than the
+rebuild itself); the flow run waits for the rebuild and reports its record.
 
 Why the runner carries its own context: Prefect makes a flow called inside another flow run its
 child only when it finds that parent's ``FlowRunContext`` in the calling thread's context
@@ -14,12 +14,11 @@ whichever thread talks to the shards: the train task's own thread in ``remote`` 
 prefetch worker's plain ``threading.Thread`` in ``oracle`` mode, whose context is empty, and the
 recovery thread copies *that* (in process and under a Prefect worker alike). So the runner
 captures the train task's context when it is made and runs every rebuild in a copy of it,
-whichever thread calls it.
+whichever thread calls it (:func:`~dlrmflow.flows.prefect_internals.capture_run_context`).
 """
 
 from __future__ import annotations
 
-import contextvars
 import itertools
 import threading
 import time
@@ -27,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.context import TaskRunContext
 
+from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
 from dlrmflow.tasks.recovery import publish_recovery_task
 
 # Flow parameters must be JSON: the rebuild itself (a closure over the live shard group) is
@@ -65,13 +64,12 @@ Runner = Callable[[Callable[..., dict[str, Any]], dict[str, Any]], dict[str, Any
 
 
 def recovery_runner() -> Runner:
-    """The trainer's ``recovery_runner``, made inside the train task: every recover-shard run it starts
+    """The trainer's ``recovery_runner``, made by the train flow: every recover-shard run it starts
     is a child of the calling flow run, whichever thread (prefetch worker, recovery thread) calls it."""
-    context = contextvars.copy_context()
+    in_train_context = capture_run_context()
 
     def run_in_train_context(rebuild: Callable[..., dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
-        # A copy per call: one Context cannot be entered by two threads at once (two recoveries).
-        return context.copy().run(run_recovery_subflow, rebuild, info)
+        return in_train_context(run_recovery_subflow, rebuild, info)
 
     return run_in_train_context
 
@@ -82,13 +80,12 @@ def run_recovery_subflow(rebuild: Callable[..., dict[str, Any]], info: dict[str,
     recovery_id = f"recovery-{next(_IDS)}"
     with _LOCK:
         _REBUILDS[recovery_id] = rebuild
-    # The context is the train task's; without the task run in it, the subflow's logs and artifacts
-    # belong to the subflow run (a child of the train flow run), not to the train task.
-    token = TaskRunContext.__var__.set(None)
     try:
-        return recover_shard_flow(recovery_id, info["lost"], info["stripes"], info["chunk"])
+        # The context is the train task's; without the task run in it, the subflow's logs and artifacts
+        # belong to the subflow run (a child of the train flow run), not to the train task.
+        with outside_task_run():
+            return recover_shard_flow(recovery_id, info["lost"], info["stripes"], info["chunk"])
     finally:
-        TaskRunContext.__var__.reset(token)
         with _LOCK:
             _REBUILDS.pop(recovery_id, None)
 
@@ -96,7 +93,7 @@ def run_recovery_subflow(rebuild: Callable[..., dict[str, Any]], info: dict[str,
 @flow(name="verify-parity")
 def verify_flow(run_dir: str) -> dict[str, Any]:
     """Re-encode a finished run's data shards and compare with the parity shards it saved."""
-    from dlrmflow.engine.parity import verify_run_dir
+    from dlrmflow.engine.coded_shards import verify_run_dir
 
     result = verify_run_dir(run_dir)
     status = "OK" if result["ok"] else f"MISMATCH {result['mismatched_stripes']}"

@@ -13,20 +13,20 @@ from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.engine import profile as skew
 from dlrmflow.engine.cluster import dask_client
 from dlrmflow.tasks.reporting import FlowProgress, publish_plot, publish_table
+from dlrmflow.up_to_date import saved_result
 
 
-def _sidecar(output: str) -> Path:
+def generate_record(output: str) -> Path:
+    """Where generate records what ``output`` was made from (its parameters and size) and its result."""
     return Path(f"{output}.params.json")
 
 
 def generated_file_is_current(output: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    """The earlier result if ``output`` was generated with exactly ``params`` and is unchanged."""
-    side = _sidecar(output)
-    if not (side.is_file() and Path(output).is_file()):
+    """The earlier result if ``output`` was generated with exactly ``params`` and is unchanged (same size)."""
+    if not Path(output).is_file():
         return None
-    earlier = json.loads(side.read_text())
-    same = earlier.get("params") == params and earlier.get("bytes") == Path(output).stat().st_size
-    return earlier["result"] if same else None
+    earlier = saved_result(generate_record(output), {"params": params, "bytes": Path(output).stat().st_size})
+    return None if earlier is None else earlier["result"]
 
 
 @task(name="generate-criteo-tsv")
@@ -41,7 +41,7 @@ def generate_task(output: str, rows: int, seed: int, scale: float, dask_address:
             output, rows, seed=seed, scale=scale, client=client, progress=FlowProgress("generated chunks")
         )
     side = {"params": params, "bytes": Path(output).stat().st_size, "result": result}
-    _sidecar(output).write_text(json.dumps(side, indent=2) + "\n")
+    generate_record(output).write_text(json.dumps(side, indent=2) + "\n")
     return {**result, "skipped": False}
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from dlrmflow.engine.cluster import dask_client
-from dlrmflow.engine.trainer import TrainConfig, prepare_run, train
+from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.trainer import RunSetup, prepare_run, train
 from dlrmflow.tasks.reporting import FlowProgress, publish_table
 
 SUMMARY_ROWS = [
@@ -24,17 +27,18 @@ PARITY_ROWS = [
 ]
 
 
-@task(name="check-train-config")
-def check_task(config: dict[str, Any]) -> dict[str, Any]:
-    """Every input check before any work (dataset, plan, capacity, iterations, the run dir's checkpoint);
-    the iteration count and, for a resume, the checkpoint's iteration."""
-    setup = prepare_run(TrainConfig(**config))
-    return {"iterations": setup.iterations, "resume_at": setup.resume_at}
+# A RunSetup holds the plan and the dataset's stream: hashing it for a cache key would cost a pass
+# over the plan, and a training run is never a cache hit.
+@task(name="check-train-config", cache_policy=NO_CACHE)
+def check_task(config: TrainConfig) -> RunSetup:
+    """Every input check before any work (dataset, plan, capacity, iterations, the run dir's checkpoint)."""
+    return prepare_run(config)
 
 
-@task(name="train-dlrm")
-def train_task(config: dict[str, Any], dask_address: str | None) -> dict[str, Any]:
-    config = TrainConfig(**config)
+@task(name="train-dlrm", cache_policy=NO_CACHE)
+def train_task(setup: RunSetup, dask_address: str | None, recovery_runner: Callable | None = None) -> dict[str, Any]:
+    """Train the checked run ``setup``; with parity, ``recovery_runner`` reports each shard rebuild."""
+    config = setup.config
     logger = get_run_logger()
     progress = FlowProgress(f"{config.mode} training iterations")
 
@@ -43,15 +47,10 @@ def train_task(config: dict[str, Any], dask_address: str | None) -> dict[str, An
                     row["iteration"], row["loss"], row["iteration_ms"], row["stall_ms"])
 
     if config.mode == "local":
-        return train(config, progress=progress, on_metrics=on_metrics)
-    runner = None
-    if config.parity:
-        from dlrmflow.flows.recovery import recovery_runner
-
-        # Each rebuild is a recover-shard child of this train flow run, whatever thread notices the loss.
-        runner = recovery_runner()
+        return train(config, setup=setup, progress=progress, on_metrics=on_metrics)
     with dask_client(dask_address) as client:
-        return train(config, client=client, progress=progress, on_metrics=on_metrics, recovery_runner=runner)
+        return train(config, setup=setup, client=client, progress=progress, on_metrics=on_metrics,
+                     recovery_runner=recovery_runner)
 
 
 @task(name="publish-train-metrics")

@@ -29,7 +29,9 @@ def test_help_lists_every_command():
 def test_generate_preprocess_profile(tmp_path, capsys):
     raw = tmp_path / "day_0.tsv"
     gen = run_json(capsys, ["generate", "--rows", "5000", "--output", str(raw), "--scale", "0.001", "--seed", "3"])
-    assert gen["rows"] == 5000 and raw.stat().st_size == gen["bytes"]
+    assert gen["rows"] == 5000 and raw.stat().st_size == gen["bytes"] and not gen["skipped"]
+    again = run_json(capsys, ["generate", "--rows", "5000", "--output", str(raw), "--scale", "0.001", "--seed", "3"])
+    assert again["skipped"] and again["bytes"] == gen["bytes"]
     prep = run_json(capsys, ["preprocess", str(raw), "--output", str(tmp_path / "ds")])
     assert prep["rows"] == 5000 and prep["rejected_rows"] == 0 and not prep["skipped"]
     assert read_meta(tmp_path / "ds").rows == 5000

@@ -1,5 +1,9 @@
 """The erasure code: GF(2^8) arithmetic, the MDS property, bit-exact round trips, delta updates.
 
+Every test calls the functions production calls: the parity write path (``xor_bits``,
+``combine_changes``, ``apply_delta``), degraded reads (``survivors_for``, ``gather_stripes``,
+``decode``) and rebuilds (``stripe_chunks``, ``decode`` with ``n_rows``).
+
 References used as oracles are deliberately naive and independent of the code under test:
 carry-less shift-and-add multiplication for the field, a scalar triple loop for matrix products,
 and byte-wise ``MUL[c][x]`` / XOR formulas for parity.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -16,13 +21,11 @@ import pytest
 from dlrmflow.engine import gf256
 from dlrmflow.engine.erasure import (
     ErasureCode,
-    RowUpdate,
+    StripeDelta,
     TooManyErasuresError,
     coding_matrix,
-    degraded_read,
     gather_stripes,
     generator_matrix,
-    rebuild,
     stripe_chunks,
     xor_bits,
 )
@@ -338,6 +341,15 @@ def test_verify_points_at_the_corrupted_stripe():
 # Delta updates
 
 
+class RowUpdate(NamedTuple):
+    """Rows ``rows`` (unique local indices = stripes) of data shard ``shard`` went ``old -> new``."""
+
+    shard: int
+    rows: np.ndarray
+    old: np.ndarray
+    new: np.ndarray
+
+
 def random_update(rng, data: list[np.ndarray], shard: int) -> RowUpdate | None:
     n = data[shard].shape[0]
     if n == 0:
@@ -349,8 +361,21 @@ def random_update(rng, data: list[np.ndarray], shard: int) -> RowUpdate | None:
     return RowUpdate(shard, rows, data[shard][rows].copy(), new)
 
 
+def message_of(code: ErasureCode, updates: list[RowUpdate]) -> StripeDelta:
+    """What the parity write path sends for ``updates``: their row changes, combined per stripe."""
+    shards = np.concatenate([np.full(u.rows.size, u.shard) for u in updates])
+    rows = np.concatenate([u.rows for u in updates])
+    return code.combine_changes(shards, rows, np.concatenate([xor_bits(u.old, u.new) for u in updates]))
+
+
+def reference_delta(code: ErasureCode, p: int, update: RowUpdate) -> np.ndarray:
+    """``C[p, shard] * (old ^ new)``, byte by byte with the MUL table: parity p's change."""
+    return gf256.MUL[int(code.matrix[p, update.shard])][update.old.view(np.uint8) ^ update.new.view(np.uint8)]
+
+
 @pytest.mark.parametrize("r", [1, 2, 3, 4])
 def test_delta_updates_equal_a_fresh_encode(r):
+    """Per update and per batch of updates (a shard may appear twice in one batch)."""
     rng = np.random.default_rng(10 + r)
     for k in (1, 3, 8):
         code = ErasureCode(k, r)
@@ -359,16 +384,18 @@ def test_delta_updates_equal_a_fresh_encode(r):
         combined = [p.copy() for p in one_by_one]
         for _ in range(15):  # write-back batches
             batch = []
-            for _ in range(int(rng.integers(1, 4))):  # a shard may appear twice in one batch
+            for _ in range(int(rng.integers(1, 4))):
                 update = random_update(rng, data, int(rng.integers(0, k)))
                 if update is None:
                     continue
                 batch.append(update)
-                for p, delta in enumerate(code.parity_delta(update.shard, update.old, update.new)):
-                    code.apply_delta(one_by_one[p], delta, rows=update.rows)
+                single = message_of(code, [update])
+                assert np.array_equal(single.stripes, np.sort(update.rows))
+                for p in range(r):
+                    code.apply_delta(one_by_one[p], single.parity[p], rows=single.stripes)
                 data[update.shard][update.rows] = update.new
             if batch:
-                message = code.combine_deltas(batch)
+                message = message_of(code, batch)
                 assert np.array_equal(message.stripes, np.unique(np.concatenate([u.rows for u in batch])))
                 for p in range(r):
                     code.apply_delta(combined[p], message.parity[p], rows=message.stripes)
@@ -382,11 +409,11 @@ def test_combined_deltas_equal_the_sum_of_single_deltas():
     code = ErasureCode(5, 3)
     data = [random_rows(rng, 30, 17) for _ in range(5)]
     updates = [random_update(rng, data, shard) for shard in (0, 2, 3, 4)]
-    message = code.combine_deltas(updates)
+    message = message_of(code, updates)
     expected = np.zeros((code.r, 30, 17 * 4), dtype=np.uint8)
     for u in updates:
-        for p, delta in enumerate(code.parity_delta(u.shard, u.old, u.new)):
-            expected[p][u.rows] ^= delta.view(np.uint8)
+        for p in range(code.r):
+            expected[p][u.rows] ^= reference_delta(code, p, u)
     touched = message.stripes
     for p in range(code.r):
         assert_bits_equal(message.parity[p], expected[p][touched].view(np.float32))
@@ -438,14 +465,29 @@ def test_a_row_changed_back_and_forth_leaves_a_zero_delta():
     assert empty.stripes.size == 0 and [d.shape for d in empty.parity] == [(0, 17), (0, 17)]
 
 
-def test_parity_delta_is_coefficient_times_xor():
+def test_the_delta_of_one_shard_is_coefficient_times_xor():
     rng = np.random.default_rng(21)
     code = ErasureCode(6, 4)
     old, new = random_rows(rng, 7, 17), random_rows(rng, 7, 17)
     for shard in range(6):
-        for p, delta in enumerate(code.parity_delta(shard, old, new)):
-            want = gf256.MUL[int(code.matrix[p, shard])][old.view(np.uint8) ^ new.view(np.uint8)]
-            assert_bits_equal(delta, want.view(np.float32))
+        update = RowUpdate(shard, rng.permutation(7), old, new)
+        message = message_of(code, [update])
+        assert message.stripes.tolist() == list(range(7))
+        for p in range(code.r):
+            want = reference_delta(code, p, update)[np.argsort(update.rows)]
+            assert_bits_equal(message.parity[p], want.view(np.float32))
+
+
+def test_xor_bits_is_the_bytewise_xor_in_the_rows_dtype():
+    rng = np.random.default_rng(23)
+    for dtype, width in ((np.float32, 17), (np.float64, 3), (np.uint8, 5), (np.float16, 7)):
+        old = rng.integers(0, 256, size=(6, width * np.dtype(dtype).itemsize), dtype=np.uint8).view(dtype)
+        new = rng.integers(0, 256, size=old.view(np.uint8).shape, dtype=np.uint8).view(dtype)
+        old[0] = new[0]  # an unchanged row
+        change = xor_bits(old, new)
+        assert change.dtype == old.dtype and change.shape == old.shape
+        assert np.array_equal(change.view(np.uint8), old.view(np.uint8) ^ new.view(np.uint8))
+        assert not change[0].view(np.uint8).any()
 
 
 def test_apply_delta_on_all_rows_and_on_a_slice():
@@ -463,7 +505,28 @@ def test_apply_delta_on_all_rows_and_on_a_slice():
 
 
 # --------------------------------------------------------------------------------------------
-# Chunked rebuild and degraded reads
+# Chunked rebuild and degraded reads, as the coded shard group does them
+
+
+def survivors_of(code: ErasureCode, lost: list[int]) -> tuple[int, ...]:
+    return code.survivors_for([s for s in range(code.n_shards) if s not in lost])
+
+
+def rebuild_in_chunks(code: ErasureCode, shards: list[np.ndarray], lost: list[int], chunk: int,
+                      read: Any) -> dict[int, np.ndarray]:
+    """A rebuild's bulk copy of whole shards: per chunk of stripes, read k survivors' rows
+    (``read(shard, start, stop)``, fewer rows where a shard ends), decode the lost shards, cut each
+    lost data shard at its own row count (``n_rows``), and put the chunks together."""
+    n_stripes = max(a.shape[0] for a in shards)
+    total = {s: shards[s].shape[0] for s in lost}
+    survivors = survivors_of(code, lost)
+    pieces: dict[int, list[np.ndarray]] = {s: [] for s in lost}
+    for start, stop in stripe_chunks(n_stripes, chunk) or [(0, 0)]:
+        n_rows = {s: max(0, min(total[s], stop) - start) for s in lost}
+        decoded = code.decode({s: read(s, start, stop) for s in survivors}, lost, n_rows=n_rows)
+        for s in lost:
+            pieces[s].append(decoded[s])
+    return {s: np.concatenate(pieces[s]) for s in lost}
 
 
 def test_rebuild_in_chunks_equals_the_lost_shards():
@@ -473,53 +536,67 @@ def test_rebuild_in_chunks_equals_the_lost_shards():
         data = random_shards(rng, k, width=17, max_rows=23)
         shards = data + code.encode(data)
         lost = sorted(rng.choice(k + r, size=int(rng.integers(1, r + 1)), replace=False).tolist())
-        reads, progress = [], []
+        reads = []
 
         def read(s, start, stop, shards=shards, reads=reads, lost=lost):
             assert s not in lost
             reads.append(s)
             return shards[s][start:stop]
 
-        rows = [d.shape[0] for d in data]
-        rebuilt = rebuild(
-            code, read, lost, rows, chunk=chunk, progress=lambda d, t, p=progress: p.append((d, t))
-        )
+        rebuilt = rebuild_in_chunks(code, shards, lost, chunk, read)
         for s in lost:
             assert_bits_equal(rebuilt[s], shards[s])
-        n_chunks = len(stripe_chunks(max(rows), chunk))
+        n_chunks = len(stripe_chunks(max(d.shape[0] for d in data), chunk))
         assert len(reads) == k * n_chunks  # only k survivors are read, once per chunk
-        assert progress[-1] == (max(rows), max(rows))
+
+
+@pytest.mark.parametrize("r", [1, 2, 3, 4])
+def test_every_erasure_pattern_rebuilds_from_chunks_of_scattered_stripes(r):
+    """The fix-up path: chunks are sorted arrays of stripes (those written during the bulk copy),
+    gathered from the survivors; a lost data shard holds the chunk's stripes below its row count."""
+    rng = np.random.default_rng(50 + r)
+    for k in (1, 3, 6):
+        code = ErasureCode(k, r)
+        data = random_shards(rng, k, width=5, max_rows=30)
+        shards = data + code.encode(data)
+        n_stripes = shards[k].shape[0]
+        stripes = np.flatnonzero(rng.random(n_stripes) < 0.5)
+        for n_lost in range(1, r + 1):
+            for lost in itertools.combinations(range(k + r), n_lost):
+                for start, stop in stripe_chunks(stripes.size, 4):
+                    chunk = stripes[start:stop]
+                    pieces = {s: gather_stripes(shards[s], chunk) for s in survivors_of(code, list(lost))}
+                    n_rows = {s: int(np.searchsorted(chunk, shards[s].shape[0])) for s in lost}
+                    decoded = code.decode(pieces, list(lost), n_rows=n_rows)
+                    for s in lost:
+                        assert_bits_equal(decoded[s], shards[s][chunk[: n_rows[s]]])
 
 
 def test_rebuild_of_empty_shards():
     code = ErasureCode(2, 1)
     data = [np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)]
     shards = data + code.encode(data)
-    rebuilt = rebuild(code, lambda s, a, b: shards[s][a:b], [0], [0, 0], chunk=4)
+    rebuilt = rebuild_in_chunks(code, shards, [0], 4, lambda s, a, b: shards[s][a:b])
     assert rebuilt[0].shape == (0, 3) and rebuilt[0].dtype == np.float32
 
 
 def test_degraded_read_of_random_stripes():
+    """Rows of a lost shard at any stripes: the k survivors' rows there (zero past a short shard's
+    end), decoded."""
     rng = np.random.default_rng(31)
     code = ErasureCode(5, 2)
     data = random_shards(rng, 5, width=17, max_rows=40)
     shards = data + code.encode(data)
     for lost in ([1], [0, 3], [2, 6], [6, 4]):
-        gathered_from = []
-
-        def gather(s, stripes, lost=lost, seen=gathered_from):
-            assert s not in lost
-            seen.append(s)
-            return gather_stripes(shards[s], stripes)
-
+        survivors = survivors_of(code, lost)
+        assert len(survivors) == code.k and not set(survivors) & set(lost)
         for target in lost:
             # Random stripes of the target, past the ends of shorter survivors too.
             stripes = rng.choice(shards[target].shape[0], size=min(15, shards[target].shape[0]), replace=False)
-            rows = degraded_read(code, gather, lost, target, stripes)
+            ordered = np.unique(stripes)
+            decoded = code.decode({s: gather_stripes(shards[s], ordered) for s in survivors}, sorted(lost))
+            rows = decoded[target][np.searchsorted(ordered, stripes)]
             assert_bits_equal(rows, shards[target][stripes])
-        assert len(gathered_from) == code.k * len(lost)
-    with pytest.raises(UserInputError, match="not among the lost"):
-        degraded_read(code, gather, [1], 2, np.arange(3))
 
 
 def test_gather_stripes_pads_past_the_end():
@@ -623,25 +700,21 @@ def test_bad_inputs_are_rejected():
         (lambda: code.decode(available, [2, 2]), "repeat"),
         (lambda: code.decode(available, [0, 2]), "both as available and as lost"),
         (lambda: code.decode(available, [2], n_rows={2: 5}), "outside 0..4"),
-        (lambda: code.parity_delta(3, data[0], data[1]), "data shard index 3"),
-        (lambda: code.parity_delta(0, data[0], data[1][:2]), "differ in shape"),
         (lambda: code.apply_delta(parity[0], parity[1][:2], rows=[0, 9]), "0..3"),
         (lambda: code.apply_delta(parity[0], parity[1][:2], rows=[1, 1]), "repeats a row"),
         (lambda: code.apply_delta(parity[0], parity[1][:2], rows=[0, 1.5]), "integer row indices"),
         (lambda: code.apply_delta(parity[0], parity[1][:3], rows=[0, 1]), "must have shape"),
         (lambda: code.apply_delta(parity[0], parity[1][:3]), "does not match"),
         (lambda: code.apply_delta(parity[0], parity[1].astype(np.float64)), "float64"),
-        (lambda: code.combine_deltas([]), "at least one"),
-        (lambda: code.combine_deltas([(0, [1, 1], data[0][:2], data[1][:2])]), "repeats a row"),
-        (lambda: code.combine_deltas([(0, [-1, 1], data[0][:2], data[1][:2])]), "negative"),
-        (lambda: code.combine_deltas([(0, [0, 1, 2], data[0][:2], data[1][:2])]), "3 row indices"),
-        (lambda: code.combine_deltas([(5, [0, 1], data[0][:2], data[1][:2])]), "data shard index 5"),
         (lambda: code.combine_changes([0, 1], [0, 1, 2], data[0][:3]), "one of each per change"),
         (lambda: code.combine_changes([0, 3], [0, 1], data[0][:2]), "outside 0..2"),
         (lambda: code.combine_changes([0, 1], [0, -1], data[0][:2]), "negative row"),
         (lambda: code.combine_changes([0, 1], [0, 1], data[0][0]), "2-D array"),
         (lambda: code.combine_changes([0, 1], [0.5, 1], data[0][:2]), "integer row indices"),
+        (lambda: code.combine_changes([0, 0], [0, 1], np.zeros((2, 0), np.float32)), "width 0"),
+        (lambda: code.combine_changes([[0, 1]], [0, 1], data[0][:2]), "1-D array"),
         (lambda: xor_bits(data[0][:2], data[1][:3]), "differ in shape"),
+        (lambda: xor_bits(data[0][:2], data[1][:2].astype(np.float64)), "differ in shape or dtype"),
         (lambda: code.verify(data, parity[:1]), "r=2 parity shards"),
         (lambda: stripe_chunks(10, 0), "at least one stripe"),
     ]

@@ -16,13 +16,7 @@ if _devices < 1:
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from dlrmflow.engine import gf256  # noqa: E402
-from dlrmflow.engine.erasure import (  # noqa: E402
-    ErasureCode,
-    RowUpdate,
-    degraded_read,
-    gather_stripes,
-    rebuild,
-)
+from dlrmflow.engine.erasure import ErasureCode, gather_stripes, stripe_chunks, xor_bits  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -87,18 +81,19 @@ def test_deltas_match_numpy():
     rng = np.random.default_rng(7)
     code = ErasureCode(6, 3)
     data = [random_rows(rng, 50, 17) for _ in range(6)]
-    updates = []
+    shards, rows, olds, news = [], [], [], []
     for shard in (0, 2, 5, 2):
-        rows = rng.choice(50, size=20, replace=False)
-        updates.append(RowUpdate(shard, rows, data[shard][rows].copy(), random_rows(rng, 20, 17)))
-    gpu_updates = [
-        RowUpdate(u.shard, cupy.asarray(u.rows), cupy.asarray(u.old), cupy.asarray(u.new)) for u in updates
-    ]
-    for u, g in zip(updates, gpu_updates, strict=True):
-        gpu_deltas = code.parity_delta(g.shard, g.old, g.new, cupy)
-        for gd, cd in zip(gpu_deltas, code.parity_delta(u.shard, u.old, u.new), strict=True):
-            assert_same_bytes(gd, cd)
-    message, gpu_message = code.combine_deltas(updates), code.combine_deltas(gpu_updates, cupy)
+        at = rng.choice(50, size=20, replace=False)
+        shards.append(np.full(20, shard))
+        rows.append(at)
+        olds.append(data[shard][at].copy())
+        news.append(random_rows(rng, 20, 17))
+    shards, rows, old, new = (np.concatenate(a) for a in (shards, rows, olds, news))
+    changes = xor_bits(old, new)
+    gpu_changes = xor_bits(cupy.asarray(old), cupy.asarray(new), cupy)
+    assert_same_bytes(gpu_changes, changes)
+    message = code.combine_changes(shards, rows, changes)
+    gpu_message = code.combine_changes(cupy.asarray(shards), cupy.asarray(rows), gpu_changes, cupy)
     assert_same_bytes(gpu_message.stripes, message.stripes)
     parity = code.encode(data)
     gpu_parity = [cupy.asarray(p) for p in parity]
@@ -125,15 +120,23 @@ def test_changes_of_several_batches_combine_on_gpu_as_on_numpy(r):
 
 
 def test_rebuild_and_degraded_reads_on_gpu():
+    """As the coded shard group does them: chunks of stripes read from k survivors and decoded with
+    ``n_rows``; degraded reads gathered at scattered stripes and decoded."""
     rng = np.random.default_rng(8)
     code = ErasureCode(4, 2)
     data = [random_rows(rng, n, 17) for n in (30, 29, 30, 7)]
     shards = [cupy.asarray(s) for s in data + code.encode(data)]
-    rebuilt = rebuild(code, lambda s, a, b: shards[s][a:b], [1, 5], [30, 29, 30, 7], chunk=8, xp=cupy)
-    assert_same_bytes(rebuilt[1], data[1])
-    stripes = cupy.asarray(rng.choice(29, size=10, replace=False))
-    rows = degraded_read(code, lambda s, at: gather_stripes(shards[s], at, cupy), [1, 5], 1, stripes, cupy)
-    assert_same_bytes(rows, data[1][cupy.asnumpy(stripes)])
+    lost = [1, 5]
+    survivors = code.survivors_for([s for s in range(code.n_shards) if s not in lost])
+    chunks = []
+    for start, stop in stripe_chunks(30, 8):
+        n_rows = {1: max(0, min(29, stop) - start), 5: stop - start}
+        decoded = code.decode({s: shards[s][start:stop] for s in survivors}, lost, cupy, n_rows=n_rows)
+        chunks.append(decoded[1])
+    assert_same_bytes(cupy.concatenate(chunks), data[1])
+    stripes = cupy.asarray(np.sort(rng.choice(29, size=10, replace=False)))
+    decoded = code.decode({s: gather_stripes(shards[s], stripes, cupy) for s in survivors}, lost, cupy)
+    assert_same_bytes(decoded[1], data[1][cupy.asnumpy(stripes)])
     parity = code.encode(data)
     assert all(m.size == 0 for m in code.verify(shards[:4], shards[4:], cupy))
     assert_same_bytes(shards[4], parity[0])

@@ -14,13 +14,8 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
 
-from dlrmflow.engine import parity as parity_module
 from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard
-from dlrmflow.engine.erasure import ErasureCode
-from dlrmflow.engine.faults import FaultSpecError, parse_kill
-from dlrmflow.engine.parity import (
+from dlrmflow.engine.coded_shards import (
     PARITY_FILE,
     CheckedOutRows,
     CodedShard,
@@ -30,6 +25,11 @@ from dlrmflow.engine.parity import (
     start_coded_shards,
     verify_run_dir,
 )
+from dlrmflow.engine.coded_shards import group as group_module
+from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.embedding_server import EmbeddingShard
+from dlrmflow.engine.erasure import ErasureCode, xor_bits
+from dlrmflow.engine.faults import FaultSpecError, parse_kill
 from dlrmflow.engine.run_state import load_state, save_state
 from dlrmflow.engine.trainer import TrainConfigError, prepare_run, train
 from dlrmflow.errors import UserInputError
@@ -75,7 +75,7 @@ def test_a_duplicated_batch_is_applied_once():
     ids = np.array([1, 4, 10], dtype=np.int64)
     new = rng.standard_normal((3, spec.width)).astype(np.float32)
     old = shard.fetch(ids)
-    delta = code.combine_deltas([(1, ids // k, old, new)])
+    delta = code.combine_changes(np.full(len(ids), 1), ids // k, xor_bits(old, new))
     before = parity.rows.copy()
     for _ in range(3):  # the batch and two resends
         shard.exchange_seq(7, ids, new, ids[:0])
@@ -126,7 +126,13 @@ def test_a_replacement_is_written_only_the_stripes_already_rebuilt(seed):
     group.parity_batches = 100
     rebuilt = [None, np.random.default_rng(seed).random(10) < 0.5, np.zeros(10, bool), np.ones(10, bool)][seed]
     replacement = CodedShard(spec, 0, 2, initialise=False)  # every row fresh: nothing generated or installed
-    group.lost, group.replacement, group.rebuilt = {0}, {0: InProcess(replacement)}, rebuilt
+    state = group.state  # driven by hand: data shard 0 lost, its replacement placed, ``rebuilt`` stripes rebuilt
+    assert state.member_lost({0}, None, 0.0) is not None  # no rebuild thread: this group has no starter
+    state.replacement_placed(0, "w9", None, InProcess(replacement))
+    if rebuilt is not None:  # the rebuild copies the other stripes and generates these: rebuilt at the first fix-up
+        state.log_opened(state.generation, np.flatnonzero(~rebuilt))
+        state.fixed_up(state.fix_up_begun(state.generation))
+    assert (state.rebuilt is None) == (rebuilt is None) and (rebuilt is None or np.array_equal(state.rebuilt, rebuilt))
     ids = np.arange(20, dtype=np.int64)
     group.checked_out.put(ids, init_rows(spec, ids))
     new = np.random.default_rng(0).standard_normal((20, spec.width)).astype(np.float32) + 5
@@ -175,7 +181,7 @@ def test_a_replacement_generates_its_fresh_rows_on_first_read(seed):
     p = int(rng.integers(0, r))
     parity, fresh_parity = ParityShard(spec, k, r, p), ParityShard(spec, k, r, p, initialise=False)
     old = EmbeddingShard(spec, i, k).rows[written]
-    delta = code.combine_deltas([(i, written, old, new[: len(written)])])
+    delta = code.combine_changes(np.full(len(written), i), written, xor_bits(old, new[: len(written)]))
     for member in (parity, fresh_parity):
         member.apply(3, delta.stripes, delta.parity[p])
     assert np.array_equal(fresh_parity.gather(stripes).view(np.uint8), parity.gather(stripes).view(np.uint8))
@@ -229,7 +235,7 @@ def test_a_lost_member_differs_from_its_initial_rows_only_in_the_stripes_a_rebui
         held = np.union1d(np.setdiff1d(held, write), fetch)
         written |= set(write.tolist())
     with group.lock:
-        group._settle()
+        group.settle()
     members = [m.member for m in group.members]
     initial = [CodedShard(spec, i, k).rows for i in range(k)] + [ParityShard(spec, k, r, p).rows for p in range(r)]
     for n_lost in range(1, r + 1):
@@ -320,22 +326,16 @@ def test_resending_every_write_back_batch_changes_nothing(client, tmp_path, monk
     out and verify would fail)."""
     dataset = make_dataset(tmp_path / "data", 5)
     _run(tmp_path, dataset, "local", "local")
-    original, original_remote = CodedShardGroup._exchange_once, parity_module.remote
+    original_remote = group_module.remote
     sent = {"batches": 0, "parity": 0}
 
-    def twice(self, seq, *args):
-        original(self, seq, *args)
-        sent["batches"] += 1
-        original(self, seq, *args)
-
-    def parity_twice(actor, method, *args):
-        if method == "apply_batches":
-            sent["parity"] += 1
-            original_remote(actor, method, *args)
+    def twice(actor, method, *args):
+        if method in ("exchange_seq", "apply_batches"):
+            sent["batches" if method == "exchange_seq" else "parity"] += 1
+            original_remote(actor, method, *args).result()  # answered before the resend goes out
         return original_remote(actor, method, *args)
 
-    monkeypatch.setattr(CodedShardGroup, "_exchange_once", twice)
-    monkeypatch.setattr(parity_module, "remote", parity_twice)
+    monkeypatch.setattr(group_module, "remote", twice)
     summary = _run(tmp_path, dataset, "parity", "remote", client, num_shards=2, parity=2, parity_batches=3)
     assert sent["batches"] > 10 and sent["parity"] > 2 * 3
     assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "parity"), "resent")
@@ -359,7 +359,7 @@ def test_verify_run_dir_finds_a_flipped_bit(client, tmp_path):
 
 def test_group_verify_reports_a_corrupted_parity_shard(client):
     spec = _spec(1)
-    group = parity_module.start_coded_shards(client, spec, 2, 1)
+    group = start_coded_shards(client, spec, 2, 1)
     try:
         assert group.verify()["ok"]
         ids = np.arange(0, spec.total_rows, 7, dtype=np.int64)

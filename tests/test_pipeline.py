@@ -14,8 +14,6 @@ SMALL = ["--rows", "30000", "--scale", "0.01", "--batch-size", "512", "--lookahe
          "--train-iterations", "6", "--parity", "0"]
 
 
-
-
 @pytest.mark.slow
 def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys):
     argv = ["demo", "--work-dir", str(tmp_path / "demo"), *SMALL]

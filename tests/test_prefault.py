@@ -14,8 +14,8 @@ import pytest
 from test_erasure import assert_bits_equal, random_rows
 
 from dlrmflow.engine import prefault as prefault_module
+from dlrmflow.engine.coded_shards import CodedShard, ParityShard
 from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.parity import CodedShard, ParityShard
 from dlrmflow.engine.prefault import prefault
 
 LINUX_5_14 = sys.platform.startswith("linux") and tuple(

@@ -255,7 +255,7 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
     from prefect import flow, get_client, task
     from prefect.context import FlowRunContext
 
-    from dlrmflow.engine.parity import RecoveryRecord
+    from dlrmflow.engine.coded_shards import RecoveryRecord
     from dlrmflow.flows.recovery import recovery_runner, run_recovery_subflow
 
     def rebuild(progress=None):  # what rebuild_lost returns (a record of a rebuild that took 0.01 s), and the run

@@ -246,6 +246,15 @@ def test_rerun_with_unchanged_inputs_skips_and_changes_redo(data_dir, tmp_path):
     os.utime(src, ns=(time.time_ns(), time.time_ns()))
     assert not preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1)["skipped"]
     assert preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1, force=True)["skipped"] is False
+    # Any other parameter is another dataset too.
+    assert preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1)["skipped"]
+    refolded = preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1, max_rows_per_table=8)
+    assert not refolded["skipped"]
+    # A dataset made from the same inputs that lost a part file is made again.
+    (tmp_path / "ds" / read_meta(tmp_path / "ds").files[0].name).unlink()
+    again = preprocess([src], tmp_path / "ds", fmt="criteo-csv", seed=1, max_rows_per_table=8)
+    assert not again["skipped"] and again["fingerprint"] == refolded["fingerprint"]
+    assert read_meta(tmp_path / "ds").rows == refolded["rows"]
 
 
 def test_refuses_to_overwrite_what_is_not_a_dataset(data_dir, tmp_path):

@@ -21,14 +21,15 @@ from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, sma
 
 from dlrmflow.engine import checkpoint as checkpoint_module
 from dlrmflow.engine import faults as faults_module
-from dlrmflow.engine import parity as parity_module
-from dlrmflow.engine import recovery as recovery_module
 from dlrmflow.engine import trainer as trainer_module
 from dlrmflow.engine.cluster import cluster_workers
+from dlrmflow.engine.coded_shards import PARITY_FILE, CodedShard, shard_row_counts, verify_run_dir
+from dlrmflow.engine.coded_shards import group as group_module
+from dlrmflow.engine.coded_shards import rebuild as rebuild_module
+from dlrmflow.engine.coded_shards import start as start_module
 from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import EmbeddingShard
+from dlrmflow.engine.embedding_server import EmbeddingShard, remote, wait_all
 from dlrmflow.engine.erasure import TooManyErasuresError
-from dlrmflow.engine.parity import PARITY_FILE, shard_row_counts, verify_run_dir
 from dlrmflow.engine.run_state import STATE_FILE, SUMMARY_FILE, load_state
 from dlrmflow.engine.trainer import prepare_run, train
 
@@ -45,7 +46,7 @@ class Cluster:
     def get(self) -> Client:
         if self.client is not None:
             try:
-                self.client.wait_for_workers(WORKERS, timeout=30)  # the nanny restarts what a test killed
+                self.client.wait_for_workers(WORKERS, timeout=10)  # the nanny restarts what a test killed
                 return self.client
             except TimeoutError:  # WorkerStartTimeoutError is a TimeoutError
                 self.close()
@@ -101,8 +102,8 @@ def _check_recovered(tmp_path, summary, killed: set[str]) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed, monkeypatch):
     """Also with a fix-up after every chunk, and with one fix-up for all of them at the end."""
-    interval = [0.0, recovery_module.FIX_UP_INTERVAL_S, 600.0][seed]
-    monkeypatch.setattr(recovery_module, "FIX_UP_INTERVAL_S", interval)
+    interval = [0.0, rebuild_module.FIX_UP_INTERVAL_S, 600.0][seed]
+    monkeypatch.setattr(rebuild_module, "FIX_UP_INTERVAL_S", interval)
     rng = np.random.default_rng(400 + seed)
     dataset = make_dataset(tmp_path / "data", seed)
     _run(tmp_path, dataset, "local", "local", seed=seed)
@@ -146,7 +147,7 @@ def test_a_rate_limited_rebuild_takes_its_time_in_small_chunks_and_ends_exact(cl
     """--rebuild-rate caps a rebuild: the bulk copy of B bytes lasts at least B / rate, in chunks of
     about PACED_CHUNK_S each, while training goes on (degraded reads); the run still ends exact.
     Every stripe is copied (as in a table whose every row was trained), so B is the whole shard."""
-    monkeypatch.setattr(recovery_module, "REBUILD_EVERY_STRIPE", True)
+    monkeypatch.setattr(rebuild_module, "REBUILD_EVERY_STRIPE", True)
     dataset = make_dataset(tmp_path / "data", 23)
     _run(tmp_path, dataset, "local", "local")
     spec = prepare_run(small_config(dataset, tmp_path, "local")).spec
@@ -161,7 +162,7 @@ def test_a_rate_limited_rebuild_takes_its_time_in_small_chunks_and_ends_exact(cl
     # copy's wall time holds theirs; within a task, reads and installs are parts of its time.
     assert 0.499 <= record["copy_task_seconds"] <= record["copy_seconds"]
     assert 0 < record["copy_read_wait_seconds"] + record["copy_install_seconds"] <= record["copy_task_seconds"]
-    chunk = int(rate * 1e6 * recovery_module.PACED_CHUNK_S / spec.row_bytes)
+    chunk = int(rate * 1e6 * rebuild_module.PACED_CHUNK_S / spec.row_bytes)
     assert record["chunks"] == -(-record["stripes"] // chunk) >= 10
     assert summary["parity"]["degraded_rows_read"] > 0
 
@@ -170,9 +171,9 @@ def test_rows_not_yet_rebuilt_are_served_by_degraded_reads(cluster, tmp_path, mo
     """A slow rebuild (tiny chunks, long pauses) so that training reads the lost shard's rows while
     most stripes are not rebuilt yet: those reads are decoded from survivors + parity. Every stripe
     is copied (unwritten ones are otherwise rebuilt at once: the replacement generates them)."""
-    monkeypatch.setattr(recovery_module, "REBUILD_EVERY_STRIPE", True)
-    monkeypatch.setattr(recovery_module, "YIELD_S", 0.05)
-    monkeypatch.setattr(recovery_module, "FIX_UP_INTERVAL_S", 0.0)  # a fix-up (and a pause) after each chunk
+    monkeypatch.setattr(rebuild_module, "REBUILD_EVERY_STRIPE", True)
+    monkeypatch.setattr(rebuild_module, "YIELD_S", 0.05)
+    monkeypatch.setattr(rebuild_module, "FIX_UP_INTERVAL_S", 0.0)  # a fix-up (and a pause) after each chunk
     dataset = make_dataset(tmp_path / "data", 20)
     _run(tmp_path, dataset, "local", "local")
     summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=("shard:0@2",),
@@ -189,9 +190,9 @@ def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monk
     stripes those batches logged are re-read under the lock and the run still ends exact. A
     rebuilt parity shard also gets the deltas still pending before the fix-up overwrites those
     stripes (applied after it, they would count twice)."""
-    monkeypatch.setattr(recovery_module, "COPY_PAUSE_S", 0.3)
+    monkeypatch.setattr(rebuild_module, "COPY_PAUSE_S", 0.3)
     copying = threading.Event()
-    submit_copies, step = recovery_module._submit_copies, trainer_module.train_step
+    submit_copies, step = rebuild_module.submit_copies, trainer_module.train_step
 
     def flagged_copy(*args, **kwargs):
         copying.set()
@@ -203,14 +204,14 @@ def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monk
             time.sleep(0.1)
         return step(*args, **kwargs)
 
-    lost, start_thread = threading.Event(), recovery_module.start_recovery_thread
+    lost, start_thread = threading.Event(), start_module.start_rebuild_thread
 
     def flagged_start(group):
         lost.set()
         return start_thread(group)
 
-    monkeypatch.setattr(recovery_module, "start_recovery_thread", flagged_start)
-    monkeypatch.setattr(recovery_module, "_submit_copies", flagged_copy)
+    monkeypatch.setattr(start_module, "start_rebuild_thread", flagged_start)
+    monkeypatch.setattr(rebuild_module, "submit_copies", flagged_copy)
     monkeypatch.setattr(trainer_module, "train_step", step_during_copy)
     dataset = make_dataset(tmp_path / "data", 30)
     _run(tmp_path, dataset, "local", "local")
@@ -226,9 +227,9 @@ def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(
     (the tasks are pinned to a worker that is gone), starts over on another worker, ends exact.
     Every stripe is copied: an lru run killed at iteration 3 may have written no row yet, and a rebuild
     with nothing to copy would finish before it noticed (the loss would then be a second recovery)."""
-    monkeypatch.setattr(recovery_module, "REBUILD_EVERY_STRIPE", True)
-    monkeypatch.setattr(recovery_module, "COPY_PAUSE_S", 0.2)  # the copy is still running when the kill lands
-    submit_copies, killed = recovery_module._submit_copies, []
+    monkeypatch.setattr(rebuild_module, "REBUILD_EVERY_STRIPE", True)
+    monkeypatch.setattr(rebuild_module, "COPY_PAUSE_S", 0.2)  # the copy is still running when the kill lands
+    submit_copies, killed = rebuild_module.submit_copies, []
 
     def submit_then_kill(group, lost, chunks, worker, rebuild_id):
         futures = submit_copies(group, lost, chunks, worker, rebuild_id)
@@ -238,7 +239,7 @@ def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(
             killed.append(worker)
         return futures
 
-    monkeypatch.setattr(recovery_module, "_submit_copies", submit_then_kill)
+    monkeypatch.setattr(rebuild_module, "submit_copies", submit_then_kill)
     dataset = make_dataset(tmp_path / "data", 31)
     _run(tmp_path, dataset, "local", "local")
     summary = _run(tmp_path, dataset, "run", "lru", cluster, num_shards=2, parity=1, kills=("shard:0@3",))
@@ -251,7 +252,7 @@ def test_a_replacement_that_dies_mid_rebuild_is_replaced_and_the_run_ends_exact(
 def test_a_standby_whose_worker_died_with_the_shard_is_passed_over(cluster, tmp_path, monkeypatch):
     """The spare worker that holds the standby replacements is killed with the shard: the rebuild
     does not use (or gives up) the dead standby, starts a replacement elsewhere, and ends exact."""
-    spare, start_standbys = [], parity_module.start_standbys
+    spare, start_standbys = [], start_module.start_standbys
 
     def recording_standbys(*args, **kwargs):
         standbys = start_standbys(*args, **kwargs)
@@ -264,7 +265,7 @@ def test_a_standby_whose_worker_died_with_the_shard_is_passed_over(cluster, tmp_
         os.kill(self.client.run(os.getpid, workers=spare)[spare[0]], signal.SIGKILL)
         return inject(self, kill)
 
-    monkeypatch.setattr(parity_module, "start_standbys", recording_standbys)
+    monkeypatch.setattr(start_module, "start_standbys", recording_standbys)
     monkeypatch.setattr(faults_module.FaultInjector, "kill", kill_spare_too)
     dataset = make_dataset(tmp_path / "data", 33)
     _run(tmp_path, dataset, "local", "local")
@@ -288,7 +289,7 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
         groups.append(start(*args, **kw))
         return groups[-1]
 
-    wait_all = parity_module._wait_all
+    original_wait_all = group_module.wait_all
     state = {"calls": 0, "killed": None}
 
     def kill_then_wait(calls):
@@ -300,10 +301,10 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
             pid = cluster.run(os.getpid, workers=[address])[address]
             os.kill(pid, signal.SIGKILL)
             state["killed"] = pid
-        return wait_all(calls)
+        return original_wait_all(calls)
 
     monkeypatch.setattr(trainer_module, "start_coded_shards", capture)
-    monkeypatch.setattr(parity_module, "_wait_all", kill_then_wait)
+    monkeypatch.setattr(group_module, "wait_all", kill_then_wait)
     summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1)
     assert state["killed"] is not None
     assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), "mid write-back")
@@ -338,7 +339,7 @@ def test_a_rebuild_starts_at_once_and_its_report_waits_for_it(monkeypatch):
             raise TooManyErasuresError(2, 1, [0, 1], [2])
         return {"lost": ["data shard 0"]}
 
-    monkeypatch.setattr(recovery_module, "rebuild_lost", rebuild_lost)
+    monkeypatch.setattr(rebuild_module, "rebuild_lost", rebuild_lost)
     for fail in (False, True):
         started.clear(), finish.clear()
         seen, reported = [], []
@@ -351,11 +352,11 @@ def test_a_rebuild_starts_at_once_and_its_report_waits_for_it(monkeypatch):
 
         group = type("Group", (), {"recovery_runner": staticmethod(runner), "fail": fail})()
         if not fail:
-            recovery_module._rebuild_while_reporting(group, {"lost": ["data shard 0"]})
+            rebuild_module.rebuild_while_reporting(group, {"lost": ["data shard 0"]})
             assert reported == [{"lost": ["data shard 0"]}] and seen[-1] == (3, 3)
         else:
             with pytest.raises(TooManyErasuresError):
-                recovery_module._rebuild_while_reporting(group, {"lost": ["data shard 0"]})
+                rebuild_module.rebuild_while_reporting(group, {"lost": ["data shard 0"]})
             assert reported == []
 
 
@@ -439,8 +440,8 @@ def test_a_call_to_a_killed_worker_fails_even_when_it_must_reconnect(cluster):
         time.sleep(0.05)
     handle = Actor(EmbeddingShard, worker, f"never-scheduled-{worker}")  # not marked lost: must reconnect
     outcome: list = []
-    waiter = threading.Thread(target=lambda: outcome.append(parity_module._wait_all(
-        [(0, parity_module.remote(handle, "stats"))])), daemon=True)
+    waiter = threading.Thread(target=lambda: outcome.append(wait_all(
+        [(0, remote(handle, "stats"))])), daemon=True)
     waiter.start()
     waiter.join(20)
     assert not waiter.is_alive(), "the call waited for a worker the scheduler no longer lists"
@@ -458,7 +459,7 @@ def test_a_copy_task_whose_survivor_died_fails_instead_of_holding_its_worker(clu
 
     spec = RowSpec(dim=3, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(10,))
     dead, copier = sorted(cluster_workers(cluster))[:2]
-    replacement = cluster.submit(parity_module.CodedShard, spec, 0, 1, False, actor=True, workers=[copier],
+    replacement = cluster.submit(CodedShard, spec, 0, 1, False, actor=True, workers=[copier],
                                  pure=False).result()
     os.kill(cluster.run(os.getpid, workers=[dead])[dead], signal.SIGKILL)
     deadline = time.monotonic() + 30
@@ -467,8 +468,8 @@ def test_a_copy_task_whose_survivor_died_fails_instead_of_holding_its_worker(clu
         time.sleep(0.05)
 
     def copy_from_dead_survivor(replacement):  # the handle is made on the worker: no task dependency on it
-        survivor = Actor(parity_module.CodedShard, dead, f"never-scheduled-{dead}")
-        return recovery_module.rebuild_chunk_task(1, 1, {1: survivor}, {0: replacement}, (0, 10), {0: 10})
+        survivor = Actor(CodedShard, dead, f"never-scheduled-{dead}")
+        return rebuild_module.rebuild_chunk_task(1, 1, {1: survivor}, {0: replacement}, (0, 10), {0: 10})
 
     task = cluster.submit(copy_from_dead_survivor, replacement, workers=[copier], allow_other_workers=False,
                           pure=False)

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from dlrmflow.engine.checkpoint import (
     checkpoint_iteration,
 )
 from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
+from dlrmflow.engine.train_config import replace
 from dlrmflow.engine.trainer import prepare_run, train
 
 ROOT = Path(__file__).resolve().parents[1]

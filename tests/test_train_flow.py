@@ -12,6 +12,7 @@ from distributed import LocalCluster
 from dlrmflow.cli import main
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.run_state import load_state, read_summary, state_differences, state_hash
+from dlrmflow.engine.train_config import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -85,8 +86,9 @@ def test_flow_publishes_metrics_artifacts(dataset, tmp_path):
 
     from dlrmflow.flows.train import train_flow
 
-    summary = train_flow(str(dataset), "local", str(tmp_path / "run"), batch_size=64, iterations=6,
-                         embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1], metrics_every=2)
+    summary = train_flow(TrainConfig(dataset_dir=str(dataset), mode="local", output_dir=str(tmp_path / "run"),
+                                     batch_size=64, iterations=6, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1],
+                                     metrics_every=2))
     assert summary["iterations"] == 6 and len(summary["metrics"]) == 3
     with get_client(sync_client=True) as client:
         keys = {a.key for a in client.read_artifacts(

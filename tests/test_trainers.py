@@ -25,10 +25,10 @@ from dlrmflow.engine.batches import BatchStream, global_ids
 from dlrmflow.engine.checkpoint import RestoredShard
 from dlrmflow.engine.embedding_rows import RowSpec, apply_update, init_rows
 from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, answer, start_shards
+from dlrmflow.engine.planner import CapacityError
 from dlrmflow.engine.prefetch import PlanViolation, PrefetchError, PrefetchWorker
 from dlrmflow.engine.run_state import bit_equal, load_state, read_summary, state_differences
 from dlrmflow.engine.trainer import TrainConfig, TrainConfigError, prepare_run, train
-from dlrmflow.engine.trainer_modes import CapacityError
 
 DATA = Path(__file__).parent / "data"
 
@@ -118,10 +118,17 @@ def keep_all_plan(dataset: Path, batch_size: int, iterations: int, distance: int
 
 def lru_reference(uses: list[np.ndarray], capacity: int) -> tuple[int, int]:
     """Rows fetched and written back by LRU at iteration granularity, ties to the lowest slot."""
+    fetched, evicted, cached = lru_simulation(uses, capacity)
+    return fetched, evicted + cached
+
+
+def lru_simulation(uses: list[np.ndarray], capacity: int) -> tuple[int, int, int]:
+    """LRU at iteration granularity (ties to the lowest slot) over ``uses``: rows fetched, rows evicted
+    (written back on the way) and rows still cached after the last iteration."""
     slot_of: dict[int, int] = {}
     owner: list[int | None] = [None] * capacity
     last = [-1] * capacity
-    fetched = written = 0
+    fetched = evicted = 0
     for t, ids in enumerate(uses):
         for x in ids.tolist():
             if x in slot_of:
@@ -134,12 +141,12 @@ def lru_reference(uses: list[np.ndarray], capacity: int) -> tuple[int, int]:
             for s in victims:
                 del slot_of[owner[s]]
                 owner[s] = None
-            written += len(victims)
+            evicted += len(victims)
             free += victims
         for x, s in zip(miss, free, strict=False):
             slot_of[x], owner[s], last[s] = s, x, t
         fetched += len(miss)
-    return fetched, written + len(slot_of)
+    return fetched, evicted, len(slot_of)
 
 
 def assert_bit_identical(reference: dict, other: dict, label: str) -> None:

@@ -11,7 +11,7 @@ HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare cac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dlrmflow.cli import add_dask_argument
-    from dlrmflow.flows.pipeline import PipelineConfig
+    from dlrmflow.flows.pipeline_config import PipelineConfig
 
     fields = PipelineConfig.model_fields
     for name in ("work_dir", "rows", "scale", "seed", "batch_size", "lookahead", "prefetch_distance",
@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = type(field.default)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,
                             help=f"{field.description or name} (default {field.default})")
-    parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER",
-                        help="kill the worker of a shard at an iteration (repeatable; needs --parity)")
+    parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER|parity:J@ITER",
+                        help=fields["kills"].description)
     add_dask_argument(parser)
 
 
@@ -29,7 +29,7 @@ def config_from_args(args: argparse.Namespace):
     from pydantic import ValidationError
 
     from dlrmflow.errors import UserInputError
-    from dlrmflow.flows.pipeline import PipelineConfig
+    from dlrmflow.flows.pipeline_config import PipelineConfig
 
     values = {name: getattr(args, name) for name in PipelineConfig.model_fields if hasattr(args, name)}
     values["kills"] = args.kill

@@ -8,7 +8,6 @@ resumed run ends bit-identical to an uninterrupted one and writes the same files
 from __future__ import annotations
 
 import argparse
-import inspect
 from typing import Any
 
 from dlrmflow.commands import train
@@ -24,20 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dask_argument(parser)
 
 
-def flow_parameters(run_dir: str, dask_address: str | None) -> dict[str, Any]:
-    """The train flow's parameters of the run in ``run_dir``, with ``resume=True``."""
+def resumed_config(run_dir: str):
+    """The TrainConfig of the run in ``run_dir`` (its run_config.json), with ``resume=True``."""
     from dlrmflow.engine.checkpoint import read_run_config
-    from dlrmflow.flows.train import train_flow
+    from dlrmflow.engine.train_config import TrainConfig
 
-    config = read_run_config(run_dir)["config"]  # ResumeError if the directory holds no checkpointed run
-    names = inspect.signature(train_flow.fn).parameters
-    params = {k: v for k, v in config.items() if k in names}
-    params.update(output_dir=str(run_dir), resume=True, dask_address=dask_address)
-    return params
+    saved = read_run_config(run_dir)["config"]  # ResumeError if the directory holds no checkpointed run
+    return TrainConfig(**{**saved, "output_dir": str(run_dir), "resume": True})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    return train.run_training(flow_parameters(args.run_dir, args.dask_address))
+    return train.run_training(resumed_config(args.run_dir), args.dask_address)
 
 
 def summarize(result: dict[str, Any]) -> str:

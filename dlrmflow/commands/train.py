@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, get_args, get_origin
 
 from dlrmflow.errors import UserInputError
 
 NAME = "train"
 HELP = "train a DLRM (modes: local, remote, lru, oracle); writes final_state.pt and summary.json"
+
+
+# Metavars of the options whose value is not a plain word (the option names: train_config.cli_option).
+METAVARS = {"dataset_dir": "DATASET_DIR", "output_dir": "RUN_DIR", "plan_dir": "PLAN_DIR", "capacity": "ROWS",
+            "num_shards": "K", "iterations": "N", "batch_size": "B", "bottom_mlp": "SIZES", "top_mlp": "SIZES",
+            "eval_fraction": "F", "metrics_every": "N", "parity": "R", "kills": "shard:I@ITER|parity:J@ITER",
+            "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N"}
 
 
 def _sizes(text: str) -> list[int]:
@@ -22,105 +30,77 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dlrmflow.cli import add_dask_argument
+def _shown(value: Any) -> str:
+    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
-    parser.add_argument("dataset", metavar="DATASET_DIR", help="a preprocessed dataset directory")
-    parser.add_argument("--mode", required=True, choices=["local", "remote", "lru", "oracle"],
-                        help="where embedding rows live: local tables, remote shards (no cache), "
-                             "remote + LRU cache, remote + plan-driven cache and prefetch")
-    parser.add_argument("--plan", metavar="PLAN_DIR", help="the plan for --mode oracle (`dlrmflow plan`)")
-    parser.add_argument("--capacity", type=int, metavar="ROWS", help="cache rows for --mode lru")
-    parser.add_argument("--shards", type=int, default=2, metavar="K", help="embedding servers (default 2)")
-    parser.add_argument("--iterations", type=int, metavar="N",
-                        help="batches to train (default: every batch before the held-out rows)")
-    parser.add_argument("--batch-size", type=int, default=128, metavar="B", help="default 128")
-    parser.add_argument("--output", required=True, metavar="RUN_DIR", help="where final_state.pt etc. go")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="model and embedding initialisation (default 0)")
-    parser.add_argument("--embedding-dim", type=int, default=16, help="default 16")
-    parser.add_argument("--bottom-mlp", type=_sizes, metavar="SIZES",
-                        help="bottom MLP layer sizes after the input, e.g. 512-256-64-16 (the default, with "
-                             "the last = --embedding-dim)")
-    parser.add_argument("--top-mlp", type=_sizes, default=[512, 256, 1], metavar="SIZES",
-                        help="top MLP layer sizes, ending in 1 (default 512-256-1)")
-    parser.add_argument("--embedding-optimizer", choices=["sgd", "adagrad"], default="adagrad",
-                        help="row-wise Adagrad (default) or SGD")
-    parser.add_argument("--dense-optimizer", choices=["sgd", "adam"], default="sgd", help="default sgd")
-    parser.add_argument("--lr", type=float, default=0.01, help="dense learning rate (default 0.01)")
-    parser.add_argument("--embedding-lr", type=float, help="embedding learning rate (default: --lr)")
-    parser.add_argument("--eval-fraction", type=float, default=0.1, metavar="F",
-                        help="the last F of the dataset's rows are held out for AUC / log loss (default 0.1)")
-    parser.add_argument("--metrics-every", type=int, default=50, metavar="N",
-                        help="log loss and timings every N iterations (default 50)")
-    parser.add_argument("--parity", type=int, default=0, metavar="R",
-                        help="R erasure-coded parity shards (1: XOR, 2-4: Reed-Solomon; default 0: none); "
-                             "a LocalCluster then gets one worker per shard plus a spare")
-    parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER|parity:J@ITER",
-                        help="failure injection (repeatable): SIGKILL the worker of data shard I or parity "
-                             "shard J when iteration ITER starts; needs --parity")
-    parser.add_argument("--rebuild-chunk", type=int, default=262144, metavar="STRIPES",
-                        help="stripes per recovery task (default 262144; bounds the rebuild's memory per chunk)")
-    parser.add_argument("--rebuild-rate", type=float, default=0.0, metavar="MB/S",
-                        help="cap a rebuild at MB/S of rebuilt rows (default 0: as fast as it goes). On machines "
-                             "the trainer shares with the servers, a cap leaves training more of the cores "
-                             "while a lost shard is rebuilt, and the rebuild takes longer")
-    parser.add_argument("--parity-batches", type=int, default=8, metavar="N",
-                        help="write-back batches whose parity deltas go to the parity shards in one message "
-                             "(default 8; 1: a message per batch). Fewer messages cost the trainer less; "
-                             "pending deltas are sent before anything reads parity")
-    parser.add_argument("--checkpoint-every", type=int, metavar="N",
-                        help="checkpoint all shards + dense state every N iterations (modes remote, lru, oracle): "
-                             "without --parity a lost shard is reloaded and replayed; a crashed run continues "
-                             "with `dlrmflow resume RUN_DIR`")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per TrainConfig field that the CLI sets (its name: ``cli_option``), with the field's
+    type, choices, default and description."""
+    from dlrmflow.cli import add_dask_argument
+    from dlrmflow.engine.train_config import TrainConfig, cli_option
+
+    for name, info in TrainConfig.model_fields.items():
+        option = cli_option(name)
+        if option is None:
+            continue
+        kwargs: dict[str, Any] = {"help": info.description, "metavar": METAVARS.get(name)}
+        annotation = info.annotation
+        choices = get_args(annotation) if get_origin(annotation) is Literal else None
+        optional = get_origin(annotation) is UnionType  # X | None
+        scalar = next(t for t in get_args(annotation) if t is not type(None)) if optional else annotation
+        if choices:
+            kwargs.update(choices=choices, metavar=None)
+        elif name == "kills":
+            kwargs.update(action="append")
+        elif get_origin(scalar) is tuple:
+            kwargs.update(type=_sizes)
+        else:
+            kwargs.update(type=scalar)
+        if option.startswith("--"):
+            kwargs["dest"] = name
+            if info.is_required():
+                kwargs["required"] = True
+            else:
+                kwargs["default"] = [] if name == "kills" else info.default
+                if info.default not in (None, ()):
+                    kwargs["help"] += f" (default {_shown(info.default)})"
+            parser.add_argument(option, **kwargs)
+        else:
+            parser.add_argument(name, **kwargs)
     add_dask_argument(parser)
 
 
-def flow_parameters(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        dataset_dir=args.dataset, mode=args.mode, output_dir=args.output, batch_size=args.batch_size,
-        iterations=args.iterations, num_shards=args.shards, capacity=args.capacity, plan_dir=args.plan,
-        device=args.device, seed=args.seed, embedding_dim=args.embedding_dim, bottom_mlp=args.bottom_mlp,
-        top_mlp=args.top_mlp, embedding_optimizer=args.embedding_optimizer, dense_optimizer=args.dense_optimizer,
-        lr=args.lr, embedding_lr=args.embedding_lr, eval_fraction=args.eval_fraction,
-        metrics_every=args.metrics_every, parity=args.parity, kills=args.kill, rebuild_chunk=args.rebuild_chunk,
-        parity_batches=args.parity_batches, rebuild_rate=args.rebuild_rate, checkpoint_every=args.checkpoint_every,
-        dask_address=args.dask_address,
-    )
+def config_from_args(args: argparse.Namespace):
+    """The TrainConfig the options say (TrainConfigError names a bad field)."""
+    from dlrmflow.engine.train_config import TrainConfig
+
+    return TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields if hasattr(args, name)})
 
 
 class TrainingStopped(UserInputError):
     """Training failed after a checkpoint: one line with the cause and the command that resumes the run."""
 
 
-def config_of(params: dict[str, Any]):
-    """The TrainConfig the train flow builds from its parameters."""
-    from dataclasses import fields
-
-    from dlrmflow.engine.trainer import TrainConfig
-
-    names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k in names})
-
-
-def run_training(params: dict[str, Any]) -> dict[str, Any]:
-    """Check, then run the train flow. A failure that leaves a resumable run names `dlrmflow resume RUN_DIR`."""
+def run_training(config, dask_address: str | None) -> dict[str, Any]:
+    """Check ``config`` once, then run the train flow on the result. A failure that leaves a resumable run
+    names `dlrmflow resume RUN_DIR`."""
     from dlrmflow.engine.checkpoint import ResumeError, unfinished_run_message
     from dlrmflow.engine.trainer import prepare_run
-    from dlrmflow.flows.train import train_flow
+    from dlrmflow.flows.train import train_checked
 
-    prepare_run(config_of(params))  # every input check (UserInputError), before Prefect or Dask start
+    setup = prepare_run(config)  # every input check (UserInputError), before Prefect or Dask start
     try:
-        summary = train_flow(**params)
+        summary = train_checked(setup, dask_address)
     except ResumeError:
         raise
     except Exception as exc:
-        message = unfinished_run_message(params["output_dir"])
+        message = unfinished_run_message(config.output_dir)
         if message is None:
             raise
         raise TrainingStopped(f"training stopped ({type(exc).__name__}: {exc}); {message}") from exc
     except KeyboardInterrupt:
-        message = unfinished_run_message(params["output_dir"])
+        message = unfinished_run_message(config.output_dir)
         if message:
             print(message, file=sys.stderr)
         raise
@@ -129,10 +109,7 @@ def run_training(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    params = flow_parameters(args)
-    if params["bottom_mlp"] is None:
-        params["bottom_mlp"] = [512, 256, 64, args.embedding_dim]
-    return run_training(params)
+    return run_training(config_from_args(args), args.dask_address)
 
 
 def _fmt_bytes(n: int) -> str:

@@ -20,6 +20,16 @@ mode bit-identical to ``local``.
 
 All stores count the bytes they fetch and write back and the seconds compute waited on
 embedding traffic (``stall_seconds``).
+
+The checkpoint view. A checkpoint (:mod:`.checkpoint`) asks each store, through the same calls
+whatever the mode, for:
+
+- :meth:`RowStore.logical_rows`: every row's value as the home (table or shards) would hold it
+  once every write the store still holds has landed;
+- :meth:`RowStore.traffic`: the bytes moved so far, counted as an uninterrupted run counts them;
+- :meth:`RowStore.restart_at`: continue at iteration ``t`` from a checkpoint's rows, after
+  :meth:`RowStore.drop_pending` forgot what the store held and :meth:`ShardRows.replace_shards`
+  swapped in shards restored from the checkpoint.
 """
 
 from __future__ import annotations
@@ -29,16 +39,10 @@ import time
 import numpy as np
 import torch
 
-from dlrmflow.engine.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
 from dlrmflow.engine.embedding_server import ShardGroup
+from dlrmflow.engine.planner import CapacityError
 from dlrmflow.engine.prefetch import Done, PlanViolation, PrefetchWorker
-from dlrmflow.errors import UserInputError
-
-INIT_CHUNK_ROWS = 1 << 18
-
-
-class CapacityError(UserInputError):
-    """The cache cannot hold the rows one iteration needs."""
 
 
 def host_buffer(rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -78,6 +82,33 @@ class RowStore:
     def close(self) -> None:
         """Stop background work (also on errors)."""
 
+    # ---- the checkpoint view -------------------------------------------------------------------------
+
+    def logical_rows(self) -> np.ndarray:
+        """Every row ``[total_rows, width]`` in global id order as the home would hold it after every
+        write the store still holds (a pending write-back, cached rows) has landed; a fresh array.
+        Sends nothing and is not counted as traffic; waits until background work is idle."""
+        raise NotImplementedError
+
+    def traffic(self) -> dict[str, int]:
+        """``bytes_fetched`` and ``bytes_written`` so far, counted as an uninterrupted run counts them
+        at this point: a write that :meth:`logical_rows` includes counts as written, a row fetched
+        ahead for a later iteration not yet as fetched. A run resumed from a checkpoint starts its
+        counters from these."""
+        return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
+
+    def drop_pending(self) -> None:
+        """Forget, without sending them, the writes the home has not applied (a pending write-back,
+        cached rows) and stop background traffic: the first step of reloading a checkpoint, before
+        the home is replaced. Only :meth:`restart_at` may follow."""
+
+    def restart_at(self, t: int, rows: np.ndarray) -> None:
+        """Continue at iteration ``t`` from ``rows``, every row's value before ``t`` (a checkpoint's
+        :meth:`logical_rows`): afterwards :meth:`logical_rows` equals ``rows`` and gathers from ``t`` on
+        return what an uninterrupted run's return. Whatever the store held is dropped unsent. A store
+        backed by shards expects them to hold ``rows`` already (restored from the checkpoint)."""
+        raise NotImplementedError
+
 
 class LocalRows(RowStore):
     def __init__(self, spec: RowSpec, device: torch.device) -> None:
@@ -102,8 +133,42 @@ class LocalRows(RowStore):
     def all_rows(self) -> np.ndarray:
         return self.table.cpu().numpy()
 
+    def logical_rows(self) -> np.ndarray:
+        return self.table.cpu().numpy().copy()
 
-class RemoteRows(RowStore):
+    def restart_at(self, t: int, rows: np.ndarray) -> None:
+        """The table is the home: it takes ``rows``."""
+        if rows.shape != tuple(self.table.shape):
+            raise ValueError(f"the table holds rows of shape {tuple(self.table.shape)}, got {rows.shape}")
+        self.table.copy_(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)))
+
+
+class ShardRows(RowStore):
+    """A store whose rows live on embedding shards (every mode but ``local``): the shards are the
+    home, the store holds at most some newer copies."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup) -> None:
+        super().__init__(spec, device)
+        self.shards = shards
+
+    def all_rows(self) -> np.ndarray:
+        return self.shards.all_rows()
+
+    def close(self) -> None:
+        self.shards.close()
+
+    def replace_shards(self, shards: ShardGroup) -> ShardGroup:
+        """Use ``shards`` from now on (after :meth:`drop_pending`: nothing is sent to the old ones);
+        returns the old group, for the caller to close."""
+        old, self.shards = self.shards, shards
+        return old
+
+    def restart_at(self, t: int, rows: np.ndarray) -> None:
+        """The shards hold ``rows``: drop whatever the store holds."""
+        self.drop_pending()
+
+
+class RemoteRows(ShardRows):
     """Every iteration: fetch all its rows, train, write them all back.
 
     The write-back of iteration ``t`` travels in the same round trip as the fetch of ``t + 1``
@@ -111,8 +176,7 @@ class RemoteRows(RowStore):
     one round trip per shard; the last write-back happens in :meth:`finish`."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup) -> None:
-        super().__init__(spec, device)
-        self.shards = shards
+        super().__init__(spec, device, shards)
         self._pending_ids = np.zeros(0, dtype=np.int64)
         self._pending_rows = np.zeros((0, spec.width), dtype=np.float32)
 
@@ -143,11 +207,19 @@ class RemoteRows(RowStore):
     def read(self, ids: np.ndarray) -> torch.Tensor:
         return self._fetch(ids, self._pending_ids[:0], self._pending_rows[:0])
 
-    def all_rows(self) -> np.ndarray:
-        return self.shards.all_rows()
+    def logical_rows(self) -> np.ndarray:
+        rows = self.shards.all_rows()
+        rows[self._pending_ids] = self._pending_rows
+        return rows
 
-    def close(self) -> None:
-        self.shards.close()
+    def traffic(self) -> dict[str, int]:
+        """The pending write-back is in :meth:`logical_rows`: counted as written."""
+        counts = super().traffic()
+        counts["bytes_written"] += len(self._pending_ids) * self.spec.row_bytes
+        return counts
+
+    def drop_pending(self) -> None:
+        self._pending_ids, self._pending_rows = self._pending_ids[:0], self._pending_rows[:0]
 
 
 class SlotDirectory:
@@ -172,12 +244,11 @@ class SlotDirectory:
         return np.sort(self.owner[self.owner >= 0])
 
 
-class CachedRows(RowStore):
+class CachedRows(ShardRows):
     """Shared by the LRU and oracle stores: a cache tensor of rows plus a slot directory."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, num_slots: int) -> None:
-        super().__init__(spec, device)
-        self.shards = shards
+        super().__init__(spec, device, shards)
         self.cache = torch.zeros((num_slots, spec.width), dtype=torch.float32, device=device)
         self.directory = SlotDirectory(spec.total_rows, num_slots)
         self._slots: torch.Tensor | None = None  # slots of the current iteration's ids
@@ -220,16 +291,22 @@ class CachedRows(RowStore):
         assert self._slots is not None
         self.cache.index_copy_(0, self._slots, block)
 
+    def _empty_cache(self) -> None:
+        """No row cached: a fresh directory and a zeroed cache."""
+        self.directory = SlotDirectory(self.spec.total_rows, len(self.cache))
+        self.cache.zero_()
+
     def read(self, ids: np.ndarray) -> torch.Tensor:
         host = host_buffer(len(ids), self.spec.width, self.device)
         self.shards.fetch(ids, out=host.numpy())
         return host.to(self.device)
 
-    def all_rows(self) -> np.ndarray:
-        return self.shards.all_rows()
-
-    def close(self) -> None:
-        self.shards.close()
+    def logical_rows(self) -> np.ndarray:
+        """The shards' rows overlaid with every cached row (a cached row is at least as new)."""
+        rows = self.shards.all_rows()
+        ids = self.directory.cached_ids()
+        rows[ids] = self._rows_in_slots(self.directory.slot_of[ids])
+        return rows
 
 
 class LruRows(CachedRows):
@@ -287,6 +364,10 @@ class LruRows(CachedRows):
     def finish(self) -> None:
         self._write_back_all()
 
+    def drop_pending(self) -> None:
+        self._empty_cache()
+        self.last_used[:] = -1
+
 
 class OracleRows(CachedRows):
     """Executes a lookahead plan: prefetches ``P`` iterations ahead in a background worker.
@@ -305,17 +386,21 @@ class OracleRows(CachedRows):
         self._step = None
         self.restart_at(start, rows)
 
-    def restart_at(self, t: int, rows: np.ndarray | None) -> None:
-        """Stop any running worker, rebuild the slot directory the plan implies before iteration ``t``
-        (its prefetches and evictions of ``0 .. t-1`` replayed, no data moved), load those cached rows
-        from ``rows`` and start a worker at ``t`` that does not fetch them again."""
+    def drop_pending(self) -> None:
+        """Stop the worker (before the shards it talks to go away) and empty the cache."""
         if self.worker is not None:
             self.worker.stop()
             self._collect_worker_traffic()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no copy of the old worker still lands in the cache
-        self.directory = SlotDirectory(self.spec.total_rows, self.plan.num_slots)
-        self.cache.zero_()
+        self._empty_cache()
+
+    def restart_at(self, t: int, rows: np.ndarray | None) -> None:
+        """Stop any running worker, rebuild the slot directory the plan implies before iteration ``t``
+        (its prefetches and evictions of ``0 .. t-1`` replayed, no data moved), load those cached rows
+        from ``rows`` and start a worker at ``t`` that does not fetch them again. ``rows`` may be None
+        only for ``t = 0`` (nothing is cached there)."""
+        self.drop_pending()
         ids = slots = np.zeros(0, dtype=np.int64)
         if t > 0:
             if rows is None:
@@ -340,15 +425,27 @@ class OracleRows(CachedRows):
         self._step = None
         self.worker.start()
 
-    def quiesce(self) -> None:
+    def _quiesce(self) -> None:
         """Wait until the worker has written back every posted eviction and has no round trip in flight."""
         self.worker.wait_idle()
 
-    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """After :meth:`quiesce`: (ids, rows) of every row in the cache. Rows prefetched for iterations
-        not yet computed equal the shards' copies; the others are newer."""
+    def logical_rows(self) -> np.ndarray:
+        """With the worker idle (no write-back in flight, the shards' rows cannot change under the read):
+        the shards' rows overlaid with every row in the cache, as the worker places them. Rows
+        prefetched for iterations not yet computed equal the shards' copies; the others are newer."""
+        self._quiesce()
+        rows = self.shards.all_rows()
         ids = np.flatnonzero(self.worker.slot_of >= 0)
-        return ids, self._rows_in_slots(self.worker.slot_of[ids])
+        rows[ids] = self._rows_in_slots(self.worker.slot_of[ids])
+        return rows
+
+    def traffic(self) -> dict[str, int]:
+        """With the worker idle: its traffic so far, less what it fetched ahead for later iterations."""
+        self._quiesce()
+        counts = super().traffic()
+        counts["bytes_fetched"] += int(self.worker.bytes_fetched - self.worker.bytes_fetched_ahead())
+        counts["bytes_written"] += int(self.worker.bytes_written)
+        return counts
 
     def _collect_worker_traffic(self) -> None:
         self.bytes_fetched += self.worker.bytes_fetched

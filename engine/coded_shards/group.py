@@ -1,0 +1,386 @@
+"""The trainer's coded shard group: the write path (write-backs, parity deltas, degraded reads).
+
+Write-backs. The trainer is the only writer. Every fetch of a row leaves a copy of what was fetched
+in the group (:class:`~dlrmflow.engine.coded_shards.checked_out.CheckedOutRows`); when the row is
+written back, the group takes that copy, and the parity change of the whole batch is
+``combine_changes`` of its rows' ``old ^ new``: each touched stripe once, computed while the data
+shards work on the batch. A write-back batch gets a sequence number; data and parity shards record
+the numbers they applied and ignore a batch they have already applied, so a resent batch (after a
+shard died mid-batch) is applied exactly once. :meth:`CodedShardGroup.exchange` returns once the data
+shards have acknowledged (their answer carries the fetched rows). The parity deltas of up to
+``parity_batches`` consecutive batches travel in one message per parity shard (an actor call costs
+far more than its deltas), and that message's acknowledgement is awaited when the next one is sent.
+Before anything reads parity (a degraded read, a rebuild, verify) the pending deltas are sent and
+acknowledged (:meth:`~CodedShardGroup.settle`). Once settled, data and parity are a consistent
+codeword. Deltas still pending live only in the trainer: losing them with the trainer loses nothing,
+since a crashed trainer resumes from its checkpoint and re-encodes parity; a parity shard that dies
+with deltas pending is rebuilt from the data shards, which hold those batches.
+
+Failures. A call to a member whose worker died raises ``OSError``: the group marks the member lost
+(:class:`~dlrmflow.engine.coded_shards.rebuild_state.RebuildState`, which alone changes the recovery
+state), resends the batch to the survivors (idempotent) and has a rebuild thread started
+(:mod:`dlrmflow.engine.coded_shards.rebuild`; docs/rebuild.md argues why it is exact). Until a stripe
+is rebuilt, reads of a lost data shard's rows are *degraded reads*: decoded from K survivors'
+stripes, which come back with the batch's own calls (a surviving data shard reads them after
+applying the batch, a surviving parity shard after applying every pending delta; earlier parity
+messages are acknowledged first), so they are one consistent version of each stripe, and a degraded
+read costs no extra round trip.
+
+Every method that touches the state runs under ``lock`` (an RLock the rebuild thread shares).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from distributed import Client
+
+from dlrmflow.engine.coded_shards.checked_out import CheckedOutRows
+from dlrmflow.engine.coded_shards.members import member_name, num_stripes, shard_row_counts
+from dlrmflow.engine.coded_shards.rebuild_state import RebuildState
+from dlrmflow.engine.embedding_rows import RowSpec
+from dlrmflow.engine.embedding_server import LostMembersError, ShardGroup, remote, wait_all
+from dlrmflow.engine.erasure import ErasureCode, xor_bits
+from dlrmflow.engine.train_config import TrainConfig
+
+# The defaults of a run (declared, with their meaning, in TrainConfig), for a group started directly.
+PARITY_BATCHES: int = TrainConfig.model_fields["parity_batches"].default
+REBUILD_CHUNK: int = TrainConfig.model_fields["rebuild_chunk"].default
+
+RecoveryRunner = Callable[[Callable[..., dict], dict], Any]
+
+
+class CodedShardGroup(ShardGroup):
+    """K coded data shards + R parity shards; the trainer's side of write-backs, verify and recovery.
+
+    Same interface as :class:`ShardGroup` (the trainer modes do not know about parity).
+    ``start_rebuild(group)`` starts the thread that rebuilds lost members (without it, as in tests that
+    drive the state by hand, a lost member stays lost)."""
+
+    def __init__(self, spec: RowSpec, client: Client | None, code: ErasureCode, members: list, futures: list,
+                 workers: list[str], *, rebuild_chunk: int = REBUILD_CHUNK, parity_batches: int = PARITY_BATCHES,
+                 rebuild_rate: float = 0.0, recovery_runner: RecoveryRunner | None = None,
+                 start_rebuild: Callable[[CodedShardGroup], threading.Thread] | None = None) -> None:
+        super().__init__(spec, members[: code.k], futures[: code.k])
+        self.client, self.code = client, code
+        self.n_stripes = num_stripes(spec, code.k)
+        self.rows_of = shard_row_counts(spec, code.k) + [self.n_stripes] * code.r
+        self.state = RebuildState(code, self.n_stripes, members, futures, workers)
+        self.worker_of = list(workers)  # the ShardGroup view of the member table (see _member_table_changed)
+        self.checked_out = CheckedOutRows(spec.total_rows, spec.width)
+        # Rows the trainer has written back (one byte per table row, like ``checked_out.pos``'s four):
+        # the only rows that may differ from their initial values, so the only ones a rebuild copies.
+        self.written = np.zeros(spec.total_rows, dtype=bool)
+        self.lock = threading.RLock()
+        self.seq = 0
+        self.parity_bytes = 0
+        self.write_batches = 0
+        self.degraded_rows = 0
+        self.parity_messages = 0
+        self.rebuild_chunk = rebuild_chunk
+        self.parity_batches = parity_batches
+        self.rebuild_rate = rebuild_rate  # bytes of rebuilt rows per second (0: as fast as it goes)
+        self.recovery_runner = recovery_runner
+        self.start_rebuild = start_rebuild
+        # (seq, (ids, row changes) or its StripeDelta once combined) of batches whose deltas are not sent yet
+        self.pending: list[tuple[int, Any]] = []
+        self.unsettled: list[tuple[int, Any]] = []  # parity messages sent but not yet acknowledged
+        self.recovery_thread: threading.Thread | None = None
+        self.shared_workers = False  # True when the cluster had fewer workers than members
+        self.started_at = time.perf_counter()
+
+    @property
+    def members(self) -> list:
+        """Member ``s``'s actor (a lost member's until its replacement takes its place)."""
+        return self.state.members
+
+    def _member_table_changed(self) -> None:
+        self.actors = self.state.members[: self.code.k]
+        self.futures = self.state.member_futures[: self.code.k]
+        self.worker_of = list(self.state.worker_of)
+
+    # ---- the write-back path ------------------------------------------------------------------
+    def exchange(self, write_ids, write_rows, fetch_ids, out=None):
+        write_ids = np.asarray(write_ids, dtype=np.int64)
+        fetch_ids = np.asarray(fetch_ids, dtype=np.int64)
+        write_rows = np.asarray(write_rows, dtype=np.float32)
+        if out is None:
+            out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
+        with self.lock:
+            self.state.raise_if_fatal()
+            seq = 0
+            if len(write_ids):
+                self.seq += 1
+                seq = self.seq
+                changes = xor_bits(self.checked_out.take(write_ids), write_rows)
+                self.written[write_ids] = True
+                self.state.write_logged(write_ids // self.code.k)  # a rebuild copying: it re-reads these
+                self.pending.append((seq, (write_ids.copy(), changes)))  # combined while the shards work
+                self.write_batches += 1
+            while True:
+                try:
+                    self._exchange_once(seq, write_ids, write_rows, fetch_ids, out)
+                    break
+                except LostMembersError as exc:
+                    self.on_lost(exc.members, exc)  # raises TooManyErasuresError past R; else resend
+            if len(self.pending) >= self.parity_batches:
+                try:
+                    self.send_parity()
+                except LostMembersError as exc:
+                    self.on_lost(exc.members, exc)
+            if len(fetch_ids):
+                self.checked_out.put(fetch_ids, out)
+        self.bytes_written += len(write_ids) * self.spec.row_bytes
+        self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
+        return out
+
+    def stripes_to_copy(self, lost: list[int]) -> np.ndarray:
+        """Stripes where a member of ``lost`` may hold anything but its initial rows: a lost data
+        shard only where the trainer wrote its row, a lost parity shard where it wrote any row of
+        the stripe (parity changes with every data row). Every other stripe a replacement generates."""
+        k = self.code.k
+        copy = np.zeros(self.n_stripes, dtype=bool)
+        for column in range(k) if any(s >= k for s in lost) else sorted(lost):
+            rows = self.written[column::k]  # data shard ``column``'s rows, one per stripe (a short shard: fewer)
+            copy[: len(rows)] |= rows
+        return np.flatnonzero(copy)
+
+    def _combine_pending(self) -> None:
+        """Turn each pending batch's row changes into its parity delta (each touched stripe once).
+        Called while the data shards work on a batch; idempotent."""
+        k = self.code.k
+        for n, (seq, batch) in enumerate(self.pending):
+            if isinstance(batch, tuple):
+                ids, changes = batch
+                delta = self.code.combine_changes(ids % k, ids // k, changes)
+                self.parity_bytes += self.code.r * delta.parity[0].nbytes
+                self.pending[n] = (seq, delta)
+
+    def _exchange_once(self, seq, write_ids, write_rows, fetch_ids, out) -> None:
+        """One round trip: every data shard's write-back and fetch; with rows of a lost data shard to
+        read (a *degraded read*), the survivors' stripes for their decode come in the same round trip:
+        a surviving data shard gathers them after applying this batch, a surviving parity shard after
+        applying the pending deltas (this batch's included)."""
+        k, state = self.code.k, self.state
+        plan, degraded = [], []
+        for i, (w, f) in enumerate(zip(self.split_by_shard(write_ids), self.split_by_shard(fetch_ids), strict=True)):
+            w, f = w[1], f[1]
+            target = state.target(i)
+            if i in state.lost:  # rebuilt stripes come from the replacement, the rest by degraded reads
+                rebuilt = state.is_rebuilt(fetch_ids[f] // k)  # none while no replacement exists
+                if not rebuilt.all():
+                    degraded.append((i, f[~rebuilt]))
+                f = f[rebuilt]
+                if target is None:
+                    continue  # the write reaches parity; the rebuild decodes it from survivors
+                # Only rebuilt stripes are written to the replacement: the others reach parity, and
+                # the rebuild installs them later from survivors (re-read if written during the copy).
+                w = w[state.is_rebuilt(write_ids[w] // k)]
+            plan.append((i, target, w, f))
+        stripes, survivors = None, ()
+        if degraded:
+            stripes = np.unique(np.concatenate([fetch_ids[f] // k for _, f in degraded]))
+            survivors = state.survivors()
+            self.await_acks()  # earlier parity messages land before this read of parity
+        calls = []
+        for i, target, w, f in plan:
+            gather = stripes if i in survivors else None
+            if len(w) or len(f) or gather is not None:
+                rows = np.ascontiguousarray(write_rows[w])
+                calls.append((i, remote(target, "exchange_seq", seq, write_ids[w], rows, fetch_ids[f], gather), f))
+        if stripes is not None:  # the other parity shards' acknowledgements are awaited later
+            for s, call in self._send_pending(gather=stripes, to=survivors):
+                if s in survivors:
+                    calls.append((s, call, None))
+                else:
+                    self.unsettled.append((s, call))
+        self._combine_pending()
+        results, error = wait_all([(s, c) for s, c, _ in calls])
+        if error:
+            raise error
+        pieces = {}
+        for s, _, f in calls:
+            if s in survivors:
+                if s >= k:
+                    pieces[s] = results[s]
+                    continue
+                results[s], pieces[s] = results[s]
+            if len(f):
+                out[f] = results[s]
+        if degraded:
+            decoded = self.code.decode(pieces, sorted(state.lost))
+            for i, f in degraded:
+                out[f] = decoded[i][np.searchsorted(stripes, fetch_ids[f] // k)]
+                self.degraded_rows += len(f)
+
+    # ---- parity messages ----------------------------------------------------------------------
+    def send_parity(self) -> None:
+        """Send the pending deltas, one message per parity shard, once the previous message is
+        acknowledged (lock held; raises LostMembersError)."""
+        self.await_acks()
+        self.unsettled += self._send_pending()
+
+    def _send_pending(self, gather: np.ndarray | None = None, to: tuple[int, ...] = ()) -> list[tuple[int, Any]]:
+        """Calls that hand every parity shard the pending deltas; those in ``to`` also return their
+        rows of stripes ``gather`` once the deltas are applied. A parity shard that is lost, and not
+        yet replaced, gets nothing: its rebuild decodes these batches from the data shards."""
+        self._combine_pending()
+        batches, self.pending = self.pending, []
+        seqs, stripes = [seq for seq, _ in batches], [delta.stripes for _, delta in batches]
+        k, calls = self.code.k, []
+        for p in range(self.code.r):
+            target = self.state.target(k + p)
+            if target is None or not (batches or k + p in to):
+                continue
+            parity = [delta.parity[p] for _, delta in batches]
+            if k + p in to:
+                calls.append((k + p, remote(target, "apply_and_gather", seqs, stripes, parity, gather)))
+            else:
+                calls.append((k + p, remote(target, "apply_batches", seqs, stripes, parity)))
+        self.parity_messages += bool(batches)
+        return calls
+
+    def await_acks(self) -> None:
+        """Wait for the acknowledgement of every parity message sent (lock held; raises LostMembersError)."""
+        calls, self.unsettled = self.unsettled, []
+        _, error = wait_all(calls)
+        if error:
+            raise error
+
+    def settle(self) -> None:
+        """Send the pending parity deltas and wait for every acknowledgement (lock held); raises
+        LostMembersError. Afterwards data and parity are one codeword."""
+        self.send_parity()
+        self.await_acks()
+
+    def read_current(self, stripes: np.ndarray, survivors: tuple[int, ...]) -> dict[int, np.ndarray]:
+        """The survivors' rows of ``stripes`` as of now (lock held), in one round trip: the pending parity
+        deltas go out with the read and a surviving parity shard applies them before it reads (as in a
+        degraded read); a replacement parity shard gets them too. Raises LostMembersError."""
+        k = self.code.k
+        self.await_acks()  # earlier parity messages land before this read of parity
+        calls = [(s, remote(self.state.members[s], "gather", stripes)) for s in survivors if s < k]
+        calls += self._send_pending(gather=stripes, to=survivors)
+        results, error = wait_all(calls)
+        if error:
+            raise error
+        return {s: results[s] for s in survivors}
+
+    # ---- failures ---------------------------------------------------------------------------------
+    def on_lost(self, members: set[int], cause: BaseException | None = None) -> None:
+        """Members (or replacements being rebuilt) are gone: restart the rebuild of everything lost
+        (:meth:`RebuildState.member_lost`). Called with the lock held; losing more than R raises
+        TooManyErasuresError (and keeps it)."""
+        if self.state.member_lost(set(members), cause, time.perf_counter()) and self.start_rebuild is not None:
+            self.recovery_thread = self.start_rebuild(self)
+
+    def finish_rebuild(self, generation: int) -> bool:
+        """Every lost member of ``generation`` is rebuilt: its replacement takes its place (lock held).
+        False when a further loss superseded that generation."""
+        if not self.state.rebuild_finished(generation, time.perf_counter()):
+            return False
+        self._member_table_changed()
+        return True
+
+    def find_dead(self) -> set[int]:
+        """Members (or replacements) whose workers do not answer. Called with the lock held."""
+        dead = set()
+        try:
+            self.settle()
+        except LostMembersError as exc:
+            dead |= exc.members
+        calls = [(s, remote(self.state.target(s), "pid")) for s in range(self.code.n_shards)
+                 if self.state.target(s) is not None]
+        _, error = wait_all(calls)
+        return dead | (set() if error is None else error.members)
+
+    def probe(self) -> None:
+        """Ping every member so a dead one is noticed (the end of a run touches all of them)."""
+        with self.lock:
+            self.state.raise_if_fatal()
+            try:
+                self.settle()
+            except LostMembersError as exc:
+                self.on_lost(exc.members, exc)
+                return
+            calls = [(s, remote(self.state.target(s), "applied_batches")) for s in range(self.code.n_shards)
+                     if self.state.target(s) is not None]
+            _, error = wait_all(calls)
+            if error:
+                self.on_lost(error.members, error)
+
+    def wait_recovered(self, timeout: float = 600.0) -> None:
+        """Block until no member is lost (every rebuild finished); re-raise a fatal loss."""
+        self.probe()
+        deadline = time.perf_counter() + timeout
+        while True:
+            with self.lock:
+                self.state.raise_if_fatal()
+                if not self.state.lost:
+                    return
+                thread = self.recovery_thread
+            if thread is not None:
+                thread.join(0.05)
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"the rebuild of {sorted(self.state.lost)} did not finish in {timeout} s")
+
+    # ---- whole-group reads --------------------------------------------------------------------
+    def all_rows(self) -> np.ndarray:
+        while True:  # a member lost while its rows are read is rebuilt, then read again
+            self.wait_recovered()
+            with self.lock:
+                calls = [(s, remote(self.state.members[s], "local_rows")) for s in range(self.code.k)]
+                rows, error = wait_all(calls)
+                if error is None:
+                    break
+                self.on_lost(error.members, error)
+        out = np.empty((self.spec.total_rows, self.spec.width), dtype=np.float32)
+        for s in range(self.code.k):
+            out[s :: self.code.k] = rows[s]
+        return out
+
+    def stats(self):
+        self.wait_recovered()
+        return super().stats()
+
+    def verify(self) -> dict[str, Any]:
+        """Recompute parity from the data shards and compare bit for bit with the parity shards."""
+        self.wait_recovered()
+        with self.lock:
+            self.settle()
+            calls = [self.state.members[s].all_local_rows() for s in range(self.code.n_shards)]
+            rows = [c.result() for c in calls]
+        data, parity = rows[: self.code.k], rows[self.code.k :]
+        mismatches = self.code.verify(data, parity)
+        return {"ok": all(len(m) == 0 for m in mismatches), "stripes": self.n_stripes,
+                "mismatched_stripes": [int(len(m)) for m in mismatches], "data": data, "parity": parity}
+
+    def close(self) -> None:
+        with self.lock:
+            self.state.closed()
+        if self.recovery_thread is not None:
+            self.recovery_thread.join(30)
+        with self.lock:
+            self.state.released()
+        super().close()
+
+    def summary(self) -> dict[str, Any]:
+        state = self.state
+        return {
+            "parity_shards": self.code.r,
+            "write_back_batches": self.write_batches,
+            "parity_messages": self.parity_messages,  # per parity shard: up to parity_batches batches each
+            "parity_bytes_sent": int(self.parity_bytes),
+            "degraded_rows_read": int(self.degraded_rows),
+            "checked_out_rows_bytes": self.checked_out.nbytes,
+            "parity_rows_bytes": int(self.code.r * self.n_stripes * self.spec.row_bytes),
+            "member_workers": {member_name(s, self.code.k): w for s, w in enumerate(state.worker_of)},
+            "members_share_workers": self.shared_workers,  # then one kill can take several members
+            "standby_worker": next((w for w, _, _ in state.standby.values()), None),  # its standbys left
+            "recoveries": [r.as_dict(self.code.k, self.started_at) for r in state.recoveries],
+            "clock_origin": self.started_at,  # perf_counter() that the *_s times count from
+        }

@@ -1,0 +1,58 @@
+"""Every use of a Dask private API in the engine, each behind one function.
+
+Dask's public API has no way to ask an actor handle where it lives, to read a finished actor call
+without a trip through the client's event loop, to find the object behind an actor hosted by the
+current worker, or to tell "the actor's worker is gone" from another error. These functions do it
+through ``distributed`` internals, named in each docstring; ``tests/test_dask_internals.py`` runs
+each against a real cluster, so a Dask upgrade that changes one fails there, not in a kill run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Actor, Client
+
+LOST_ACTOR_MESSAGE = "Worker holding Actor was lost"  # distributed.actor.Actor.__getattr__'s RuntimeError
+
+
+def actor_address(actor: Actor) -> str:
+    """The address of the worker hosting ``actor``. Relies on ``Actor._address``."""
+    return actor._address
+
+
+def actor_client(actor: Actor) -> Client | None:
+    """The client ``actor``'s calls go through (None on a worker that has not bound one yet).
+    Relies on ``Actor._client``."""
+    return actor._client
+
+
+def finished_outcome(call: Any) -> tuple[bool, Any]:
+    """``(True, value)`` for an actor call already answered, raising its error if it failed;
+    ``(False, None)`` when it is not answered yet, or ``call`` is not an ``ActorFuture``.
+
+    Reads the outcome without ``result()``, which hands every wait to the client's event-loop thread
+    even for a finished call. Relies on ``distributed.actor.ActorFuture._out`` (an ``_OK`` or
+    ``_Error`` with ``unwrap()``, set once the call is done)."""
+    out = getattr(call, "_out", None)
+    if out is None or not call.done():
+        return False, None
+    return True, out.unwrap()
+
+
+def local_actor(actor: Actor) -> Any:
+    """The object behind ``actor`` when the current worker hosts it, else None (also outside a worker).
+    Relies on ``get_worker().state.actors`` (the worker state's map from key to actor object)."""
+    from distributed import get_worker
+
+    try:
+        return get_worker().state.actors.get(actor.key)
+    except (ValueError, AttributeError):  # not on a worker, or a Dask without these internals: no shortcut
+        return None
+
+
+def is_lost_actor_error(exc: BaseException) -> bool:
+    """An actor call failed because the actor's worker is gone: a broken connection (OSError, which
+    CommClosedError is too), or Dask refusing to send to a worker it knows is lost. Relies on the
+    wording of the RuntimeError that ``distributed.actor.Actor.__getattr__`` raises then."""
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and LOST_ACTOR_MESSAGE in str(exc))

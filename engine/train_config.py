@@ -1,0 +1,193 @@
+"""The training configuration, declared once: every field's type, default, bounds and help text.
+
+:class:`TrainConfig` is what :func:`dlrmflow.engine.trainer.train` runs, the train flow's
+parameter, the source of the ``dlrmflow train`` options (:func:`cli_option` names them) and
+what ``RUN_DIR/run_config.json`` records for ``dlrmflow resume``. Constructing one validates it:
+a bad value raises :class:`TrainConfigError` (a ``UserInputError``: the CLI prints one line and
+exits 2) whose message starts with the field's name, e.g. ``batch_size: --batch-size must be >= 1,
+got 0``. Checks that need the dataset, the plan or the machine are made by ``prepare_run``.
+
+This module imports neither torch nor Prefect: the CLI builds its parser from it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dlrmflow.engine.faults import KILL_SYNTAX, check_kills
+from dlrmflow.errors import UserInputError
+
+MODES = ("local", "remote", "lru", "oracle")
+SERVER_MODES = ("remote", "lru", "oracle")  # rows on embedding servers (what parity and checkpoints protect)
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.engine.embedding_rows
+DENSE_OPTIMIZERS = ("sgd", "adam")
+DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
+
+# Fields whose `dlrmflow train` option is not --field-name; fields in NO_OPTION have none.
+OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_dir": "--plan",
+                "num_shards": "--shards", "kills": "--kill"}
+NO_OPTION = ("eval_batch_size", "save_state", "resume")
+
+
+class TrainConfigError(UserInputError):
+    """The training configuration is invalid, or does not fit the data, the plan or the machine."""
+
+
+def cli_option(field: str) -> str | None:
+    """The ``dlrmflow train`` option (or positional) that sets ``field``; None for a field it does not set."""
+    if field in NO_OPTION:
+        return None
+    return OPTION_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
+class TrainConfig(BaseModel):
+    """One training run. Frozen; unknown fields are refused. ``TrainConfig(**values)`` raises
+    :class:`TrainConfigError` naming every invalid field; :func:`replace` makes a validated copy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dataset_dir: str = Field(description="a preprocessed dataset directory")
+    mode: Literal[MODES] = Field(
+        description="where embedding rows live: local tables, remote shards (no cache), remote + LRU cache, "
+                    "remote + plan-driven cache and prefetch")
+    output_dir: str = Field(description="where final_state.pt, summary.json and iterations.csv go")
+    batch_size: int = Field(128, ge=1, description="training batch size")
+    iterations: int | None = Field(
+        None, ge=1, description="batches to train (default: every batch before the held-out rows)")
+    num_shards: int = Field(2, ge=1, description="embedding servers")
+    capacity: int | None = Field(
+        None, ge=1, description="cache rows: required by --mode lru; with --mode oracle an optional bound on "
+                                "the plan's cache")
+    plan_dir: str | None = Field(None, description="the plan for --mode oracle (`dlrmflow plan`)")
+    device: str = Field("cpu", description="cpu or cuda")
+    seed: int = Field(0, description="model and embedding initialisation")
+    embedding_dim: int = Field(16, ge=1, description="embedding width")
+    bottom_mlp: tuple[int, ...] | None = Field(
+        None, description="bottom MLP layer sizes after the input, e.g. 512-256-64-16 (default: 512-256-64 "
+                          "then --embedding-dim)")
+    top_mlp: tuple[int, ...] = Field((512, 256, 1), description="top MLP layer sizes, ending in 1")
+    embedding_optimizer: Literal[EMBEDDING_OPTIMIZERS] = Field("adagrad", description="row-wise Adagrad or SGD")
+    dense_optimizer: Literal[DENSE_OPTIMIZERS] = Field("sgd", description="optimizer of the dense parameters")
+    lr: float = Field(0.01, gt=0, description="dense learning rate")
+    embedding_lr: float | None = Field(None, gt=0, description="embedding learning rate (default: --lr)")
+    eval_fraction: float = Field(
+        0.1, ge=0, lt=1, description="the last F of the dataset's rows are held out for AUC / log loss")
+    eval_batch_size: int = Field(4096, ge=1, description="batch size of the evaluation")
+    metrics_every: int = Field(50, ge=1, description="log loss and timings every N iterations")
+    save_state: bool = Field(True, description="write final_state.pt (its SHA-256 is always computed)")
+    parity: int = Field(
+        0, ge=0, le=4, description="R erasure-coded parity shards (1: XOR, 2-4: Reed-Solomon; 0: none); a "
+                                   "LocalCluster then gets one worker per shard plus a spare")
+    kills: tuple[str, ...] = Field(
+        (), description=f"failure injection ({KILL_SYNTAX}, repeatable): SIGKILL the worker of data shard I or "
+                        "parity shard J when iteration ITER starts; needs --parity or --checkpoint-every")
+    rebuild_chunk: int = Field(
+        262144, ge=1, description="stripes per recovery task (bounds a rebuild's memory per chunk)")
+    parity_batches: int = Field(
+        8, ge=1, description="write-back batches whose parity deltas go to the parity shards in one message "
+                             "(1: a message per batch). Fewer messages cost the trainer less; pending deltas "
+                             "are sent before anything reads parity")
+    rebuild_rate: float = Field(
+        0.0, ge=0, json_schema_extra={"unit": "MB/s"},
+        description="cap a rebuild at MB/S of rebuilt rows (0: as fast as it goes). On machines the trainer "
+                    "shares with the servers, a cap leaves training more of the cores while a lost shard is "
+                    "rebuilt, and the rebuild takes longer")
+    checkpoint_every: int | None = Field(
+        None, ge=1, description="checkpoint all shards + dense state every N iterations (modes remote, lru, "
+                                "oracle): without --parity a lost shard is reloaded and replayed; a crashed run "
+                                "continues with `dlrmflow resume RUN_DIR`")
+    resume: bool = Field(
+        False, description="continue the unfinished run in output_dir from its checkpoint (same configuration)")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise config_error(exc) from None
+
+    @field_validator("dataset_dir", "output_dir", "plan_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @model_validator(mode="after")
+    def _fields_agree(self) -> TrainConfig:
+        """The rules between fields; each error names the field it is about."""
+        if self.mode not in SERVER_MODES:
+            if self.parity:
+                raise TrainConfigError("parity: --parity needs embedding servers; use --mode remote, lru or oracle")
+            if self.checkpoint_every is not None:
+                raise TrainConfigError("checkpoint_every: --checkpoint-every works with --mode remote, lru or oracle")
+        if self.capacity is not None and self.mode in ("local", "remote"):
+            raise TrainConfigError(f"capacity: --capacity is used by --mode lru and oracle, not --mode {self.mode}")
+        if self.plan_dir and self.mode != "oracle":
+            raise TrainConfigError(f"plan_dir: --plan is only used by --mode oracle, not --mode {self.mode}")
+        if self.kills and not (self.parity or self.checkpoint_every):
+            raise TrainConfigError("kills: --kill needs --parity R >= 1 or --checkpoint-every N (nothing could "
+                                   "recover the lost shard)")
+        # prepare_run checks the iterations again once the dataset says how many there are.
+        check_kills(self.kills, num_shards=self.num_shards, parity=self.parity, iterations=self.iterations)
+        return self
+
+    @property
+    def bottom_layers(self) -> tuple[int, ...]:
+        """The bottom MLP's layer sizes: ``bottom_mlp``, or the default ending in ``embedding_dim``."""
+        return tuple(self.bottom_mlp or (*DEFAULT_BOTTOM_HIDDEN, self.embedding_dim))
+
+
+def replace(config: TrainConfig, **changes: Any) -> TrainConfig:
+    """``config`` with ``changes``, validated like a new one (what ``dataclasses.replace`` does for a dataclass)."""
+    return TrainConfig(**{**config.model_dump(), **changes})
+
+
+# ---- one line naming the field -------------------------------------------------------------------------
+
+
+def config_error(exc: ValidationError) -> UserInputError:
+    """The error to raise for ``exc``: the rule's own error when a validator raised one, else a
+    :class:`TrainConfigError` with one ``field: problem`` part per invalid field."""
+    errors = exc.errors()
+    for error in errors:
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, UserInputError):
+            return cause
+    return TrainConfigError("; ".join(_problem(error) for error in errors))
+
+
+def _problem(error: dict[str, Any]) -> str:
+    field = ".".join(str(part) for part in error["loc"]) or "config"
+    name = str(error["loc"][0]) if error["loc"] else ""
+    info = TrainConfig.model_fields.get(name)
+    value = error.get("input")
+    if error["type"] == "extra_forbidden":
+        return f"{field}: not a training setting"
+    if error["type"] == "missing":
+        return f"{field}: required"
+    what = " ".join(filter(None, [f"{field}:", cli_option(name) if info is not None else None]))
+    if error["type"] == "literal_error":
+        choices = ", ".join(info.annotation.__args__) if info is not None else error["ctx"]["expected"]
+        return f"{field}: unknown {name.replace('_', ' ')} {value!r}; choose one of {choices}"
+    if error["type"] in ("greater_than_equal", "greater_than", "less_than_equal", "less_than") and info is not None:
+        unit = (info.json_schema_extra or {}).get("unit")
+        return f"{what} must be {_bounds(info.metadata)}{' ' + unit if unit else ''}, got {value!r}"
+    message = error["msg"]
+    return f"{what} {message[:1].lower()}{message[1:]}, got {value!r}"
+
+
+def _bounds(metadata: list[Any]) -> str:
+    """A field's range in words: ``>= 1``, ``> 0``, ``between 0 and 4``, ``in [0, 1)``."""
+    bound = {type(m): m for m in metadata if isinstance(m, (Ge, Gt, Le, Lt))}
+    low = f"{bound[Ge].ge}" if Ge in bound else (f"{bound[Gt].gt}" if Gt in bound else None)
+    if Le in bound and Ge in bound:
+        return f"between {low} and {bound[Le].le}"
+    if Lt in bound and low is not None:
+        return f"in {'[' if Ge in bound else '('}{low}, {bound[Lt].lt})"
+    if Ge in bound:
+        return f">= {bound[Ge].ge}"
+    if Gt in bound:
+        return f"> {bound[Gt].gt}"
+    return f"<= {bound[Le].le}" if Le in bound else f"< {bound[Lt].lt}"

@@ -1,0 +1,360 @@
+"""The layering rules, checked on the source itself.
+
+- every module of the engine imports with Prefect unimportable (the engine is usable without it);
+- no module of ``tasks/`` imports ``flows/`` (flows call tasks, never the other way round);
+- no import cycle among engine modules;
+- no engine module reaches into another module's private names;
+- private attributes of other objects (``actor._address``, ``TaskRunContext.__var__``) and private
+  modules of other libraries are used only in ``engine/dask_internals.py`` and
+  ``flows/prefect_internals.py``, each tested against the installed library.
+
+The static checks read every module's syntax tree, imports inside functions and under
+``if TYPE_CHECKING:`` included: a lazy import hides a cycle from the interpreter, not from a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import dlrmflow.engine
+import dlrmflow.tasks
+
+ENGINE = "dlrmflow.engine"
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted, e.g. dlrmflow.engine.coded_shards.group
+    path: Path
+    is_package: bool
+
+    def tree(self) -> ast.Module:
+        return ast.parse(self.path.read_text(), filename=str(self.path))
+
+
+def modules_of(package: str, root: Path) -> list[Module]:
+    """Every module under ``root`` (the directory of ``package``), subpackages included."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        out.append(Module(".".join([package, *parts]), path, is_package))
+    return out
+
+
+def engine_modules() -> list[Module]:
+    return modules_of(ENGINE, Path(dlrmflow.engine.__file__).parent)
+
+
+@dataclass(frozen=True)
+class Imported:
+    """One name an import statement brings in: ``module`` (absolute), and ``name`` for ``from module import name``."""
+
+    module: str
+    name: str | None
+    line: int
+
+
+def from_target(module: Module, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from ... import``, relative forms resolved against ``module``."""
+    if not node.level:
+        return node.module or ""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: Module) -> Iterator[Imported]:
+    """Every import anywhere in the module (top level, functions, conditionals), relative ones resolved."""
+    for node in ast.walk(module.tree()):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield Imported(alias.name, None, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                yield Imported(from_target(module, node), alias.name, node.lineno)
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+# --------------------------------------------------------------------------------------------
+# (a) the engine without Prefect
+
+_IMPORT_WITHOUT_PREFECT = textwrap.dedent(
+    """
+    import importlib, importlib.abc, json, sys, traceback
+
+    class NoPrefect(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "prefect" or name.startswith("prefect."):
+                raise ImportError(f"prefect is unimportable here (import of {name!r})")
+            return None
+
+    sys.meta_path.insert(0, NoPrefect())
+    try:
+        import prefect  # noqa: F401
+        blocked = False
+    except ImportError:
+        blocked = True
+    failures = {}
+    for name in json.loads(sys.argv[1]):
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            failures[name] = traceback.format_exc(limit=-3)
+    print(json.dumps({"blocked": blocked, "failures": failures,
+                      "prefect_loaded": sorted(m for m in sys.modules if m.split(".")[0] == "prefect")}))
+    """
+)
+
+
+def test_every_engine_module_imports_without_prefect():
+    names = [m.name for m in engine_modules()]
+    assert "dlrmflow.engine.erasure" in names and "dlrmflow.engine.trainer" in names
+    done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_PREFECT, json.dumps(names)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["blocked"], "the check is void: prefect could still be imported"
+    failures = "\n".join(f"{name}:\n{trace}" for name, trace in report["failures"].items())
+    assert not report["failures"], f"engine modules that need Prefect (or fail to import):\n{failures}"
+    assert report["prefect_loaded"] == []
+
+
+# --------------------------------------------------------------------------------------------
+# (b) tasks never import flows
+
+
+def test_no_task_module_imports_a_flow_module():
+    flows = "dlrmflow.flows"
+    found = []
+    for module in modules_of("dlrmflow.tasks", Path(dlrmflow.tasks.__file__).parent):
+        for imp in imports_of(module):
+            targets = [imp.module] + ([f"{imp.module}.{imp.name}"] if imp.name else [])
+            if any(t == flows or t.startswith(f"{flows}.") for t in targets):
+                found.append(f"{module.path.name}:{imp.line} imports {imp.module}"
+                             + (f" ({imp.name})" if imp.name else ""))
+        for node in ast.walk(module.tree()):  # importlib.import_module("dlrmflow.flows...")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(flows):
+                found.append(f"{module.path.name}:{node.lineno} names {node.value!r}")
+    assert not found, "tasks/ must not import flows/ (the flow hands tasks what they need):\n" + "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------------
+# (c) no import cycle in the engine
+
+
+def engine_import_graph(modules: list[Module]) -> dict[str, dict[str, int]]:
+    """module -> {engine module it imports: line of the first such import}."""
+    known = {m.name for m in modules}
+    graph: dict[str, dict[str, int]] = {m.name: {} for m in modules}
+    for module in modules:
+        for imp in imports_of(module):
+            # ``from package import name`` imports the submodule ``package.name`` when there is one.
+            target = f"{imp.module}.{imp.name}" if f"{imp.module}.{imp.name}" in known else imp.module
+            if target in known and target != module.name:
+                graph[module.name].setdefault(target, imp.line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (first node repeated at the end) per strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in groups:  # the shortest way from the group's first module back to it
+        start, members = group[0], set(group)
+        paths = {start: [start]}
+        frontier = [start]
+        cycle = None
+        while frontier and cycle is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w == start:
+                        cycle = [*paths[v], start]
+                        break
+                    if w in members and w not in paths:
+                        paths[w] = [*paths[v], w]
+                        nxt.append(w)
+                if cycle:
+                    break
+            frontier = nxt
+        cycles.append(cycle)
+    return cycles
+
+
+def test_the_cycle_finder_names_a_cycle():
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}, "e": {"e": 5}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_no_import_cycle_among_engine_modules():
+    modules = engine_modules()
+    graph = engine_import_graph(modules)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles among engine modules:\n" + "\n".join(describe(c, graph) for c in cycles)
+
+
+def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    """``a (line 3) -> b (line 9) -> a``: a imports b at its line 3, b imports a at its line 9."""
+    steps = [f"{a.removeprefix(ENGINE + '.')} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+    return " -> ".join([*steps, cycle[-1].removeprefix(ENGINE + ".")])
+
+
+# --------------------------------------------------------------------------------------------
+# (d) no access to another engine module's private names
+
+
+def private_accesses(module: Module, known: set[str]) -> Iterator[str]:
+    """``from engine_module import _name`` and ``engine_module._name`` (through any import binding)."""
+    tree = module.tree()
+    bound: dict[str, str] = {}  # local name -> the module (or package prefix) it refers to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            target = from_target(module, node)
+            for alias in node.names:
+                if f"{target}.{alias.name}" in known:  # a submodule
+                    bound[alias.asname or alias.name] = f"{target}.{alias.name}"
+                elif target in known and target != module.name and is_private(alias.name):
+                    found.append((node.lineno, f"from {target} import {alias.name}"))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and is_private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in bound:
+            continue
+        owner = ".".join([bound[value.id], *reversed(chain)])
+        if owner in known and owner != module.name:
+            found.append((node.lineno, f"{owner}.{node.attr}"))
+    for line, what in sorted(found):
+        yield f"line {line}: {what}"
+
+
+def test_the_private_access_check_finds_both_forms(tmp_path):
+    source = tmp_path / "user.py"
+    source.write_text(textwrap.dedent(
+        """
+        from dlrmflow.engine.erasure import _check_rows, ErasureCode
+        from dlrmflow.engine import gf256
+        from dlrmflow.engine import gf256 as field
+        import dlrmflow.engine.erasure as code
+        import dlrmflow.engine.erasure
+
+        def f():
+            from . import gf256 as g
+            return gf256._flat, field.MUL, code._to_host, dlrmflow.engine.erasure._words, g._is_numpy, f._x
+        """
+    ))
+    known = {f"{ENGINE}.erasure", f"{ENGINE}.gf256", f"{ENGINE}.user", ENGINE}
+    found = list(private_accesses(Module(f"{ENGINE}.user", source, False), known))
+    assert found == [
+        f"line 2: from {ENGINE}.erasure import _check_rows",
+        f"line 10: {ENGINE}.erasure._to_host",
+        f"line 10: {ENGINE}.erasure._words",
+        f"line 10: {ENGINE}.gf256._flat",
+        f"line 10: {ENGINE}.gf256._is_numpy",
+    ]
+
+
+def test_no_engine_module_uses_another_modules_private_names():
+    modules = engine_modules()
+    known = {m.name for m in modules}
+    found = [f"{m.name.removeprefix(ENGINE + '.')} {where}" for m in modules for where in private_accesses(m, known)]
+    assert not found, "engine modules reaching into another module's private names:\n" + "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------------
+# (e) private attributes and private APIs of Dask and Prefect only in the internals modules
+
+# The one module per library allowed to use what it does not document (each with its own test).
+INTERNALS = {"dlrmflow.engine.dask_internals", "dlrmflow.flows.prefect_internals"}
+# Dunder names that are a library's internals, not Python's data model.
+INTERNAL_DUNDERS = {"__var__"}
+
+
+def foreign_private_uses(module: Module) -> Iterator[str]:
+    """Private attributes of any object but ``self``/``cls``/``super()`` (``actor._address``,
+    ``TaskRunContext.__var__``), and imports of private modules or names of other packages
+    (``prefect._internal``, ``from distributed.x import _y``)."""
+    found = []
+    for node in ast.walk(module.tree()):
+        if isinstance(node, ast.Attribute) and (is_private(node.attr) or node.attr in INTERNAL_DUNDERS):
+            value = node.value
+            own = isinstance(value, ast.Name) and value.id in ("self", "cls")
+            own |= isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"
+            if not own:
+                found.append((node.lineno, ast.unparse(node)))
+    for imp in imports_of(module):
+        if imp.module.split(".")[0] == "dlrmflow":
+            continue  # the project's own modules: see the engine check above
+        names = imp.module.split(".") + ([imp.name] if imp.name else [])
+        if any(is_private(n) for n in names):
+            found.append((imp.line, f"import of {imp.module}" + (f".{imp.name}" if imp.name else "")))
+    for line, what in sorted(found):
+        yield f"line {line}: {what}"
+
+
+def test_private_attributes_and_apis_are_used_only_in_the_internals_modules():
+    import dlrmflow.datasets
+    import dlrmflow.flows
+
+    modules = [*engine_modules(), *modules_of("dlrmflow.flows", Path(dlrmflow.flows.__file__).parent),
+               *modules_of("dlrmflow.tasks", Path(dlrmflow.tasks.__file__).parent),
+               *modules_of("dlrmflow.datasets", Path(dlrmflow.datasets.__file__).parent)]
+    assert INTERNALS <= {m.name for m in modules}
+    found = [f"{m.path.name} {where}" for m in modules if m.name not in INTERNALS for where in foreign_private_uses(m)]
+    assert not found, ("private attributes or modules used outside engine/dask_internals.py and "
+                       "flows/prefect_internals.py (engine/, datasets/, flows/, tasks/):\n" + "\n".join(found))

@@ -1,0 +1,123 @@
+"""Each Dask private API the engine relies on (engine/dask_internals.py), against a real cluster: a Dask
+upgrade that changes one fails here, loudly, rather than as a slow or stuck kill run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+from dlrmflow.engine import dask_internals
+from dlrmflow.engine.embedding_server import (
+    DeadCall,
+    LostMembersError,
+    ServerCall,
+    answer,
+    call_server,
+    remote,
+    wait_all,
+)
+
+
+class Counter:
+    """A tiny actor."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, x: int) -> int:
+        self.n += x
+        return self.n
+
+    def slow(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.n
+
+    def fail(self) -> None:
+        raise ValueError("the actor's own error")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        yield cluster, client, sorted(client.scheduler_info()["workers"])
+
+
+def _actor(client: Client, worker: str):
+    future = client.submit(Counter, actor=True, workers=[worker], pure=False)
+    return future, future.result()
+
+
+def test_an_actor_handle_names_its_worker_and_client(cluster):
+    _, client, workers = cluster
+    _, actor = _actor(client, workers[1])
+    assert dask_internals.actor_address(actor) == workers[1]
+    assert dask_internals.actor_client(actor) is client
+    call = call_server(actor, "add", 2)
+    assert isinstance(call, ServerCall) and (call.worker, call.client) == (workers[1], client)
+    assert call.result() == 2
+
+
+def test_a_finished_actor_call_is_read_without_the_event_loop(cluster):
+    _, client, workers = cluster
+    _, actor = _actor(client, workers[0])
+    call = actor.add(5)
+    assert call.result() == 5
+    assert dask_internals.finished_outcome(call) == (True, 5)
+    failed = actor.fail()
+    with pytest.raises(ValueError, match="own error"):
+        failed.result()
+    with pytest.raises(ValueError, match="own error"):
+        dask_internals.finished_outcome(failed)
+    pending = actor.slow(1.0)
+    assert dask_internals.finished_outcome(pending) == (False, None)
+    assert answer(pending) == 5
+    assert dask_internals.finished_outcome(object()) == (False, None)  # not an ActorFuture: no shortcut
+
+
+def _probe_local(actor) -> int | None:
+    local = dask_internals.local_actor(actor)
+    return None if local is None else local.add(0)
+
+
+def test_a_task_finds_the_actor_its_worker_hosts(cluster):
+    _, client, workers = cluster
+    _, actor = _actor(client, workers[0])
+    actor.add(7).result()
+    here = client.submit(_probe_local, actor, workers=[workers[0]], allow_other_workers=False, pure=False)
+    there = client.submit(_probe_local, actor, workers=[workers[1]], allow_other_workers=False, pure=False)
+    assert here.result() == 7  # the object itself, not a handle
+    assert there.result() is None
+    assert dask_internals.local_actor(actor) is None  # not on a worker
+
+
+def test_a_call_to_an_actor_whose_worker_is_gone_is_recognised():
+    """Worker processes here: in one process an actor handle can bind to another in-process cluster's worker."""
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      silence_logs=logging.CRITICAL) as local_cluster, Client(local_cluster) as client:
+        _check_lost_actor(client)
+
+
+def _check_lost_actor(client: Client) -> None:
+    worker = sorted(client.scheduler_info()["workers"])[-1]
+    future, actor = _actor(client, worker)
+    assert actor.add(1).result() == 1
+    os.kill(client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while future.status in ("finished", "pending"):
+        assert time.monotonic() < deadline, "Dask never marked the actor's future lost"
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError) as raised:
+        actor.add(1)
+    assert dask_internals.is_lost_actor_error(raised.value)
+    assert not dask_internals.is_lost_actor_error(RuntimeError("something else"))
+    assert dask_internals.is_lost_actor_error(OSError("a broken connection"))
+    call = remote(actor, "add", 1)  # what the engine does with it: a call that fails as a lost member's
+    assert isinstance(call, DeadCall)
+    results, error = wait_all([(3, call)])
+    assert results == {} and isinstance(error, LostMembersError) and error.members == {3}

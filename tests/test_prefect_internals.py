@@ -1,0 +1,108 @@
+"""The undocumented Prefect behaviour of :mod:`dlrmflow.flows.prefect_internals`, exercised for real.
+
+Each test fails when a Prefect upgrade changes what a function relies on (run contexts kept in
+contextvars, ``TaskRunContext.__var__``), naming the function to fix, instead of as a recover-shard
+flow run that is silently orphaned or logs under the wrong run.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def _in_bare_thread(fn, *args) -> Any:
+    """``fn(*args)`` in a plain thread, which starts with an empty context (as the prefetch worker does)."""
+    results, errors = [], []
+
+    def target() -> None:
+        try:
+            results.append(fn(*args))
+        except BaseException as exc:  # handed back to the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]
+
+
+def test_capture_run_context_makes_a_flow_called_from_a_bare_thread_a_child_of_the_run():
+    from prefect import flow, get_client, task
+    from prefect.context import FlowRunContext
+
+    @flow(name="internals-child")
+    def child() -> Any:
+        return FlowRunContext.get().flow_run.id
+
+    @task
+    def caller(captured: bool) -> list[Any]:
+        if not captured:
+            return [_in_bare_thread(child)]
+        run = capture_run_context()
+        runs: list[Any] = []
+        # Two threads at once: each call enters its own copy of the captured context.
+        threads = [threading.Thread(target=lambda: runs.append(run(child))) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return runs
+
+    @flow(name="internals-parent")
+    def parent(captured: bool) -> tuple[Any, list[Any]]:
+        return FlowRunContext.get().flow_run.id, caller(captured)
+
+    with get_client(sync_client=True) as client:
+        parent_run, children = parent(True)
+        assert len(children) == 2
+        for child_run in children:
+            run = client.read_flow_run(child_run)
+            assert run.parent_task_run_id is not None, "capture_run_context: the flow run has no parent"
+            assert client.read_task_run(run.parent_task_run_id).flow_run_id == parent_run
+        # The control: without the captured context the thread's flow run is a top-level run.
+        _, (orphan,) = parent(False)
+        assert client.read_flow_run(orphan).parent_task_run_id is None
+
+
+def test_outside_task_run_hides_the_task_run_and_restores_it():
+    from prefect import flow, get_client, get_run_logger, task
+    from prefect.artifacts import create_table_artifact
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    @flow(name="internals-report")
+    def report() -> tuple[Any, dict[str, Any]]:
+        create_table_artifact([{"a": 1}], key="internals-report")
+        return FlowRunContext.get().flow_run.id, dict(get_run_logger().extra)
+
+    @task
+    def caller() -> tuple[Any, Any, dict[str, Any]]:
+        task_run = TaskRunContext.get()
+        assert task_run is not None
+        with outside_task_run():
+            assert TaskRunContext.get() is None, "outside_task_run: a task run is still current"
+            assert FlowRunContext.get() is not None  # the flow run stays current
+            report_run, extra = report()
+        assert TaskRunContext.get() is task_run, "outside_task_run: the task run was not restored"
+        return task_run.task_run.id, report_run, extra
+
+    @flow(name="internals-reporter")
+    def reporter() -> tuple[Any, Any, dict[str, Any]]:
+        return caller()
+
+    task_run_id, report_run, extra = reporter()
+    assert extra["flow_run_id"] == str(report_run) and "task_run_id" not in extra  # logs: the subflow's own
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["internals-report"])), limit=1
+        )
+    assert artifact.flow_run_id == report_run and artifact.task_run_id != task_run_id
