@@ -61,8 +61,10 @@ def _train_until_checkpointed(argv: list[str], cwd: Path) -> None:
     iteration N: the crashed run that the README's `dlrmflow resume` example continues."""
     every = int(argv[argv.index("--checkpoint-every") + 1])
     output = Path(cwd, argv[argv.index("--output") + 1])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)  # its own temporary API; the in-process harness is not reachable
+    from prefect.settings import get_current_settings
+
+    # The test session's Prefect API (a server process of its own) spares the run a temporary one.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_API_URL": str(get_current_settings().api.url)}
     proc = subprocess.Popen([sys.executable, "-m", "dlrmflow.cli", *argv], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
