@@ -156,27 +156,55 @@ def _hex_values(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, ok
 
 
-def _dense_values(col: pa.Array, integers_only_text: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Dense text -> (float64 values with NaN for missing, ok mask).
+def dense_in_range(values: np.ndarray) -> np.ndarray:
+    """Per float64 value (NaN = missing): missing, or an integral value within int64.
+
+    The one rule for dense values in every format: ``I1..I13`` are integer counts, transformed as
+    log(x + 1), and raw Criteo text holds int64 integers; the CSV layout's floats (``260.0``,
+    ``1e20``) must be integral and within the same range, so both readers accept the same values.
+    """
+    finite = np.isfinite(values)
+    integral = finite & (values == np.floor(np.where(finite, values, 0.0)))
+    return np.isnan(values) | (integral & (values >= -(2.0**63)) & (values < 2.0**63))
+
+
+def _int64_text_in_range(text: pa.Array, matches: np.ndarray) -> np.ndarray:
+    """Per value of ``text`` that ``matches`` the integer pattern: whether int64 holds it."""
+    lengths = pc.fill_null(pc.utf8_length(text), 0).to_numpy(zero_copy_only=False)
+    in_range = ~matches | (lengths < 19)  # up to 18 digits and a sign: always within int64
+    for i in np.flatnonzero(~in_range):
+        in_range[i] = -(2**63) <= int(text[i].as_py()) < 2**63
+    return in_range
+
+
+def _dense_values(col: pa.Array, integers_only_text: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dense text -> (float64 values with NaN for missing, well-formed mask, in-range mask).
 
     Raw Criteo writes integers; the CSV layout writes integral floats (``260.0``). Both must hold
-    an integer value; anything else (``abc``, ``2.5``) is rejected.
+    an integer (``abc``, ``2.5`` are not well formed) within int64 (``99999999999999999999`` and
+    ``1e20`` are well formed, but out of range: :func:`dense_in_range`). A value that is not both
+    reads as missing.
     """
     target = pa.int64() if integers_only_text else pa.float64()
     try:
-        parsed = pc.cast(col, target)
+        values = pc.cast(col, target).to_numpy(zero_copy_only=False).astype(np.float64)
         ok = np.ones(len(col), dtype=bool)
+        in_range = np.ones(len(col), dtype=bool)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        # Slow path, only for blocks that hold a malformed value: find which ones.
+        # Slow path, only for blocks that hold a malformed or out-of-range value: find which ones.
         pattern = r"^-?[0-9]+$" if integers_only_text else r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$"
-        matches = pc.match_substring_regex(col, pattern)
+        matches = pc.fill_null(pc.match_substring_regex(col, pattern), False)
         ok = pc.or_kleene(matches, pc.is_null(col)).to_numpy(zero_copy_only=False)
-        parsed = pc.cast(pc.if_else(matches, col, None), target)
-    values = parsed.to_numpy(zero_copy_only=False).astype(np.float64)
+        in_range = (_int64_text_in_range(col, matches.to_numpy(zero_copy_only=False)) if integers_only_text
+                    else np.ones(len(col), dtype=bool))
+        usable = pa.array(ok & in_range) if integers_only_text else matches
+        values = pc.cast(pc.if_else(usable, col, None), target).to_numpy(zero_copy_only=False).astype(np.float64)
     if not integers_only_text:
         integral = np.isnan(values) | (np.isfinite(values) & (values == np.floor(values)))
         ok &= integral
-    return values, ok
+        in_range = dense_in_range(values) | ~ok
+    values[~(ok & in_range)] = np.nan
+    return values, ok, in_range
 
 
 def _avazu_time_features(hour: pa.Array) -> tuple[pa.Array, pa.Array, np.ndarray]:
@@ -226,6 +254,26 @@ def _read_csv(data: bytes, fmt: RawFormat, types: dict[str, pa.DataType], on_inv
     )
 
 
+def _blank_lines_not_utf8(data: bytes, fmt: RawFormat) -> tuple[bytes, list[int]]:
+    """``data`` with every line that is not UTF-8 replaced by a line of empty fields (so that it
+    still parses as one row, which the caller rejects), and the 1-based numbers of those lines."""
+    try:
+        data.decode("utf-8")
+        return data, []
+    except UnicodeDecodeError:
+        pass
+    lines = data.split(b"\n")
+    blank = fmt.delimiter.encode() * (len(fmt.fields) - 1)
+    bad = []
+    for i, line in enumerate(lines):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            lines[i] = blank
+            bad.append(i + 1)
+    return b"\n".join(lines), bad
+
+
 def parse_block(data: bytes, fmt: RawFormat) -> ParsedBlock:
     """Parse whole lines (no header) of ``fmt``; reject malformed lines with a reason.
 
@@ -254,10 +302,8 @@ def _parse_clean_hex_block(data: bytes, fmt: RawFormat) -> ParsedBlock | None:
     dense = np.zeros((table.num_rows, len(fmt.dense)), dtype=np.float64)
     for j, name in enumerate(fmt.dense):
         dense[:, j] = table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
-    if fmt.name != "criteo":
-        finite = np.isfinite(dense)
-        if (finite & (dense != np.floor(np.where(finite, dense, 0)))).any() or np.isinf(dense).any():
-            return None
+    if fmt.name != "criteo" and not dense_in_range(dense).all():
+        return None  # a non-integral or out-of-range float: the validating path names it
     sparse = []
     for name in fmt.sparse:
         col = table.column(name).combine_chunks()
@@ -288,7 +334,8 @@ def _parse_validating(data: bytes, fmt: RawFormat) -> ParsedBlock:
         return "skip"
 
     n_lines = _count_lines(data)
-    table = _read_csv(data, fmt, {c: pa.string() for c in fmt.fields}, on_invalid)
+    text_data, not_utf8_lines = _blank_lines_not_utf8(data, fmt)
+    table = _read_csv(text_data, fmt, {c: pa.string() for c in fmt.fields}, on_invalid)
     n = table.num_rows
     # Line number (1-based, within the block) of every parsed row: the lines not rejected, in order.
     invalid_lines = np.array(sorted(r[0] for r in rejects), dtype=np.int64)
@@ -302,6 +349,8 @@ def _parse_validating(data: bytes, fmt: RawFormat) -> ParsedBlock:
         new = mask & (reasons == None)  # noqa: E711 - elementwise on an object array
         reasons[new] = reason
 
+    if not_utf8_lines:
+        reject(np.isin(row_lines, not_utf8_lines), "not UTF-8 text")
     label_col = table.column(fmt.label)
     label_text = label_col.combine_chunks()
     is_zero = pc.equal(label_text, "0").fill_null(False).to_numpy(zero_copy_only=False)
@@ -314,8 +363,10 @@ def _parse_validating(data: bytes, fmt: RawFormat) -> ParsedBlock:
 
     dense = np.zeros((n, len(fmt.dense)), dtype=np.float64)
     for j, name in enumerate(fmt.dense):
-        values, ok = _dense_values(table.column(name).combine_chunks(), integers_only_text=fmt.name == "criteo")
+        values, ok, in_range = _dense_values(table.column(name).combine_chunks(),
+                                             integers_only_text=fmt.name == "criteo")
         reject(~ok, f"{name}: non-integer dense value")
+        reject(~in_range, f"{name}: dense value outside the 64-bit integer range")
         dense[:, j] = values
 
     sparse: list[pa.Array] = []

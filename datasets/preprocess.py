@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ import pyarrow.parquet as pq
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
 from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, read_meta, write_meta
 from dlrmflow.errors import UserInputError
+from dlrmflow.run_lock import output_lock
 from dlrmflow.up_to_date import file_identity, fingerprint, saved_result
 
 DEFAULT_BLOCK_BYTES = 64 << 20
@@ -129,21 +131,36 @@ def check_inputs(inputs: list[str | os.PathLike], fmt: RawFormat) -> list[Path]:
             raise UserInputError(f"input {str(path)!r} is not a file")
         if path.stat().st_size == 0:
             raise UserInputError(f"input file {str(path)!r} is empty")
-        with _open_text(path) as f:
-            try:
+        try:
+            with _open_text(path) as f:
                 first = f.readline().decode("utf-8-sig").rstrip("\r\n")
-            except (OSError, EOFError, UnicodeDecodeError) as exc:
-                raise UserInputError(f"cannot read input file {str(path)!r}: {exc}") from exc
-            if fmt.has_header:
-                if first != fmt.header_line:
-                    raise UserInputError(
-                        f"{path}: the header does not match format {fmt.name!r}: expected "
-                        f"{fmt.header_line[:80]!r}..., got {first[:80]!r}"
-                    )
-                if not f.readline():
-                    raise UserInputError(f"input file {str(path)!r} has a header but no data rows")
+                has_second = bool(f.readline()) if fmt.has_header else True
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+            raise UserInputError(f"cannot read input file {str(path)!r}: {exc}") from None
+        if fmt.has_header:
+            if first != fmt.header_line:
+                raise UserInputError(f"{path}: the header does not match format {fmt.name!r}: "
+                                     f"{header_difference(fmt, first)}")
+            if not has_second:
+                raise UserInputError(f"input file {str(path)!r} has a header but no data rows")
         paths.append(path)
     return paths
+
+
+def header_difference(fmt: RawFormat, header: str) -> str:
+    """Where ``header`` first differs from ``fmt``'s header: the field's position and both names."""
+    got, expected = header.split(fmt.delimiter), fmt.fields
+    counts = f"expected {len(expected)} fields, got {len(got)}"
+    for i, (want, have) in enumerate(zip(expected, got, strict=False)):
+        if want != have:
+            return f"field {i + 1} is {_short(have)!r}, expected {want!r} ({counts})"
+    if len(got) < len(expected):
+        return f"it ends after field {len(got)} ({got[-1]!r}) where {expected[len(got)]!r} comes next ({counts})"
+    return f"field {len(expected) + 1} is {_short(got[len(expected)])!r}, after the last expected one ({counts})"
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _header_bytes(path: Path, fmt: RawFormat) -> int:
@@ -195,10 +212,10 @@ def _iter_blocks(piece: Piece, block_bytes: int, header_bytes: int) -> Iterator[
             yield f.read(piece.stop - piece.start)
         return
     with gzip.open(piece.path, "rb") as f:
-        f.read(header_bytes)
+        _read_gzip(f, header_bytes, piece.path)
         carry = b""
         while True:
-            chunk = f.read(block_bytes)
+            chunk = _read_gzip(f, block_bytes, piece.path)
             if not chunk:
                 if carry:
                     yield carry
@@ -210,6 +227,15 @@ def _iter_blocks(piece: Piece, block_bytes: int, header_bytes: int) -> Iterator[
                 continue
             carry = data[cut:]
             yield data[:cut]
+
+
+def _read_gzip(f, size: int, path: str) -> bytes:
+    """``f.read(size)``; a truncated or corrupt gzip stream is a UserInputError naming the file."""
+    try:
+        return f.read(size)
+    except (EOFError, OSError, zlib.error) as exc:
+        raise UserInputError(f"input file {path!r} is not a complete gzip file ({exc}): it is truncated or "
+                             "corrupt") from None
 
 
 def _cap_values(values: pa.Array, max_rows: int | None) -> pa.Array:
@@ -288,8 +314,18 @@ def _pack_uniques(uniques: dict[str, pa.Table]) -> pa.Table:
 
 def parse_piece(
     piece: Piece, fmt_name: str, params: PreprocessParams, n_buckets: int, work_dir: str
+) -> list[BlockResult] | UserInputError:
+    """Stage 1 for one piece (runs on a worker). An unreadable input (a truncated gzip file) is
+    returned, not raised: the caller raises it, where a Dask worker would log it with a traceback."""
+    try:
+        return _parse_piece(piece, fmt_name, params, n_buckets, work_dir)
+    except UserInputError as exc:
+        return exc
+
+
+def _parse_piece(
+    piece: Piece, fmt_name: str, params: PreprocessParams, n_buckets: int, work_dir: str
 ) -> list[BlockResult]:
-    """Stage 1 for one piece (runs on a worker)."""
     fmt = get_format(fmt_name)
     header = _header_bytes(Path(piece.path), fmt) if piece.gzip else 0
     results = []
@@ -428,7 +464,7 @@ def _rejects_csv(
         seen[b.file_index] = seen.get(b.file_index, 0) + b.n_lines
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "w", newline="") as f:
-        w = csv.writer(f)
+        w = csv.writer(f, lineterminator="\n")  # the csv module's default is CRLF
         w.writerow(["file", "line", "reason", "text"])
         for b in per_file:
             if not b.reject_path:
@@ -468,6 +504,31 @@ def preprocess(
     identity = file_identity(paths)
     fp = dataset_fingerprint(identity, params)
 
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserInputError(f"cannot create the directory of --output {str(output)!r}: {exc}") from exc
+    with output_lock(output, "preprocess"):  # two runs never write one output at once
+        return _preprocess_locked(paths, output, params, raw_format, identity, fp, started, client, progress,
+                                  force)
+
+
+def _preprocess_locked(
+    paths: list[Path],
+    output: Path,
+    params: PreprocessParams,
+    raw_format: RawFormat,
+    identity: list[dict[str, Any]],
+    fp: str,
+    started: float,
+    client,
+    progress: Callable[[int, int], None] | None,
+    force: bool,
+) -> dict[str, Any]:
+    """The work of :func:`preprocess` once it holds the lock on ``output``."""
+    fmt, seed, min_frequency = params.fmt, params.seed, params.min_frequency
+    max_rows_per_table, max_reject_fraction, block_bytes = (params.max_rows_per_table,
+                                                            params.max_reject_fraction, params.block_bytes)
     if output.exists():
         if not (output / META_FILE).is_file():
             if output.is_dir() and not any(output.iterdir()):
@@ -504,6 +565,9 @@ def preprocess(
 
     try:
         nested = _map(client, parse_piece, pieces, raw_format.name, params, n_buckets, str(work), progress=step)
+        for group in nested:
+            if isinstance(group, UserInputError):
+                raise group
         blocks = sorted((b for group in nested for b in group), key=lambda b: (b.file_index, b.order))
         rows = sum(b.n_rows for b in blocks)
         reasons: Counter[str] = Counter()

@@ -1,9 +1,9 @@
 """The ``dlrmflow`` command line.
 
 Every command runs its Prefect flow (so each run shows up in the Prefect UI when a server is
-configured, and in an ephemeral local API otherwise), prints a human summary, or with
-``--json`` exactly one JSON object on stdout. Bad input exits with status 2 and one line
-on stderr naming the problem.
+configured, and in a temporary local API otherwise: see :func:`prepare_prefect_api`), prints a human
+summary, or with ``--json`` exactly one JSON object on stdout. Bad input exits with status 2 and one
+line on stderr naming the problem.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from types import ModuleType
 
 from dlrmflow import __version__
 from dlrmflow.errors import UserInputError
+
+# How long a command waits for its temporary local Prefect API to answer. A cold start imports the
+# server and migrates its database: seconds on an idle machine, a minute or more on busy cores.
+# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS raises it (Prefect's own default is 20 s).
+API_STARTUP_TIMEOUT_S = 120
 
 COMMANDS = ["demo", "generate", "preprocess", "profile", "train", "resume", "plan", "compare-caches", "verify"]
 
@@ -59,6 +64,23 @@ def _hide_user_error_tracebacks() -> None:
     logging.setLogRecordFactory(factory)
 
 
+def prepare_prefect_api() -> None:
+    """Without ``PREFECT_API_URL``, make the temporary local Prefect API (started when a flow first needs
+    it) wait long enough on busy cores, end with this process even when it is killed, and fail as one
+    line naming ``PREFECT_API_URL`` as the way out. With ``PREFECT_API_URL`` set this does nothing."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url:
+        return
+    from dlrmflow.flows.prefect_internals import SERVER_WAY_OUT, prepare_temporary_api
+
+    if not settings.server.ephemeral.enabled:
+        raise UserInputError(f"no Prefect API: PREFECT_API_URL is not set and PREFECT_SERVER_ALLOW_EPHEMERAL_MODE "
+                             f"is off; {SERVER_WAY_OUT}")
+    prepare_temporary_api(max(API_STARTUP_TIMEOUT_S, settings.server.ephemeral.startup_timeout_seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
     # The local Prefect API would otherwise try to phone home and log an error on every run
     # on machines without internet access; a user's own setting wins.
@@ -66,10 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module: ModuleType = args._module
     _hide_user_error_tracebacks()
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
     if args.json:
-        # stdout carries the JSON object only; Prefect's own console output stays on stderr.
-        logging.getLogger("prefect").setLevel(logging.WARNING)
+        # stdout carries the JSON object only; Prefect's own console output stays on stderr, quieter.
+        # Prefect configures its loggers when its flow API is first imported: do that first, or the
+        # configuration would undo the level set here.
+        import prefect.main  # noqa: F401
+
+        level = prefect_logger.level
+        prefect_logger.setLevel(logging.WARNING)
     try:
+        prepare_prefect_api()
         result = module.run(args)
     except UserInputError as exc:
         print(f"dlrmflow {module.NAME}: error: {exc}", file=sys.stderr)
@@ -77,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dlrmflow {module.NAME}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        prefect_logger.setLevel(level)  # main() called in-process (tests, notebooks) leaves logging as it was
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -215,9 +215,9 @@ def parse_capacity(text: str | int, total_rows: int) -> int:
     try:
         rows = round(float(value[:-1]) / 100 * total_rows) if value.endswith("%") else int(value)
     except ValueError:
-        raise UserInputError(f"capacity {value!r} is neither a row count nor a percentage like 1%") from None
+        raise UserInputError(f"--capacity {value!r} is neither a row count nor a percentage like 1%") from None
     if rows < 1:
-        raise UserInputError(f"capacity {value!r} is {rows} rows; it must be at least 1 row")
+        raise UserInputError(f"--capacity {value!r} is {rows} rows; it must be at least 1 row")
     return rows
 
 
@@ -246,33 +246,63 @@ def compare_policies(
     return results
 
 
+def capacity_sweep(fraction: float, total_rows: int, points: int = 8) -> list[int]:
+    """Cache capacities (rows) for a comparison plot around ``fraction`` of ``total_rows``: ``points``
+    capacities, each twice the one before, with ``fraction``'s among them (up to three doublings above
+    it, as far as they stay within ``total_rows``); at least 1 row each, no capacity twice."""
+    above = 0
+    while above < 3 and fraction * 2 ** (above + 1) <= 1.0:
+        above += 1
+    shares = [fraction * 2.0**k for k in range(above - points + 1, above + 1)]
+    return sorted({max(1, round(share * total_rows)) for share in shares})
+
+
+def comparison_lines(results: list[PolicyResult]) -> dict[str, tuple[list[int], list[int]]]:
+    """What :func:`plot_comparison` draws: per policy (legend label) the capacities and rows fetched of its line.
+
+    ``none`` (label ``no cache``) is flat across the capacities; every other policy has its feasible
+    capacities only, and a policy feasible at none has an empty line and says so in its label."""
+    capacities = sorted({r.capacity for r in results if r.capacity is not None})
+    lines: dict[str, tuple[list[int], list[int]]] = {}
+    for policy in POLICIES:
+        rows = sorted((r for r in results if r.policy == policy), key=lambda r: r.capacity or 0)
+        if policy == "none":
+            if rows and capacities:
+                lines["no cache"] = ([capacities[0], capacities[-1]], [rows[0].rows_fetched] * 2)
+            continue
+        points = [(r.capacity, r.rows_fetched) for r in rows if r.rows_fetched is not None]
+        label = policy if points else f"{policy} (infeasible at every capacity)"
+        lines[label] = ([c for c, _ in points], [f for _, f in points])
+    return lines
+
+
 def plot_comparison(results: list[PolicyResult], path: str | os.PathLike, *, title: str = "") -> Path:
-    """PNG: rows fetched vs cache capacity, one line per policy (no cache as a flat line)."""
+    """PNG: rows fetched vs cache capacity (log x and y), one line per policy.
+
+    Every policy is drawn: ``none`` as a flat dashed line across the capacities; the others through
+    their feasible capacities (an infeasible capacity, too small for the policy, has no point; the
+    line goes on from the next feasible one). A policy feasible at no capacity is named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    capacities = sorted({r.capacity for r in results if r.capacity is not None})
-    for policy in POLICIES:
-        rows = [r for r in results if r.policy == policy]
-        if policy == "none" and rows and capacities:
-            ax.plot(capacities, [rows[0].rows_fetched] * len(capacities), "k--", label="no cache")
-            continue
-        points = [(r.capacity, r.rows_fetched) for r in rows if r.rows_fetched is not None]
-        if points:  # distinct markers: policies often land on the same point
-            ax.plot(*zip(*points, strict=True), marker=MARKERS[policy], fillstyle="none", label=policy)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for label, (xs, ys) in comparison_lines(results).items():
+        if label == "no cache":
+            ax.plot(xs, ys, "k--", label=label)
+        else:  # distinct markers: policies often land on the same point
+            ax.plot(xs, ys, marker=MARKERS[label.split()[0]], fillstyle="none", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("cache capacity (rows)")
-    ax.set_ylabel("rows fetched (missing point: capacity too small for the policy)")
+    ax.set_ylabel("rows fetched")
     ax.set_title(title or "Embedding rows fetched by cache policy")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(title="no point: capacity too small for the policy", title_fontsize="small", fontsize="small")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return out
 
@@ -293,7 +323,7 @@ def compare_dataset(
 
     PlanConfig(batch_size, window, distance, drop_last=drop_last)
     if embedding_dim < 1:
-        raise UserInputError(f"embedding dim must be >= 1, got {embedding_dim}")
+        raise UserInputError(f"--embedding-dim must be >= 1 (float32 values per row), got {embedding_dim}")
     stream = BatchStream(dataset_dir, batch_size, drop_last=drop_last, sparse_only=True)
     total_rows = stream.meta.total_embedding_rows
     rows = [parse_capacity(c, total_rows) for c in capacities]

@@ -6,8 +6,10 @@ rename) with every embedding row (the shards' rows overlaid with the rows the tr
 copies of: the pending write-back, the LRU cache, or the oracle's cache once its prefetch worker
 is idle, i.e. every eviction before the checkpoint written back), the dense parameters, the dense optimizer state,
 the plan position (the next iteration) and the training log so far (losses, timings, metrics).
-The rows and the traffic come from the row store's checkpoint view (``logical_rows``, ``traffic``,
-``drop_pending``, ``replace_shards``, ``restart_at``: :mod:`.row_stores`), the same calls in every mode.
+The rows, the traffic and the LRU cache's slots come from the row store's checkpoint view (``logical_rows``,
+``traffic``, ``cache_state``, ``drop_pending``, ``replace_shards``, ``restart_at``, ``restore_cache``:
+:mod:`.row_stores`), the same calls in every mode; a store restarted with the cache it had makes the
+uninterrupted run's fetches and write-backs, so a resumed run reports the same traffic totals.
 
 Two failures use it:
 
@@ -55,6 +57,7 @@ import torch
 from distributed import Client
 
 from dlrmflow.engine.cluster import cluster_workers
+from dlrmflow.engine.coded_shards.verify import PARITY_FILE
 from dlrmflow.engine.embedding_rows import RowSpec
 from dlrmflow.engine.embedding_server import (
     EmbeddingShard,
@@ -68,7 +71,7 @@ from dlrmflow.engine.embedding_server import (
 from dlrmflow.engine.placement import place
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.row_stores import ShardRows
-from dlrmflow.engine.run_state import SUMMARY_FILE
+from dlrmflow.engine.run_state import ITERATIONS_FILE, STATE_FILE, SUMMARY_FILE
 from dlrmflow.errors import UserInputError
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -76,6 +79,8 @@ RUN_CONFIG_FILE = "run_config.json"
 UNFINISHED_FILE = "UNFINISHED"
 CHECKPOINT_MODES = ("remote", "lru", "oracle")
 CHECKPOINT_FORMAT_VERSION = 1
+# Everything a run writes into its directory before summary.json (the leftovers of a run that stopped).
+RUN_FILES = frozenset({STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, RUN_CONFIG_FILE, UNFINISHED_FILE})
 # Not part of a run's identity: where its directory is now, the resume flag itself, and where the
 # data and plan lie (their fingerprints say whether they are the same).
 NOT_COMPARED = ("output_dir", "resume", "dataset_dir", "plan_dir")
@@ -152,11 +157,22 @@ def save_checkpoint(path: Path, t: int, store: ShardRows, model: torch.nn.Module
              "rows": torch.from_numpy(store.logical_rows()),
              "dense": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "dense_optimizer": optimizer.state_dict(), "traffic": store.traffic(),
-             "log": None if log is None else log.snapshot(t)}
+             "cache": _as_tensors(store.cache_state()), "log": None if log is None else log.snapshot(t)}
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
     return {"iteration": t, "seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
+
+
+def _as_tensors(arrays: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor] | None:
+    """numpy arrays as tensors: ``torch.load(weights_only=True)`` reads tensors, not arrays."""
+    return None if arrays is None else {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+
+
+def cache_of(state: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """A loaded checkpoint's cache state (:meth:`~.row_stores.RowStore.cache_state`); None if it has none."""
+    cache = state.get("cache")
+    return None if cache is None else {k: v.numpy() for k, v in cache.items()}
 
 
 def load_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
@@ -191,6 +207,7 @@ def restore_checkpoint(path: Path, client: Client, store: ShardRows, model: torc
                                    avoid=workers_not_answering(store.shards))
     store.replace_shards(restored).close()  # the survivors hold newer rows than the checkpoint: drop them
     store.restart_at(t, rows)
+    store.restore_cache(cache_of(state), rows)
     restore_dense(state, model, optimizer)
     return t
 
@@ -326,6 +343,26 @@ def refuse_unfinished_run(run_dir: str | os.PathLike) -> None:
     message = unfinished_run_message(run_dir)
     if message:
         raise ResumeError(f"{message}, or choose another --output")
+
+
+def refuse_to_overwrite(run_dir: str | os.PathLike) -> None:
+    """A new run (``dlrmflow train``, not a resume) writes only into a directory that is missing, empty,
+    or holds the leftovers of a run that stopped before it finished: never over a finished run
+    (``summary.json``) nor into a directory holding anything a run does not write. An unfinished run
+    with a checkpoint is refused by :func:`refuse_unfinished_run`."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise UserInputError(f"--output {run_dir} is a file, not a run directory")
+    if (run_dir / SUMMARY_FILE).is_file():
+        raise UserInputError(f"{run_dir} holds a finished run ({SUMMARY_FILE} is written); refusing to write over "
+                             f"it: choose another --output, or delete {run_dir} to train it again")
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES and not p.name.endswith(".tmp"))
+    if foreign:
+        raise UserInputError(f"--output {run_dir} exists and is not a dlrmflow run directory (it holds "
+                             f"{foreign[0]!r}{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); "
+                             "refusing to write into it: choose another --output")
 
 
 def check_resumable(run_dir: str | os.PathLike, config: dict[str, Any], *, dataset_fingerprint: str,

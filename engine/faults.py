@@ -9,6 +9,7 @@ Nothing tells the trainer about the kill: it finds out when a call to the dead a
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -19,6 +20,8 @@ from typing import Any
 
 from dlrmflow.errors import UserInputError
 
+# Each kill, as it happens (a plain logger: the train flow routes it to the run's Prefect log).
+EVENTS = logging.getLogger(__name__)
 KILL_SYNTAX = "shard:I@ITER or parity:J@ITER"
 _KILL = re.compile(r"^(shard|parity):(\d+)@(\d+)$")
 
@@ -35,6 +38,11 @@ class Kill:
 
     def member(self, k: int) -> int:
         return self.index if self.kind == "shard" else k + self.index
+
+    @property
+    def target(self) -> str:
+        """What it kills, as the run's reports name it: ``data shard I`` or ``parity shard J``."""
+        return f"{'data' if self.kind == 'shard' else 'parity'} shard {self.index}"
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.index}@{self.iteration}"
@@ -99,3 +107,5 @@ class FaultInjector:
             pid = self._pid(address)
             os.kill(pid, signal.SIGKILL)
         self.log.append({"kill": str(kill), "worker": address, "pid": pid, "at": time.perf_counter()})
+        EVENTS.info("killed %s: SIGKILL to its Dask worker %s (pid %d) at the start of iteration %d",
+                    kill.target, address, pid, kill.iteration)

@@ -82,18 +82,21 @@ class PlanConfig:
     drop_last: bool = False
 
     def __post_init__(self) -> None:
+        # Each message names the option (the field's CLI flag) and what it allows.
         if self.batch_size < 1:
-            raise PlanError(f"batch size must be >= 1, got {self.batch_size}")
+            raise PlanError(f"--batch-size: the batch size must be >= 1 row per iteration, got {self.batch_size}")
         if self.lookahead < 1:
-            raise PlanError(f"lookahead window L must be >= 1 iteration, got {self.lookahead}")
+            raise PlanError(f"--lookahead: the lookahead window L must be >= 1 iteration, got {self.lookahead}")
         if not 1 <= self.prefetch_distance <= self.lookahead:
             raise PlanError(
-                f"prefetch distance P={self.prefetch_distance} must lie in 1..L (L={self.lookahead}): "
+                f"--prefetch-distance: prefetch distance P={self.prefetch_distance} must lie in 1..L "
+                f"(--lookahead L={self.lookahead}): "
                 "a row evicted after iteration t can be needed again at t+L+1, and that fetch is issued "
                 "when iteration t+L+1-P starts; with P > L that is before t's write-back (a stale read)"
             )
         if self.capacity is not None and self.capacity < 1:
-            raise PlanError(f"capacity must be >= 1 row (or unset for unbounded), got {self.capacity}")
+            raise PlanError(f"--capacity: the cache capacity must be >= 1 row (or unset for unbounded), "
+                            f"got {self.capacity}")
 
 
 @dataclass(frozen=True)

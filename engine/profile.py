@@ -168,6 +168,6 @@ def plot_coverage(profile: dict[str, Any], path: str | os.PathLike) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -97,6 +97,17 @@ class RowStore:
         counters from these."""
         return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
 
+    def cache_state(self) -> dict[str, np.ndarray] | None:
+        """What a store restarted from a checkpoint needs to hold the same rows in the same cache slots
+        (:meth:`restore_cache`); None for a store whose cache a checkpoint does not carry."""
+        return None
+
+    def restore_cache(self, state: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        """After :meth:`restart_at`: cache again the rows :meth:`cache_state` recorded, their values
+        taken from ``rows`` (the checkpoint's :meth:`logical_rows`, which hold every cached row's value).
+        Nothing is sent or counted: an uninterrupted run fetched them before the checkpoint, and the
+        checkpoint's traffic counts that. ``state`` None (a checkpoint without it): the cache stays empty."""
+
     def drop_pending(self) -> None:
         """Forget, without sending them, the writes the home has not applied (a pending write-back,
         cached rows) and stop background traffic: the first step of reloading a checkpoint, before
@@ -367,6 +378,24 @@ class LruRows(CachedRows):
     def drop_pending(self) -> None:
         self._empty_cache()
         self.last_used[:] = -1
+
+    def cache_state(self) -> dict[str, np.ndarray]:
+        """The id in every slot (-1: free) and every slot's last use: with them a resumed run makes the
+        uninterrupted run's hits, misses and evictions, so its traffic totals are the same."""
+        return {"owner": self.directory.owner.copy(), "last_used": self.last_used.copy()}
+
+    def restore_cache(self, state: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        if state is None:
+            return
+        owner, last_used = np.asarray(state["owner"], dtype=np.int64), np.asarray(state["last_used"], np.int64)
+        if owner.shape != (self.capacity,) or last_used.shape != (self.capacity,):
+            raise ValueError(f"the checkpoint's cache has {len(owner)} slots, this LRU cache {self.capacity}")
+        slots = np.flatnonzero(owner >= 0)
+        ids = owner[slots]
+        self.directory.place(ids, slots)
+        self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
+                               torch.from_numpy(np.ascontiguousarray(rows[ids])).to(self.device))
+        self.last_used[:] = last_used
 
 
 class OracleRows(CachedRows):

@@ -31,6 +31,7 @@ import torch
 FORMAT_VERSION = 1
 STATE_FILE = "final_state.pt"
 SUMMARY_FILE = "summary.json"
+ITERATIONS_FILE = "iterations.csv"
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
              torch.bfloat16: torch.int16}

@@ -29,6 +29,7 @@ import csv
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import Batch, BatchStream, global_ids
 from dlrmflow.engine.checkpoint import (
     Checkpointer,
+    cache_of,
     check_resumable,
     config_sha256,
     finish_run_dir,
@@ -50,6 +52,7 @@ from dlrmflow.engine.checkpoint import (
     restore_dense,
     start_placed_shards,
     start_run_dir,
+    unfinished_run_message,
 )
 from dlrmflow.engine.coded_shards import parity_report, start_coded_shards
 from dlrmflow.engine.embedding_rows import RowSpec, apply_update
@@ -61,10 +64,9 @@ from dlrmflow.engine.model import DLRM, DLRMConfig, bce_loss
 from dlrmflow.engine.planner import CapacityError, load_plan
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
-from dlrmflow.engine.run_state import FORMAT_VERSION, save_state, state_hash, write_summary
+from dlrmflow.engine.run_state import FORMAT_VERSION, ITERATIONS_FILE, save_state, state_hash, write_summary
 from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
-
-ITERATIONS_FILE = "iterations.csv"
+from dlrmflow.run_lock import output_lock
 
 Progress = Callable[[int, int], None]
 MetricsCallback = Callable[[dict[str, Any]], None]
@@ -142,10 +144,13 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         raise TrainConfigError(f"eval_fraction: --eval-fraction {config.eval_fraction} of {meta.rows} rows holds "
                                "out no row")
     fit = sum(1 for t in range(len(stream)) if stream.batch_rows(t)[1] <= eval_start)
+    if fit == 0:
+        held_out = f", {eval_rows} of {meta.rows} held out for evaluation" if eval_rows else ""
+        raise TrainConfigError(
+            f"batch_size: --batch-size {config.batch_size} is larger than the {eval_start} training rows of the "
+            f"dataset{held_out}: no whole batch fits (lower --batch-size"
+            f"{' or --eval-fraction' if eval_rows else ''})")
     iterations = fit if config.iterations is None else config.iterations
-    if iterations < 1:
-        raise TrainConfigError(f"iterations: --iterations must be >= 1, got {iterations} (no whole batch fits "
-                               "before the held-out rows)")
     if iterations > fit:
         raise TrainConfigError(
             f"iterations: --iterations {iterations} is beyond the data: {meta.rows} rows with {eval_rows} held "
@@ -338,10 +343,40 @@ def train(
     the run is unfinished before any work, and ``resume`` continues such a run from its checkpoint
     (see :mod:`dlrmflow.engine.checkpoint`)."""
     setup = setup or prepare_run(config)
+    output = Path(setup.config.output_dir)
+    with run_dir_for(output, f"train --mode {setup.config.mode}"):
+        return _train(setup, output, client, progress, on_metrics, recovery_runner)
+
+
+@contextlib.contextmanager
+def run_dir_for(output: Path, what: str):
+    """Hold the lock on the run directory ``output`` (:mod:`dlrmflow.run_lock`) while a run writes it,
+    creating it if missing. A run that fails leaves no directory it created, unless it holds an
+    unfinished run that can be resumed (a checkpoint)."""
+    made_parents = [p for p in output.parents if not p.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    removed = False
+    try:
+        with output_lock(output, what):
+            created = not output.exists()
+            output.mkdir(exist_ok=True)
+            try:
+                yield
+            except BaseException:
+                if created and unfinished_run_message(output) is None:
+                    shutil.rmtree(output, ignore_errors=True)
+                    removed = True
+                raise
+    finally:
+        for parent in made_parents if removed else ():  # once the lock file is gone: the ones left empty
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
+def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_metrics: MetricsCallback | None,
+           recovery_runner: Callable | None) -> dict[str, Any]:
     config = setup.config
     device = torch.device(config.device)
-    output = Path(config.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
     resumed = None
     if config.resume:
         resumed = load_resume_point(output, config.model_dump(), setup.spec, setup.iterations)
@@ -362,6 +397,7 @@ def train(
         if resumed is not None:
             store.bytes_fetched, store.bytes_written = (resumed["traffic"]["bytes_fetched"],
                                                         resumed["traffic"]["bytes_written"])
+            store.restore_cache(cache_of(resumed), rows)
         del rows
         group = getattr(store, "shards", None)
         injector = FaultInjector(setup.kills, client, lambda s: store.shards.worker_of[s], config.num_shards) \

@@ -8,10 +8,11 @@ from prefect import flow, get_run_logger
 
 from dlrmflow.datasets.preprocess import DEFAULT_BLOCK_BYTES
 from dlrmflow.engine.cluster import dask_scheduler
+from dlrmflow.flows.run_names import generate_run_name, preprocess_run_name, profile_run_name
 from dlrmflow.tasks.dataset import generate_task, preprocess_task, profile_task, publish_profile_task
 
 
-@flow(name="generate")
+@flow(name="generate", flow_run_name=generate_run_name)
 def generate_flow(output: str, rows: int, seed: int = 0, scale: float = 1.0,
                   dask_address: str | None = None) -> dict[str, Any]:
     """Write a synthetic dataset in the raw Criteo TSV format."""
@@ -19,7 +20,7 @@ def generate_flow(output: str, rows: int, seed: int = 0, scale: float = 1.0,
         return generate_task(output, rows, seed, scale, address)
 
 
-@flow(name="preprocess")
+@flow(name="preprocess", flow_run_name=preprocess_run_name)
 def preprocess_flow(
     inputs: list[str],
     output: str,
@@ -46,7 +47,7 @@ def preprocess_flow(
     return summary
 
 
-@flow(name="profile")
+@flow(name="profile", flow_run_name=profile_run_name)
 def profile_flow(dataset_dir: str, dask_address: str | None = None) -> dict[str, Any]:
     """Per-table access counts -> profile.json, coverage plot and a skew table artifact."""
     with dask_scheduler(dask_address) as address:

@@ -12,16 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 
 from dlrmflow.datasets.meta import read_meta
+from dlrmflow.engine.cache_policies import capacity_sweep
 from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
+from dlrmflow.flows.run_names import pipeline_run_name
 from dlrmflow.flows.train import train_flow
-from dlrmflow.tasks.reporting import publish_table
+from dlrmflow.tasks.pipeline_report import publish_pipeline_summary_task
+from dlrmflow.tasks.reporting import Column, artifact_key, format_table
 from dlrmflow.up_to_date import saved_result
 
 
@@ -40,9 +43,17 @@ def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, p
     return train_flow(config, cfg.dask_address)
 
 
-@flow(name="pipeline")
+@flow(name="pipeline", flow_run_name=pipeline_run_name)
 def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 - immutable use
-    """Generate or read raw data, preprocess, profile, plan, compare caches, train remote vs oracle."""
+    """Generate or read raw data, preprocess, profile, plan, compare caches, train remote vs oracle.
+
+    The run is named ``pipeline-<work dir name>``; every step run is tagged ``dataset:<work dir name>``."""
+    with tags(f"dataset:{artifact_key(Path(config.work_dir).resolve().name)}"):
+        return _pipeline(config)
+
+
+def _pipeline(config: PipelineConfig) -> dict[str, Any]:
+    """The pipeline's steps, in the pipeline's flow run (see :func:`pipeline_flow`)."""
     cfg = config
     logger = get_run_logger()
     work = Path(cfg.work_dir).resolve()
@@ -59,7 +70,9 @@ def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         dataset = str(work / "dataset")
         result["preprocess"] = preprocess_flow(raw_inputs, dataset, format=fmt, seed=cfg.seed,
                                                dask_address=address)
-        fingerprint = read_meta(dataset).fingerprint
+        meta = read_meta(dataset)
+        cfg.check_rows(meta.rows)  # raw_inputs' rows are known only now: before profile, plan and training
+        fingerprint = meta.fingerprint
 
         profile = saved_result(Path(dataset) / "profile.json", {"fingerprint": fingerprint})
         if profile is None:
@@ -81,8 +94,9 @@ def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
             logger.info("plan %s is up to date: skipped", plan_dir)
             plan["skipped"] = True
         result["plan"] = plan
-        result["caches"] = compare_caches_flow(dataset, cfg.batch_size, [f"{100 * cfg.cache_fraction:g}%"],
-                                               cfg.lookahead, cfg.prefetch_distance,
+        # A sweep of capacities around cache_fraction: the plot shows each policy as a line.
+        sweep = capacity_sweep(cfg.cache_fraction, meta.total_embedding_rows)
+        result["caches"] = compare_caches_flow(dataset, cfg.batch_size, sweep, cfg.lookahead, cfg.prefetch_distance,
                                                output_dir=str(work / "caches"))
 
     # Training starts its own cluster (or uses the user's): with parity it places data and parity
@@ -94,10 +108,13 @@ def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
                                        f"oracle-parity{cfg.parity}", fingerprint, cfg.kills)
     result["train"] = {k: {key: v.get(key) for key in SUMMARY_KEYS} for k, v in runs.items()}
     result["summary"] = summary_rows(result, cfg)
-    publish_table("pipeline-summary", result["summary"], "dlrmflow pipeline: what the run measured")
+    table = format_table(result["summary"], SUMMARY_COLUMNS)
+    publish_pipeline_summary_task(artifact_key("pipeline-summary", work.name), str(work), table)
     return result
 
 
+SUMMARY_COLUMNS = [Column("What", "what"), Column("Value", "value"), Column("Baseline", "baseline"),
+                   Column("Comparison", "ratio")]
 SUMMARY_KEYS = ("mode", "iterations", "mean_iteration_ms", "median_iteration_ms", "stall_fraction",
                 "bytes_fetched", "bytes_written_back", "final_train_loss", "eval_auc", "eval_log_loss",
                 "state_sha256", "parity", "skipped", "output_dir")
@@ -107,7 +124,10 @@ def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, 
     """The final table: skew, cache hit rate vs LRU, iteration time vs remote, parity overhead."""
     rows = [{"what": "top 1% of embedding rows take", "value": f"{100 * result['profile']['top1pct_share']:.1f}%",
              "baseline": "", "ratio": ""}]
-    caches = {r["policy"]: r for r in result["caches"]["rows"]}
+    # The policies at the capacity of cache_fraction (the sweep's capacity nearest to it).
+    report = result["caches"]
+    at = min(report["capacities"], key=lambda c: abs(c - cfg.cache_fraction * report["total_rows"]))
+    caches = {r["policy"]: r for r in report["rows"] if r["capacity"] == at}
     lru, oracle = caches.get("lru"), caches.get("oracle")
     if lru and oracle:
         def rate(r: dict[str, Any]) -> str:
@@ -118,21 +138,22 @@ def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, 
     train = result["train"]
     remote, orc = train["remote"], train["oracle"]
     speedup = remote["median_iteration_ms"] / orc["median_iteration_ms"]
-    rows.append({"what": "ms/iteration, oracle vs remote (median)", "value": f"{orc['median_iteration_ms']:.1f}",
-                 "baseline": f"{remote['median_iteration_ms']:.1f}",
+    rows.append({"what": "iteration time, oracle vs remote (median)",
+                 "value": f"{orc['median_iteration_ms']:.1f} ms", "baseline": f"{remote['median_iteration_ms']:.1f} ms",
                  "ratio": f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"})
     rows.append({"what": "oracle stall (share of iteration time)", "value": f"{100 * orc['stall_fraction']:.1f}%",
                  "baseline": "", "ratio": ""})
-    rows.append({"what": "bytes fetched, oracle vs remote", "value": f"{orc['bytes_fetched']:,}",
-                 "baseline": f"{remote['bytes_fetched']:,}", "ratio": ""})
+    rows.append({"what": "fetched, oracle vs remote", "value": f"{orc['bytes_fetched'] / 1e6:.3g} MB",
+                 "baseline": f"{remote['bytes_fetched'] / 1e6:.3g} MB", "ratio": ""})
     same = orc["state_sha256"] == remote["state_sha256"]
     rows.append({"what": "final state, oracle vs remote", "value": "bit-identical" if same else "DIFFERENT",
                  "baseline": "", "ratio": ""})
     if "oracle_parity" in train:
         par = train["oracle_parity"]
         overhead = par["median_iteration_ms"] / orc["median_iteration_ms"] - 1
-        rows.append({"what": f"parity R={cfg.parity}: ms/iteration vs no parity",
-                     "value": f"{par['median_iteration_ms']:.1f}", "baseline": f"{orc['median_iteration_ms']:.1f}",
+        rows.append({"what": f"parity R={cfg.parity}: iteration time vs no parity (median)",
+                     "value": f"{par['median_iteration_ms']:.1f} ms",
+                     "baseline": f"{orc['median_iteration_ms']:.1f} ms",
                      "ratio": f"{100 * overhead:+.1f}%"})
         same = par["state_sha256"] == orc["state_sha256"]
         rows.append({"what": "final state with parity" + (" and kills" if cfg.kills else ""),

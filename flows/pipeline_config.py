@@ -1,15 +1,40 @@
 """The pipeline's parameters: one validated model, light to import (the CLI builds ``dlrmflow demo``'s
-options from it without loading Prefect, Dask or torch)."""
+options from it without loading Prefect, Dask or torch).
+
+Constructing a :class:`PipelineConfig` checks everything that can be checked before any work: each
+field's type and bounds, and the rules between fields (the training runs fit in the generated rows,
+the kills name shards and iterations that exist, P <= L). A problem raises
+:class:`PipelineConfigError` (a ``UserInputError``: the CLI prints one line and exits 2) naming the
+config's fields (``train_iterations``, ``rows``, ...), never a command-line option, because the
+same model is the ``config`` parameter of the ``pipeline/nightly`` deployment. Rows read from
+``raw_inputs`` are known only after preprocessing: the pipeline calls :meth:`check_rows` then.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from dlrmflow.engine.faults import check_kills
+from dlrmflow.engine.faults import KILL_SYNTAX, FaultSpecError, check_kills, parse_kill
 from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.errors import UserInputError
+
+# The share of a dataset's rows every training run of the pipeline holds out for evaluation.
+EVAL_FRACTION: float = TrainConfig.model_fields["eval_fraction"].default
+
+
+class PipelineConfigError(UserInputError):
+    """The pipeline's parameters are invalid or do not fit the data; the message names the fields."""
+
+
+def training_batches(rows: int, batch_size: int, eval_fraction: float = EVAL_FRACTION) -> int:
+    """Whole batches a training run of a ``rows``-row dataset has before its held-out rows.
+
+    The rule of ``engine/trainer.py``'s ``prepare_run``: the last ``round(eval_fraction * rows)`` rows
+    are held out, and a batch counts when it ends at or before them."""
+    return (rows - int(round(eval_fraction * rows))) // batch_size
 
 
 def training_field(name: str, **overrides: Any) -> Any:
@@ -41,11 +66,72 @@ class PipelineConfig(BaseModel):
                              "e.g. shard:0@50 (shard:I@ITER or parity:J@ITER, repeatable)")
     dask_address: str | None = Field(None, description="existing Dask scheduler; none: a LocalCluster")
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise PipelineConfigError(f"invalid pipeline parameters: {_problems(exc)}") from None
+
     @model_validator(mode="after")
     def _fields_agree(self) -> PipelineConfig:
+        """The rules between fields; each error starts with the field it is about."""
         if self.prefetch_distance > self.lookahead:
-            raise ValueError(f"prefetch_distance ({self.prefetch_distance}) must be <= lookahead ({self.lookahead})")
-        if self.kills and not self.parity:  # the kills go to the oracle-parity run, which parity 0 leaves out
-            raise ValueError("kills need parity >= 1 (without parity a lost shard cannot be rebuilt)")
-        check_kills(self.kills, num_shards=self.shards, parity=self.parity, iterations=self.train_iterations)
+            raise PipelineConfigError(f"prefetch_distance: {self.prefetch_distance} must be <= lookahead "
+                                      f"({self.lookahead})")
+        self._check_kills()
+        if not self.raw_inputs:
+            self.check_rows(self.rows)
         return self
+
+    def _check_kills(self) -> None:
+        if self.kills and not self.parity:  # the kills go to the oracle-parity run, which parity 0 leaves out
+            raise PipelineConfigError("kills need parity >= 1 (without parity a lost shard cannot be rebuilt)")
+        kills = []
+        for text in self.kills:
+            try:
+                kills.append(parse_kill(text))
+            except FaultSpecError:
+                raise PipelineConfigError(f"kills: {text!r} is not {KILL_SYNTAX} (e.g. shard:0@10)") from None
+        for kill in kills:
+            limit, field = (self.shards, "shards") if kill.kind == "shard" else (self.parity, "parity")
+            if kill.index >= limit:
+                raise PipelineConfigError(f"kills: {kill}: there is no {kill.kind} {kill.index} with {field} {limit}")
+            if kill.iteration >= self.train_iterations:
+                raise PipelineConfigError(f"kills: {kill}: iteration {kill.iteration} is past the last one "
+                                          f"({self.train_iterations - 1}, with train_iterations "
+                                          f"{self.train_iterations})")
+        if len({(k.kind, k.index) for k in kills}) != len(kills):
+            raise PipelineConfigError("kills: the same shard is named twice")
+        # The training run's own rule, so that none it makes can fail later (it names train's options).
+        check_kills(self.kills, num_shards=self.shards, parity=self.parity, iterations=self.train_iterations)
+
+    def check_rows(self, rows: int) -> None:
+        """Raise :class:`PipelineConfigError` unless ``train_iterations`` batches of ``batch_size`` fit in a
+        dataset of ``rows`` rows (generated: ``rows``; else preprocessed ``raw_inputs``) before its
+        held-out rows, as every training run of the pipeline needs."""
+        source = f"raw_inputs ({rows:,} rows once preprocessed)" if self.raw_inputs else f"rows {rows:,}"
+        held_out = int(round(EVAL_FRACTION * rows))
+        fit = training_batches(rows, self.batch_size)
+        if held_out == 0:
+            raise PipelineConfigError(f"{'raw_inputs' if self.raw_inputs else 'rows'}: {rows:,} rows are too few "
+                                      f"to hold out {EVAL_FRACTION:.0%} for evaluation")
+        if self.train_iterations > fit:
+            raise PipelineConfigError(
+                f"train_iterations: {self.train_iterations} batches of batch_size {self.batch_size} need "
+                f"{self.train_iterations * self.batch_size:,} training rows, but {source} leave "
+                f"{rows - held_out:,} after the {EVAL_FRACTION:.0%} held out for evaluation ({fit} batches): "
+                f"lower train_iterations or batch_size, or give more rows")
+
+
+def _problems(exc: ValidationError) -> str:
+    """One ``field: problem`` part per error of ``exc``; a rule's own message as it is."""
+    parts = []
+    for error in exc.errors():
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, PipelineConfigError):
+            parts.append(str(cause))
+            continue
+        field = ".".join(str(part) for part in error["loc"]) or "config"
+        message = error["msg"]
+        parts.append(f"{field}: {message[:1].lower()}{message[1:]}, got {error.get('input')!r}")
+    return "; ".join(parts)

@@ -8,10 +8,11 @@ from prefect import flow
 
 from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.engine.planner import PlanConfig
+from dlrmflow.flows.run_names import compare_caches_run_name, plan_run_name
 from dlrmflow.tasks.plan import compare_task, plan_task, publish_comparison_task, publish_plan_task
 
 
-@flow(name="plan")
+@flow(name="plan", flow_run_name=plan_run_name)
 def plan_flow(
     dataset_dir: str,
     output_dir: str,
@@ -27,11 +28,11 @@ def plan_flow(
     config = PlanConfig(batch_size, lookahead, prefetch_distance, capacity, drop_last)  # fail before Dask starts
     with dask_scheduler(dask_address) as address:
         summary = plan_task(dataset_dir, config, output_dir, chunk_iterations, address)
-    publish_plan_task(summary)
+    publish_plan_task(summary, dataset_dir)
     return summary
 
 
-@flow(name="compare-caches")
+@flow(name="compare-caches", flow_run_name=compare_caches_run_name)
 def compare_caches_flow(
     dataset_dir: str,
     batch_size: int,

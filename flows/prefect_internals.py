@@ -9,11 +9,16 @@ flow run that silently loses its parent or its logs. (The engine's Dask counterp
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterator
+import os
+import subprocess
+import types
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from prefect.context import TaskRunContext
+
+from dlrmflow.errors import UserInputError
 
 T = TypeVar("T")
 
@@ -54,3 +59,91 @@ def outside_task_run() -> Iterator[None]:
         yield
     finally:
         TaskRunContext.__var__.reset(token)
+
+
+class TemporaryApiError(UserInputError):
+    """Prefect's temporary local API did not start: one line that says how, and names the way out."""
+
+
+class UnexpectedServerCommand(RuntimeError):
+    """Prefect launched its server with a command :func:`server_command` does not know (Prefect changed)."""
+
+
+# What to do without a temporary API: run a server and point every command at it.
+SERVER_WAY_OUT = ("start one with `prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api "
+                  "(`prefect config set PREFECT_API_URL=...`)")
+
+
+def prepare_temporary_api(timeout_s: float) -> None:
+    """Make the temporary local API that Prefect starts on its first API call without ``PREFECT_API_URL``
+    wait up to ``timeout_s`` for the server, end the server with this process, and fail in one line.
+
+    Starts nothing: the server starts when Prefect first needs it, as before, so a command that fails
+    on its input first costs no server. Once started it runs under :mod:`dlrmflow.exit_with_parent`,
+    which ends it when this process is gone (Prefect stops it only from an ``atexit`` hook, which a
+    killed process never runs). A server that does not answer in time is stopped, and
+    :class:`TemporaryApiError` raised where Prefect wanted it.
+
+    Relies on: ``prefect.server.api.server.SubprocessASGIServer``, a per-port singleton whose port-None
+    instance is the server every ``get_client()`` (and the events client) without an API URL starts
+    with ``.start()`` and then uses; ``start(timeout)`` launches it through
+    ``self._run_uvicorn_command()``, which calls ``subprocess.Popen(args=[sys.executable, "-m",
+    "uvicorn", ...])`` through that module's ``subprocess``; :func:`server_command` refuses any other
+    command, so a change fails loudly. Both methods are replaced on this one instance only.
+    """
+    from prefect.server.api import server as server_module
+
+    server = server_module.SubprocessASGIServer()  # registers the default server; starts nothing
+    if server.running or getattr(server, "dlrmflow_prepared", False):
+        return
+    launch = type(server)._run_uvicorn_command
+    start = type(server).start
+
+    def run_uvicorn_command(self: Any) -> subprocess.Popen[Any]:
+        real = server_module.subprocess
+        server_module.subprocess = _SubprocessExitingWithParent(real)
+        try:
+            return launch(self)
+        finally:
+            server_module.subprocess = real
+
+    def start_or_explain(self: Any, timeout: float | None = None) -> None:
+        wait_s = max(timeout or 0, timeout_s, 0.1)  # 0 or None would mean Prefect's own default
+        try:
+            start(self, timeout=wait_s)
+        except Exception as exc:
+            process = self.server_process
+            exited = process is not None and process.poll() is not None
+            self.stop()
+            if isinstance(exc, UnexpectedServerCommand):
+                raise
+            how = f"its server exited with status {process.returncode}" if exited else \
+                f"it did not answer within {wait_s:g} s"
+            raise TemporaryApiError(f"the temporary local Prefect API did not start ({how}); {SERVER_WAY_OUT}, "
+                                    "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from exc
+
+    server._run_uvicorn_command = types.MethodType(run_uvicorn_command, server)
+    server.start = types.MethodType(start_or_explain, server)
+    server.dlrmflow_prepared = True
+
+
+def server_command(args: Sequence[str]) -> list[str]:
+    """``[python, -m, uvicorn, ARGS...]`` as ``[python, -m, dlrmflow.exit_with_parent, THIS_PID, uvicorn, ARGS...]``."""
+    if list(args[1:3]) != ["-m", "uvicorn"]:
+        raise UnexpectedServerCommand(f"unexpected Prefect server command {list(args)[:3]} (see "
+                                      "flows/prefect_internals.py: prepare_temporary_api)")
+    return [args[0], "-m", "dlrmflow.exit_with_parent", str(os.getpid()), *args[2:]]
+
+
+class _SubprocessExitingWithParent:
+    """Stands in for the ``subprocess`` module while Prefect launches its server: ``Popen`` runs the
+    command under :mod:`dlrmflow.exit_with_parent`; every other name is the real module's."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def Popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 - subprocess's name
+        return self._real.Popen(server_command(args), **kwargs)

@@ -28,6 +28,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
+from dlrmflow.flows.run_names import recover_run_name, verify_run_name
 from dlrmflow.tasks.recovery import publish_recovery_task
 
 # Flow parameters must be JSON: the rebuild itself (a closure over the live shard group) is
@@ -37,9 +38,11 @@ _LOCK = threading.Lock()
 _IDS = itertools.count(1)
 
 
-@flow(name="recover-shard")
-def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: int) -> dict[str, Any]:
-    """Rebuild the lost embedding shards from survivors + parity, chunk by chunk, while training runs."""
+@flow(name="recover-shard", flow_run_name=recover_run_name)
+def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: int, run: str = "") -> dict[str, Any]:
+    """Rebuild the lost embedding shards from survivors + parity, chunk by chunk, while training runs.
+
+    ``run`` names the training run in the report's artifact key (``shard-recovery-<run>``)."""
     from dlrmflow.tasks.reporting import FlowProgress
 
     logger = get_run_logger()
@@ -48,7 +51,8 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
     logger.info("lost %s: rebuilding %d stripes on fresh workers (those some live member touched are copied, "
                 "in chunks of %d; the others are generated from the seed)", ", ".join(lost), stripes, chunk)
     start = time.perf_counter()
-    result = rebuild(FlowProgress(f"rebuild of {', '.join(lost)} (stripes)", min_interval_s=0.5))
+    progress = FlowProgress(f"rebuild of {', '.join(lost)} (stripes)", min_interval_s=0.5)
+    result = rebuild(progress)
     logger.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, %.3f s after detection "
                 "(%d restarts)", ", ".join(result["lost"]), result["rows_rebuilt"], result["chunks"],
                 result["stripes_generated"], result["seconds"] or time.perf_counter() - start, result["restarts"])
@@ -56,20 +60,22 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
                 "survivors, %.3f s decoding and installing); training waited %.3f s for the fix-ups",
                 result["copy_seconds"], result["copy_task_seconds"], result["copy_read_wait_seconds"],
                 result["copy_install_seconds"], result["locked_seconds"])
-    publish_recovery_task(result)
+    progress.finish()
+    publish_recovery_task(result, run)
     return result
 
 
 Runner = Callable[[Callable[..., dict[str, Any]], dict[str, Any]], dict[str, Any]]
 
 
-def recovery_runner() -> Runner:
+def recovery_runner(run: str = "") -> Runner:
     """The trainer's ``recovery_runner``, made by the train flow: every recover-shard run it starts
-    is a child of the calling flow run, whichever thread (prefetch worker, recovery thread) calls it."""
+    is a child of the calling flow run, whichever thread (prefetch worker, recovery thread) calls it.
+    ``run`` names the training run in the reports' artifact keys."""
     in_train_context = capture_run_context()
 
     def run_in_train_context(rebuild: Callable[..., dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
-        return in_train_context(run_recovery_subflow, rebuild, info)
+        return in_train_context(run_recovery_subflow, rebuild, {**info, "run": run})
 
     return run_in_train_context
 
@@ -84,13 +90,13 @@ def run_recovery_subflow(rebuild: Callable[..., dict[str, Any]], info: dict[str,
         # The context is the train task's; without the task run in it, the subflow's logs and artifacts
         # belong to the subflow run (a child of the train flow run), not to the train task.
         with outside_task_run():
-            return recover_shard_flow(recovery_id, info["lost"], info["stripes"], info["chunk"])
+            return recover_shard_flow(recovery_id, info["lost"], info["stripes"], info["chunk"], info.get("run", ""))
     finally:
         with _LOCK:
             _REBUILDS.pop(recovery_id, None)
 
 
-@flow(name="verify-parity")
+@flow(name="verify-parity", flow_run_name=verify_run_name)
 def verify_flow(run_dir: str) -> dict[str, Any]:
     """Re-encode a finished run's data shards and compare with the parity shards it saved."""
     from dlrmflow.engine.coded_shards import verify_run_dir

@@ -22,7 +22,9 @@ from dlrmflow.engine.cluster import dask_scheduler
 from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.engine.trainer import RunSetup
 from dlrmflow.flows.recovery import recovery_runner
-from dlrmflow.tasks.train import check_task, publish_metrics_task, train_task
+from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
+from dlrmflow.tasks.reporting import artifact_key, dataset_label
+from dlrmflow.tasks.train import check_task, publish_train_report_task, train_task
 
 # The check a caller in this process already made (train_checked); flow parameters must be JSON, and a
 # RunSetup (dataset stream, plan) is not, so it comes along in the calling context instead.
@@ -51,13 +53,17 @@ def train_checked(setup: RunSetup, dask_address: str | None = None) -> dict[str,
         _CHECKED.reset(token)
 
 
-@flow(name="train", on_failure=[log_resume_command], on_crashed=[log_resume_command])
+@flow(name="train", flow_run_name=train_run_name, on_failure=[log_resume_command], on_crashed=[log_resume_command])
 def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str, Any]:
     """Train a DLRM as ``config`` says (mode local | remote | lru | oracle); writes final_state.pt and summary.json.
 
     ``config.resume``: continue the unfinished run in ``output_dir`` from its checkpoint; every other setting
-    must be the run's own (``dlrmflow resume RUN_DIR`` reads them from its run_config.json)."""
+    must be the run's own (``dlrmflow resume RUN_DIR`` reads them from its run_config.json).
+
+    The run is named for what it runs (``train-oracle-k2-r1``) and tagged with its mode and dataset;
+    a kill, the loss it causes and the rebuild appear in its log as they happen."""
     logger = get_run_logger()
+    tag_this_run(train_tags(config))
     setup = _CHECKED.get()
     if setup is None or setup.config != config:
         setup = check_task(config)
@@ -69,14 +75,15 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
         summary = train_task(setup, None)
     else:
         # Each rebuild is a recover-shard child of this flow run, whatever thread notices the loss.
-        runner = recovery_runner() if config.parity else None
+        runner = recovery_runner(artifact_key(dataset_label(config.dataset_dir), config.mode,
+                                              f"parity{config.parity}")) if config.parity else None
         # With parity a LocalCluster gets one worker per shard (data and parity: separate fault
         # domains) plus a spare, so a rebuild starts at once on a fresh worker.
         workers = config.num_shards + config.parity + 1 if config.parity else None
         with dask_scheduler(dask_address, n_workers=workers) as address:
             logger.info("embedding servers: %d shards on the Dask cluster at %s", config.num_shards, address)
             summary = train_task(setup, address, runner)
-    publish_metrics_task(summary)
+    publish_train_report_task(summary)
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",
                 summary["mean_iteration_ms"], 100 * summary["stall_fraction"], summary["eval_auc"],
                 summary["state_sha256"][:16])

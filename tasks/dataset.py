@@ -12,8 +12,20 @@ from dlrmflow.datasets import synthetic
 from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.engine import profile as skew
 from dlrmflow.engine.cluster import dask_client
-from dlrmflow.tasks.reporting import FlowProgress, publish_plot, publish_table
+from dlrmflow.tasks.reporting import (
+    Column,
+    FlowProgress,
+    artifact_key,
+    dataset_label,
+    format_table,
+    publish_plot,
+    publish_table,
+)
 from dlrmflow.up_to_date import saved_result
+
+SKEW_COLUMNS = [Column("Table", "table"), Column("Rows", "rows", "count"),
+                Column("Touched rows", "touched_rows", "count"), Column("Accesses", "accesses", "count"),
+                Column("Top 1% of rows take", "top1pct_share", "%")]
 
 
 def generate_record(output: str) -> Path:
@@ -32,14 +44,15 @@ def generated_file_is_current(output: str, params: dict[str, Any]) -> dict[str, 
 @task(name="generate-criteo-tsv")
 def generate_task(output: str, rows: int, seed: int, scale: float, dask_address: str | None) -> dict[str, Any]:
     params = {"rows": rows, "seed": seed, "scale": scale}
+    progress = FlowProgress("generated rows")
     earlier = generated_file_is_current(output, params)
     if earlier is not None:
         get_run_logger().info("%s is up to date (rows=%d, seed=%d, scale=%g): skipped", output, rows, seed, scale)
+        progress.finish()
         return {**earlier, "skipped": True}
     with dask_client(dask_address) as client:
-        result = synthetic.generate(
-            output, rows, seed=seed, scale=scale, client=client, progress=FlowProgress("generated chunks")
-        )
+        result = synthetic.generate(output, rows, seed=seed, scale=scale, client=client, progress=progress)
+    progress.finish()
     side = {"params": params, "bytes": Path(output).stat().st_size, "result": result}
     generate_record(output).write_text(json.dumps(side, indent=2) + "\n")
     return {**result, "skipped": False}
@@ -48,26 +61,33 @@ def generate_task(output: str, rows: int, seed: int, scale: float, dask_address:
 @task(name="preprocess-to-parquet")
 def preprocess_task(inputs: list[str], output: str, options: dict[str, Any],
                     dask_address: str | None) -> dict[str, Any]:
+    progress = FlowProgress("preprocess steps")
     with dask_client(dask_address) as client:
-        return preprocess(inputs, output, client=client, progress=FlowProgress("preprocess steps"), **options)
+        summary = preprocess(inputs, output, client=client, progress=progress, **options)
+    progress.finish()  # also when skipped as up to date: nothing left to do
+    return summary
 
 
 @task(name="count-accesses")
 def profile_task(dataset_dir: str, dask_address: str | None) -> dict[str, Any]:
+    progress = FlowProgress("tables counted")
     with dask_client(dask_address) as client:
-        profile, _ = skew.profile_dataset(dataset_dir, client=client, progress=FlowProgress("tables counted"))
+        profile, _ = skew.profile_dataset(dataset_dir, client=client, progress=progress)
+    progress.finish()
     skew.write_profile(dataset_dir, profile)
     return profile
 
 
 @task(name="publish-skew-report")
 def publish_profile_task(dataset_dir: str, profile: dict[str, Any]) -> str:
+    """The skew table (``skew-profile-<dataset>``) and coverage plot (``skew-coverage-<dataset>``); returns the PNG."""
     png = skew.plot_coverage(profile, Path(dataset_dir) / skew.PLOT_FILE)
-    rows = [
-        {k: t[k] for k in ("table", "rows", "touched_rows", "accesses", "top1pct_share")} for t in profile["tables"]
-    ]
-    rows.append({"table": "ALL", "rows": profile["total_rows"], "touched_rows": profile["touched_rows"],
-                 "accesses": profile["accesses"], "top1pct_share": profile["top1pct_share"]})
-    publish_table("skew-profile", rows, f"Per-table access skew of {dataset_dir}")
-    publish_plot("skew-coverage", png, "Coverage curve: share of accesses vs share of rows")
+    rows = [*profile["tables"], {"table": "all tables", "rows": profile["total_rows"],
+                                 "touched_rows": profile["touched_rows"], "accesses": profile["accesses"],
+                                 "top1pct_share": profile["top1pct_share"]}]
+    name = dataset_label(dataset_dir)
+    publish_table(artifact_key("skew-profile", name), format_table(rows, SKEW_COLUMNS),
+                  f"Per-table access skew of {dataset_dir}")
+    publish_plot(artifact_key("skew-coverage", name), png,
+                 f"Coverage curve of {name}: share of accesses vs share of rows")
     return str(png)

@@ -12,20 +12,42 @@ from prefect import task
 from dlrmflow.engine import cache_policies
 from dlrmflow.engine.cluster import cluster_workers, dask_client
 from dlrmflow.engine.planner import PlanConfig, make_plan
-from dlrmflow.tasks.reporting import FlowProgress, publish_plot, publish_table
+from dlrmflow.tasks.reporting import (
+    Column,
+    FlowProgress,
+    artifact_key,
+    dataset_label,
+    format_table,
+    metric_table,
+    publish_plot,
+    publish_table,
+)
 
 COMPARISON_FILE = "cache_policies.json"
 COMPARISON_PLOT = "cache_policies.png"
+COMPARISON_COLUMNS = [
+    Column("Policy", "policy"), Column("Capacity (rows)", "capacity", "count"),
+    Column("Rows fetched", "rows_fetched", "count"),
+    Column("Fetched", "bytes_fetched", "MB"), Column("Rows written back", "rows_written_back", "count"),
+    Column("Hit rate", "hit_rate", "%"), Column("Note", "note"),
+]
+
+
+def plan_key(base: str, dataset_dir: str, batch_size: int, lookahead: int | None = None) -> str:
+    """``base-<dataset>-b<batch>[-l<L>]``: a key's history holds plans (comparisons) of like settings only."""
+    return artifact_key(base, dataset_label(dataset_dir), f"b{batch_size}", f"l{lookahead}" if lookahead else "")
 
 
 @task(name="plan-lookahead-cache")
 def plan_task(dataset_dir: str, config: PlanConfig, output_dir: str, chunk_iterations: int | None,
               dask_address: str | None) -> dict[str, Any]:
+    progress = FlowProgress("plan chunks done")
     with dask_client(dask_address) as client:
         started = time.perf_counter()
         summary = make_plan(dataset_dir, config, output_dir, client=client, chunk_iterations=chunk_iterations,
-                            progress=FlowProgress("plan chunks done"))
+                            progress=progress)
         seconds = time.perf_counter() - started
+        progress.finish()
         workers = len(cluster_workers(client))
     ids = summary["counts"]["ids"]
     return {**summary, "output": output_dir, "seconds": seconds, "dask_workers": workers,
@@ -34,25 +56,33 @@ def plan_task(dataset_dir: str, config: PlanConfig, output_dir: str, chunk_itera
 
 
 @task(name="publish-plan-summary")
-def publish_plan_task(summary: dict[str, Any]) -> None:
+def publish_plan_task(summary: dict[str, Any], dataset_dir: str) -> str:
+    """The plan's figures as a table, key ``lookahead-plan-<dataset>-b<batch>-l<L>``; returns the key."""
     counts = summary["counts"]
-    publish_table("lookahead-plan", [{
-        "iterations": summary["num_iterations"], "batch_size": summary["batch_size"],
-        "lookahead": summary["lookahead"], "prefetch_distance": summary["prefetch_distance"],
-        "capacity": summary["capacity"], "num_slots": summary["num_slots"],
-        "prefetched_rows": counts["prefetched_rows"], "evicted_rows": counts["evicted_rows"],
-        "peak_occupancy": counts["peak_occupancy"], "ids": counts["ids"],
-        "seconds": round(summary["seconds"], 3), "ids_per_second": round(summary["ids_per_second"] or 0),
-    }], f"Lookahead plan written to {summary['output']}")
+    table = metric_table([
+        ("Iterations", summary["num_iterations"], "count"), ("Batch size", summary["batch_size"], "count"),
+        ("Lookahead (L)", summary["lookahead"], "count"), ("Prefetch distance (P)", summary["prefetch_distance"],
+                                                             "count"),
+        ("Capacity (rows)", summary["capacity"] if summary["capacity"] is not None else "unbounded", "count"),
+        ("Cache slots", summary["num_slots"], "count"), ("Rows prefetched", counts["prefetched_rows"], "count"),
+        ("Rows evicted", counts["evicted_rows"], "count"), ("Peak occupancy (rows)", counts["peak_occupancy"], "count"),
+        ("Ids planned", counts["ids"], "count"), ("Planning time", summary["seconds"], "s"),
+        ("Ids per second", summary["ids_per_second"], "count"), ("Dask workers", summary["dask_workers"], "count"),
+    ])
+    return publish_table(plan_key("lookahead-plan", dataset_dir, summary["batch_size"], summary["lookahead"]), table,
+                         f"Lookahead plan written to {summary['output']}")
 
 
 @task(name="simulate-cache-policies")
 def compare_task(dataset_dir: str, batch_size: int, capacities: list[str | int], lookahead: int,
                  prefetch_distance: int, embedding_dim: int, drop_last: bool) -> dict[str, Any]:
-    return cache_policies.compare_dataset(
+    progress = FlowProgress("policy simulations done")
+    report = cache_policies.compare_dataset(
         dataset_dir, batch_size, capacities, window=lookahead, distance=prefetch_distance,
-        embedding_dim=embedding_dim, drop_last=drop_last, progress=FlowProgress("policy simulations done"),
+        embedding_dim=embedding_dim, drop_last=drop_last, progress=progress,
     )
+    progress.finish()
+    return report
 
 
 @task(name="publish-cache-comparison")
@@ -65,8 +95,10 @@ def publish_comparison_task(report: dict[str, Any], output_dir: str) -> dict[str
         results, out / COMPARISON_PLOT,
         title=f"Rows fetched, batch {report['batch_size']}, L={report['lookahead']}, P={report['prefetch_distance']}",
     )
-    publish_table("cache-policies", report["rows"],
+    dataset, batch = report["dataset"], report["batch_size"]
+    publish_table(plan_key("cache-policies", dataset, batch), format_table(report["rows"], COMPARISON_COLUMNS),
                   f"Cache policies on {report['dataset']} ({report['iterations']} iterations, "
                   f"{report['uses']:,} row uses, embedding dim {report['embedding_dim']})")
-    publish_plot("cache-policies-plot", png, "Rows fetched vs cache capacity, per policy")
+    publish_plot(plan_key("cache-policies-plot", dataset, batch), png,
+                 f"Rows fetched vs cache capacity, per policy ({dataset_label(dataset)}, batch {batch})")
     return {"report": str(out / COMPARISON_FILE), "plot": str(png)}

@@ -6,10 +6,31 @@ from typing import Any
 
 from prefect import task
 
-from dlrmflow.tasks.reporting import publish_table
+from dlrmflow.tasks.reporting import artifact_key, metric_table, publish_table
+
+# (what, record key, unit) of the shard-recovery table.
+RECORD_ITEMS = [
+    ("Lost", "lost", ""), ("Detected after the shards started", "detected_s", "s"),
+    ("Rebuilt after detection", "seconds", "s"), ("Found replacement workers", "placement_seconds", "s"),
+    ("Stripes", "stripes", "count"), ("Rows copied", "rows_rebuilt", "count"), ("Chunks", "chunks", "count"),
+    ("Stripes generated from the seed", "stripes_generated", "count"),
+    ("Stripes fixed up", "stripes_fixed_up", "count"), ("Fix-ups", "fix_ups", "count"),
+    ("Bulk copy", "copy_seconds", "s"), ("Copy tasks on the new worker", "copy_task_seconds", "s"),
+    ("Waiting for survivors", "copy_read_wait_seconds", "s"),
+    ("Decoding and installing", "copy_install_seconds", "s"),
+    ("Training waited for fix-ups", "locked_seconds", "s"), ("Restarts", "restarts", "count"),
+]
+
+
+def recovery_table(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per figure of the record, one per new worker and one per failure that showed the loss."""
+    items = [(what, result.get(key), unit) for what, key, unit in RECORD_ITEMS]
+    items += [(f"New worker of {member}", worker, "") for member, worker in result.get("new_workers", {}).items()]
+    items += [(f"Noticed by ({n})", cause, "") for n, cause in enumerate(result.get("causes", []), start=1)]
+    return metric_table(items)
 
 
 @task(name="publish-recovery")
-def publish_recovery_task(result: dict[str, Any]) -> None:
-    rows = [{"metric": k, "value": str(v)} for k, v in result.items()]
-    publish_table("shard-recovery", rows, f"recovery of {', '.join(result['lost'])}")
+def publish_recovery_task(result: dict[str, Any], run: str = "") -> str:
+    return publish_table(artifact_key("shard-recovery", run), recovery_table(result),
+                         f"Recovery of {', '.join(result['lost'])}")

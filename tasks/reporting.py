@@ -1,14 +1,27 @@
-"""Progress and artifacts: how long engine work shows up in the terminal and the Prefect UI.
+"""Progress, artifacts and engine events: how engine work shows up in the terminal and the Prefect UI.
 
-The engine reports progress through a plain ``(done, total)`` callback; :class:`FlowProgress`
-is that callback for flows: it logs a line (at most every few seconds, and at the end) and
-keeps a Prefect progress artifact up to date.
+This module is the one place that publishes artifacts. Every table goes through one formatter
+(:func:`format_table`, :func:`metric_table`): plain-English headers with the unit in brackets,
+numbers rounded and kept as numbers, lists joined into text, never a Python repr. Every key goes
+through :func:`artifact_key`, which names what distinguishes runs (dataset, mode), so a key's
+history in the UI compares like with like.
+
+The engine reports progress through a plain ``(done, total)`` callback; :class:`FlowProgress` is
+that callback for flows: it logs a line and keeps a Prefect progress artifact up to date. The
+engine reports events (a kill, a loss, a rebuild) on standard :mod:`logging` loggers under
+``dlrmflow.engine``; :func:`engine_events_to_run_log` sends them to a run's Prefect log.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import math
+import re
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,31 +33,108 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+# ---- keys ---------------------------------------------------------------------------------------
 
-class FlowProgress:
-    def __init__(self, what: str, *, min_interval_s: float = 2.0) -> None:
-        self.what = what
-        self.logger = get_run_logger()
-        self.artifact_id = create_progress_artifact(0.0, description=what)
-        self.min_interval_s = min_interval_s
-        self._last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < self.min_interval_s:
-            return
-        self._last = now
-        percent = 100.0 * done / total if total else 100.0
-        update_progress_artifact(self.artifact_id, percent)
-        self.logger.info("%s: %d/%d (%.0f%%)", self.what, done, total, percent)
+_NOT_IN_KEY = re.compile(r"[^a-z0-9]+")
 
 
-def publish_table(key: str, rows: list[dict[str, Any]], description: str) -> None:
-    create_table_artifact(rows, key=key, description=description)
+def artifact_key(*parts: object) -> str:
+    """A Prefect artifact key from ``parts`` (e.g. ``("train-summary", "criteo", "oracle")`` ->
+    ``train-summary-criteo-oracle``): lowercase letters, digits and single dashes only, as Prefect requires."""
+    text = "-".join(str(p) for p in parts if p not in (None, ""))
+    return _NOT_IN_KEY.sub("-", text.lower()).strip("-")
 
 
-def publish_plot(key: str, png: str | Path, description: str) -> None:
-    """A markdown artifact with the plot embedded (data URI) and its path on disk."""
+def dataset_label(path: str | Path) -> str:
+    """What names a dataset (or run directory) in keys, tags and run names: its directory name, or
+    for the pipeline's ``WORK/dataset`` (the same name in every work dir) the work dir's name."""
+    path = Path(path)
+    name = path.name or path.resolve().name
+    if name in ("dataset", "plan", "caches") and path.parent.name:
+        return path.parent.name
+    return Path(name).stem if path.suffix in (".gz", ".tsv", ".csv", ".txt") else name
+
+
+# ---- the table formatter -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table: its header in plain English, the source ``key`` and the ``unit``.
+
+    Units: ``""`` (text or a plain number), ``"count"``, ``"ms"``, ``"s"`` (values already in that
+    unit), ``"MB"`` (the value is bytes), ``"%"`` (the value is a fraction 0..1), ``"x"`` (a ratio)."""
+
+    header: str
+    key: str
+    unit: str = ""
+
+    @property
+    def title(self) -> str:
+        return f"{self.header} ({self.unit})" if self.unit and self.unit != "count" else self.header
+
+
+def _significant(x: float, digits: int) -> float:
+    if x == 0 or not math.isfinite(x):
+        return x
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return round(x, decimals)
+
+
+def format_value(value: Any, unit: str = "") -> Any:
+    """``value`` as a table cell in ``unit``: a rounded number (kept a number), or readable text.
+
+    None -> ``""``; booleans -> ``yes``/``no``; lists -> their items joined by ``, ``; mappings ->
+    ``key: value`` pairs joined by ``; ``; counts -> int; ms/s/x -> 3 significant digits (at least
+    the integer part); MB -> bytes / 1e6, 3 significant digits; % -> fraction * 100, one decimal."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(str(format_value(v, unit)) for v in value)
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {format_value(v, unit)}" for k, v in value.items())
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if unit == "count":
+        return int(value)
+    if unit == "%":
+        return round(100.0 * value, 1)
+    if unit == "MB":
+        return _significant(value / 1e6, 3)
+    if unit in ("ms", "s", "x"):
+        return _significant(float(value), 3)
+    if isinstance(value, int):
+        return value
+    return _significant(value, 4)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> list[dict[str, Any]]:
+    """``rows`` (dicts keyed by source keys) as a table: one dict per row, keyed by the columns' titles."""
+    return [{c.title: format_value(row.get(c.key), c.unit) for c in columns} for row in rows]
+
+
+METRIC_COLUMNS = (Column("Metric", "metric"), Column("Value", "value"), Column("Unit", "unit"))
+
+
+def metric_table(items: Sequence[tuple[str, Any, str]]) -> list[dict[str, Any]]:
+    """A table of ``(what, value, unit)`` items, one per row: Metric | Value | Unit (the layout of every
+    one-record table; values formatted as :func:`format_value` does, so numbers stay numbers)."""
+    rows = [{"metric": what, "value": format_value(value, unit),
+             "unit": "" if unit == "count" else ("MB" if unit == "MB" else unit)} for what, value, unit in items]
+    return [{c.title: row[c.key] for c in METRIC_COLUMNS} for row in rows]
+
+
+def publish_table(key: str, table: list[dict[str, Any]], description: str) -> str:
+    """Publish a table made by :func:`format_table` or :func:`metric_table`; returns its key."""
+    create_table_artifact(table, key=key, description=description)
+    return key
+
+
+def publish_plot(key: str, png: str | Path, description: str) -> str:
+    """A markdown artifact with the plot embedded (a data URI: the Prefect UI renders markdown images,
+    and the run's files may not be reachable from the browser) and its path on disk; returns its key."""
     png = Path(png)
     data = base64.b64encode(png.read_bytes()).decode()
     create_markdown_artifact(
@@ -52,3 +142,90 @@ def publish_plot(key: str, png: str | Path, description: str) -> None:
         key=key,
         description=description,
     )
+    return key
+
+
+def publish_markdown(key: str, markdown: str, description: str) -> str:
+    create_markdown_artifact(markdown, key=key, description=description)
+    return key
+
+
+# ---- progress ----------------------------------------------------------------------------------------
+
+
+class FlowProgress:
+    """The engine's ``(done, total)`` progress callback in a flow or task run: a progress artifact and log lines.
+
+    The artifact moves while the work runs: it is updated when at least ``min_interval_s`` passed
+    since the last update or the share done grew by ``min_step`` percent, and always at the end
+    (``done == total``). :meth:`finish` sets it to 100% for work that ended without reporting its
+    last step (skipped as up to date, or nothing to do), so a finished run never shows 0%.
+    """
+
+    def __init__(self, what: str, *, min_interval_s: float = 1.0, min_step: float = 10.0) -> None:
+        self.what = what
+        self.logger = get_run_logger()
+        self.artifact_id = create_progress_artifact(0.0, description=what)
+        self.min_interval_s, self.min_step = min_interval_s, min_step
+        self.percent = 0.0
+        self.updates = 0
+        self._last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100.0 * done / total if total else 100.0
+        now = time.monotonic()
+        if percent < 100.0 and now - self._last < self.min_interval_s and percent - self.percent < self.min_step:
+            return
+        self._last = now
+        self._update(percent)
+        self.logger.info("%s: %d/%d (%.0f%%)", self.what, done, total, percent)
+
+    def _update(self, percent: float) -> None:
+        if percent == self.percent and self.updates:
+            return
+        self.percent = percent
+        self.updates += 1
+        update_progress_artifact(self.artifact_id, percent)
+
+    def finish(self) -> None:
+        """The work is done, whatever it reported: the artifact shows 100%."""
+        if self.percent < 100.0:
+            self._update(100.0)
+
+
+# ---- engine events in a run's log ---------------------------------------------------------------------
+
+ENGINE_LOGGER = "dlrmflow.engine"
+
+
+class _ToRunLogger(logging.Handler):
+    def __init__(self, run_logger: logging.LoggerAdapter) -> None:
+        super().__init__(logging.INFO)
+        self.run_logger = run_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.run_logger.log(record.levelno, "%s", record.getMessage())
+        except Exception:  # a report must not break the training it reports on
+            self.handleError(record)
+
+
+@contextmanager
+def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None) -> Iterator[None]:
+    """Within the block, the engine's events (``dlrmflow.engine`` loggers at INFO and above: a worker
+    killed, a shard lost, a rebuild done) go to ``run_logger`` (default: this run's Prefect logger),
+    from whatever thread reports them; the Prefect logger carries the run's ids, so the lines land in
+    that run's log even from threads without a Prefect context."""
+    handler = _ToRunLogger(run_logger or get_run_logger())
+    engine = logging.getLogger(ENGINE_LOGGER)
+    previous, propagate = engine.level, engine.propagate
+    engine.addHandler(handler)
+    engine.propagate = False  # the run logger prints them too: not twice on the console
+    if engine.getEffectiveLevel() > logging.INFO:
+        engine.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        engine.removeHandler(handler)
+        engine.setLevel(previous)
+        engine.propagate = propagate

@@ -1,8 +1,9 @@
-"""Prefect tasks of the train flow (thin wrappers over :mod:`dlrmflow.engine.trainer`)."""
+"""Prefect tasks of the train flow (thin wrappers over :mod:`dlrmflow.engine.trainer`) and its report."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -11,20 +12,47 @@ from prefect.cache_policies import NO_CACHE
 from dlrmflow.engine.cluster import dask_client
 from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.engine.trainer import RunSetup, prepare_run, train
-from dlrmflow.tasks.reporting import FlowProgress, publish_table
+from dlrmflow.tasks import plots
+from dlrmflow.tasks.reporting import (
+    Column,
+    FlowProgress,
+    artifact_key,
+    dataset_label,
+    engine_events_to_run_log,
+    format_table,
+    metric_table,
+    publish_plot,
+    publish_table,
+)
 
-SUMMARY_ROWS = [
-    ("mode", "mode"), ("iterations", "iterations"), ("batch size", "batch_size"), ("shards", "num_shards"),
-    ("cache rows", "capacity"), ("mean iteration (ms)", "mean_iteration_ms"), ("stall fraction", "stall_fraction"),
-    ("bytes fetched", "bytes_fetched"), ("bytes written back", "bytes_written_back"),
-    ("final train loss", "final_train_loss_mean"), ("eval AUC", "eval_auc"), ("eval log loss", "eval_log_loss"),
-    ("state SHA-256", "state_sha256"),
+# (what, summary key, unit) of the train-summary table.
+SUMMARY_ITEMS = [
+    ("Mode", "mode", ""), ("Iterations", "iterations", "count"), ("Batch size", "batch_size", "count"),
+    ("Shards", "num_shards", "count"), ("Cache rows", "capacity", "count"),
+    ("Mean iteration time", "mean_iteration_ms", "ms"), ("Median iteration time", "median_iteration_ms", "ms"),
+    ("Stalled (share of iteration time)", "stall_fraction", "%"), ("Fetched", "bytes_fetched", "MB"),
+    ("Written back", "bytes_written_back", "MB"), ("Final train loss (mean)", "final_train_loss_mean", ""),
+    ("Eval AUC", "eval_auc", ""), ("Eval log loss", "eval_log_loss", ""), ("State SHA-256", "state_sha256", ""),
 ]
-PARITY_ROWS = [
-    ("parity shards", "parity_shards"), ("write-back batches", "write_back_batches"),
-    ("parity bytes sent", "parity_bytes_sent"), ("degraded rows read", "degraded_rows_read"),
-    ("recoveries", "recoveries"), ("verify", "verify"),
+PARITY_ITEMS = [
+    ("Parity shards", "parity_shards", "count"), ("Write-back batches", "write_back_batches", "count"),
+    ("Parity sent", "parity_bytes_sent", "MB"), ("Degraded rows read", "degraded_rows_read", "count"),
 ]
+RECOVERY_ITEMS = [
+    ("lost", "lost", ""), ("detected after the shards started", "detected_s", "s"),
+    ("rebuilt after detection", "seconds", "s"), ("rows copied", "rows_rebuilt", "count"),
+    ("chunks", "chunks", "count"), ("stripes generated from the seed", "stripes_generated", "count"),
+    ("bulk copy", "copy_seconds", "s"), ("training waited for fix-ups", "locked_seconds", "s"),
+    ("restarts", "restarts", "count"),
+]
+METRICS_COLUMNS = [Column("Iteration", "iteration", "count"), Column("Training loss", "loss"),
+                   Column("Iteration time", "iteration_ms", "ms"), Column("Stalled", "stall_ms", "ms")]
+
+
+def train_artifact_key(base: str, summary: dict[str, Any]) -> str:
+    """``base-<dataset>-<mode>`` (``-parity<R>`` with parity shards): a key's history holds like runs only."""
+    parity = (summary.get("parity") or {}).get("parity_shards")
+    return artifact_key(base, dataset_label(summary["dataset"]), summary["mode"], f"parity{parity}" if parity else "")
 
 
 # A RunSetup holds the plan and the dataset's stream: hashing it for a cache key would cost a pass
@@ -37,7 +65,9 @@ def check_task(config: TrainConfig) -> RunSetup:
 
 @task(name="train-dlrm", cache_policy=NO_CACHE)
 def train_task(setup: RunSetup, dask_address: str | None, recovery_runner: Callable | None = None) -> dict[str, Any]:
-    """Train the checked run ``setup``; with parity, ``recovery_runner`` reports each shard rebuild."""
+    """Train the checked run ``setup``; with parity, ``recovery_runner`` reports each shard rebuild.
+
+    The engine's events (a kill, a lost shard, a rebuild) go to this run's log as they happen."""
     config = setup.config
     logger = get_run_logger()
     progress = FlowProgress(f"{config.mode} training iterations")
@@ -46,18 +76,56 @@ def train_task(setup: RunSetup, dask_address: str | None, recovery_runner: Calla
         logger.info("iteration %d: loss %.4f, %.2f ms/iteration, stall %.2f ms",
                     row["iteration"], row["loss"], row["iteration_ms"], row["stall_ms"])
 
-    if config.mode == "local":
-        return train(config, setup=setup, progress=progress, on_metrics=on_metrics)
-    with dask_client(dask_address) as client:
-        return train(config, setup=setup, client=client, progress=progress, on_metrics=on_metrics,
-                     recovery_runner=recovery_runner)
+    with engine_events_to_run_log(logger):
+        if config.mode == "local":
+            summary = train(config, setup=setup, progress=progress, on_metrics=on_metrics)
+        else:
+            with dask_client(dask_address) as client:
+                summary = train(config, setup=setup, client=client, progress=progress, on_metrics=on_metrics,
+                                recovery_runner=recovery_runner)
+    progress.finish()
+    return summary
 
 
-@task(name="publish-train-metrics")
-def publish_metrics_task(summary: dict[str, Any]) -> None:
-    publish_table("train-metrics", summary["metrics"],
-                  f"{summary['mode']} training: loss and time every {summary['metrics_every']} iterations")
-    rows = [{"metric": label, "value": summary.get(key)} for label, key in SUMMARY_ROWS]
-    if summary.get("parity"):
-        rows += [{"metric": label, "value": str(summary["parity"].get(key))} for label, key in PARITY_ROWS]
-    publish_table("train-summary", rows, f"{summary['mode']} training run summary")
+def summary_table(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The train-summary table: one row per figure; with parity, its figures, the kills and each recovery."""
+    items = [(what, summary.get(key), unit) for what, key, unit in SUMMARY_ITEMS]
+    parity = summary.get("parity")
+    if parity:
+        items += [(what, parity.get(key), unit) for what, key, unit in PARITY_ITEMS]
+        verify = parity.get("verify") or {}
+        items.append(("Parity verified", "OK" if verify.get("ok") else
+                      f"MISMATCH in stripes {verify.get('mismatched_stripes')}", ""))
+        for kill in parity.get("kills", []):
+            target, at = kill["kill"].split("@")
+            kind, index = target.split(":")
+            items.append((f"Killed {'data' if kind == 'shard' else 'parity'} shard {index} (iteration {at}), after "
+                          "the shards started", kill.get("at_s"), "s"))
+        for n, record in enumerate(parity.get("recoveries", []), start=1):
+            items += [(f"Recovery {n}: {what}", record.get(key), unit) for what, key, unit in RECOVERY_ITEMS]
+    return metric_table(items)
+
+
+@task(name="publish-train-report")
+def publish_train_report_task(summary: dict[str, Any]) -> list[str]:
+    """The run's tables (summary, loss and time every ``metrics_every`` iterations) and plots
+    (loss curve, iteration time with stalls); the plots are also written to the run directory. Returns the keys."""
+    mode = summary["mode"]
+    what = f"{mode} training of {dataset_label(summary['dataset'])}"
+    keys = [
+        publish_table(train_artifact_key("train-summary", summary), summary_table(summary), f"{what}: run summary"),
+        publish_table(train_artifact_key("train-metrics", summary), format_table(summary["metrics"], METRICS_COLUMNS),
+                      f"{what}: means over every {summary['metrics_every']} iterations"),
+    ]
+    out = Path(summary["output_dir"])
+    log = out / "iterations.csv"
+    if log.is_file():
+        columns = plots.read_iterations(log)
+        kills = (summary.get("parity") or {}).get("kills", [])
+        loss = plots.plot_loss(columns, out / plots.LOSS_PLOT, title=f"Training loss, {what}", kills=kills)
+        time_png = plots.plot_iteration_time(columns, out / plots.TIME_PLOT, title=f"Iteration time, {what}",
+                                             kills=kills)
+        keys.append(publish_plot(train_artifact_key("train-loss", summary), loss, f"{what}: training loss"))
+        keys.append(publish_plot(train_artifact_key("train-time", summary), time_png,
+                                 f"{what}: iteration time and stalls"))
+    return keys

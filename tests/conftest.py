@@ -24,3 +24,14 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return DATA
+
+
+# Fixtures that start Dask worker processes (a LocalCluster of processes, or external workers): the
+# tests that use them are end-to-end, so they count as slow (`make test-fast` leaves them out).
+PROCESS_CLUSTER_FIXTURES = {"cluster", "clusters", "external_cluster"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -54,9 +54,9 @@ def test_profile_publishes_artifacts(tmp_path, capsys, data_dir):
     run_json(capsys, ["profile", str(tmp_path / "ds")])
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["skew-profile", "skew-coverage"])))
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["skew-profile-ds", "skew-coverage-ds"])))
     kinds = {a.key: a.type for a in found}
-    assert kinds == {"skew-profile": "table", "skew-coverage": "markdown"}
+    assert kinds == {"skew-profile-ds": "table", "skew-coverage-ds": "markdown"}
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,6 +7,7 @@ from cli_helpers import run_json
 
 from dlrmflow.cli import main
 from dlrmflow.flows.pipeline import PipelineConfig
+from dlrmflow.flows.pipeline_config import PipelineConfigError, training_batches
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -45,12 +46,48 @@ def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys
     (["--prefetch-distance", "300", "--lookahead", "200"], "prefetch_distance"),
     (["--parity", "5"], "parity"),
     (["--kill", "shard:0@3", "--parity", "0"], "kills need parity"),
+    # The README's first deployment example: 100 iterations of 2048 rows, but 200,000 rows leave 87 batches.
+    (["--rows", "200000", "--scale", "0.01"], "train_iterations: 100 batches of batch_size 2048 need 204,800 "
+     "training rows, but rows 200,000 leave 180,000 after the 10% held out for evaluation (87 batches)"),
+    (["--rows", "4", "--batch-size", "1", "--train-iterations", "1"], "rows: 4 rows are too few"),
+    (["--kill", "shard:2@3"], "kills: shard:2@3: there is no shard 2 with shards 2"),
+    (["--kill", "parity:0@100"], "kills: parity:0@100: iteration 100 is past the last one (99, with "
+     "train_iterations 100)"),
 ])
 def test_invalid_parameters_fail_before_any_work_naming_the_field(argv, field, tmp_path, capsys):
     assert main(["demo", "--work-dir", str(tmp_path / "w"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("dlrmflow demo: error: invalid pipeline parameters") and field in err
+    assert "--" not in err  # the config's fields, as a deployment's parameters name them, not the CLI's options
     assert not (tmp_path / "w").exists()
+
+
+def test_training_batches_is_the_trainers_count_of_whole_batches_before_the_held_out_rows():
+    for rows in [*range(6, 60), 199, 200, 201, 180_000, 200_000]:  # up to 5 rows none is held out: refused
+        for batch_size in (1, 2, 3, 7, 512, 2048):
+            held_out_start = rows - int(round(0.1 * rows))
+            batches = -(-rows // batch_size)  # engine/trainer.py: every batch of the stream that ends in time
+            fit = sum(1 for t in range(batches) if min((t + 1) * batch_size, rows) <= held_out_start)
+            assert training_batches(rows, batch_size) == fit, (rows, batch_size)
+    assert training_batches(200_000, 2048) == 87
+
+
+@pytest.mark.slow
+def test_raw_inputs_too_small_for_the_training_fail_after_preprocess_naming_the_fields(tmp_path, data_dir):
+    """Their rows are known only once preprocessed: the pipeline stops then, before profile, plan, training.
+    Slow (about 10 s): a LocalCluster and a real preprocess."""
+    from dlrmflow.flows.pipeline import pipeline_flow
+
+    config = PipelineConfig(work_dir=str(tmp_path / "w"), raw_inputs=[str(data_dir / "criteo_kaggle_sample.csv")],
+                            format="criteo-csv", batch_size=64, train_iterations=3)
+    with pytest.raises(PipelineConfigError) as failed:
+        pipeline_flow(config)
+    assert str(failed.value) == (
+        "train_iterations: 3 batches of batch_size 64 need 192 training rows, but raw_inputs (200 rows once "
+        "preprocessed) leave 180 after the 10% held out for evaluation (2 batches): lower train_iterations or "
+        "batch_size, or give more rows")
+    assert (tmp_path / "w" / "dataset" / "meta.json").is_file()
+    assert not (tmp_path / "w" / "dataset" / "profile.json").exists() and not (tmp_path / "w" / "plan").exists()
 
 
 def test_config_model_rejects_unknown_fields():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -51,11 +52,12 @@ def test_plan_command_writes_the_reference_plan(tmp_path, capsys):
         assert np.array_equal(step.evict_ids, want.evict_ids)
     # The progress artifact reached 100% (chunks done) and the summary table was published.
     assert any(a.data == 100.0 for a in _progress_artifacts("plan chunks done"))
-    assert _artifacts("lookahead-plan")["lookahead-plan"][0].type == "table"
+    assert _artifacts("lookahead-plan-ds-b32-l6")["lookahead-plan-ds-b32-l6"][0].type == "table"
     # Human summary (a re-run replaces the plan).
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "planned 63 iterations (batch 32, L=6, P=2, capacity 1,500 rows)" in out and "M ids/s" in out
+    assert "planned 63 iterations (batch 32, L=6, P=2, capacity 1,500 rows)" in out
+    assert re.search(r" [0-9][0-9.,]* ([kMG] )?ids/s, ", out)  # the rate in a unit that suits it (not "0.0 M")
 
 
 def test_compare_caches_command(tmp_path, capsys):
@@ -69,8 +71,8 @@ def test_compare_caches_command(tmp_path, capsys):
         (r.policy, r.capacity, r.rows_fetched) for r in expected]
     assert json.loads((tmp_path / "out" / "cache_policies.json").read_text())["rows"] == result["rows"]
     assert (tmp_path / "out" / "cache_policies.png").read_bytes()[:4] == b"\x89PNG"
-    kinds = {k: v[0].type for k, v in _artifacts("cache-policies", "cache-policies-plot").items()}
-    assert kinds == {"cache-policies": "table", "cache-policies-plot": "markdown"}
+    kinds = {k: v[0].type for k, v in _artifacts("cache-policies-ds-b25", "cache-policies-plot-ds-b25").items()}
+    assert kinds == {"cache-policies-ds-b25": "table", "cache-policies-plot-ds-b25": "markdown"}
     assert main(["compare-caches", str(dataset), "--batch-size", "25", "--capacity", "300",
                  "--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out

@@ -1,7 +1,8 @@
 """The undocumented Prefect behaviour of :mod:`dlrmflow.flows.prefect_internals`, exercised for real.
 
 Each test fails when a Prefect upgrade changes what a function relies on (run contexts kept in
-contextvars, ``TaskRunContext.__var__``), naming the function to fix, instead of as a recover-shard
+contextvars, ``TaskRunContext.__var__``, how ``SubprocessASGIServer`` launches its server), naming the
+function to fix, instead of as a recover-shard
 flow run that is silently orphaned or logs under the wrong run.
 """
 
@@ -12,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
+from dlrmflow.flows import prefect_internals
+from dlrmflow.flows.prefect_internals import (
+    TemporaryApiError,
+    UnexpectedServerCommand,
+    capture_run_context,
+    outside_task_run,
+    prepare_temporary_api,
+    server_command,
+)
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -106,3 +115,41 @@ def test_outside_task_run_hides_the_task_run_and_restores_it():
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["internals-report"])), limit=1
         )
     assert artifact.flow_run_id == report_run and artifact.task_run_id != task_run_id
+
+
+def test_prepare_temporary_api_makes_prefect_launch_its_server_under_exit_with_parent(monkeypatch):
+    """The server Prefect starts (``SubprocessASGIServer().start()``, as ``get_client`` does) runs Prefect's
+    own command under ``dlrmflow.exit_with_parent`` with this process's id; the wait cut to 0.1 s fails
+    as a TemporaryApiError, and the server process is stopped (no orphan)."""
+    import os
+    import sys
+
+    import psutil
+    from prefect.server.api.server import SubprocessASGIServer
+
+    launched = []
+
+    def recording(args):
+        launched.append(server_command(args))
+        return launched[-1]
+
+    monkeypatch.setattr(prefect_internals, "server_command", recording)
+    # The session's prefect_harness registers its server as Prefect's default one; this test needs none.
+    monkeypatch.delitem(SubprocessASGIServer._instances, None, raising=False)
+    prepare_temporary_api(0.1)
+    assert not launched, "prepare_temporary_api started a server"
+    with pytest.raises(TemporaryApiError, match=r"^the temporary local Prefect API did not start \(it did not "
+                                                r"answer within 0.1 s\); start one with `prefect server start`"):
+        SubprocessASGIServer().start()
+    [command] = launched
+    assert command[0] == sys.executable
+    assert command[1:5] == ["-m", "dlrmflow.exit_with_parent", str(os.getpid()), "uvicorn"]
+    assert "prefect.server.api.server:create_app" in command, "start_temporary_api: Prefect's command changed"
+    assert not [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE
+                and "dlrmflow.exit_with_parent" in p.cmdline()]
+    assert None not in SubprocessASGIServer._instances
+
+
+def test_server_command_refuses_a_command_it_does_not_know():
+    with pytest.raises(UnexpectedServerCommand, match="unexpected Prefect server command"):
+        server_command(["python", "-m", "hypercorn", "app"])

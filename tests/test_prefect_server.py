@@ -1,12 +1,17 @@
 """The deployments of prefect.yaml on a real Prefect server, run by a process worker, as a user runs them.
 
-The test starts ``prefect server start`` on a free loopback port with its own PREFECT_HOME (so it
-never touches ~/.prefect, nor the session's ``prefect_harness`` server), creates the ``dlrmflow``
-process work pool, runs ``prefect deploy --all`` from the project root, starts ``prefect worker start
---pool dlrmflow``, triggers the nightly pipeline deployment with small parameters through
-``prefect deployment run``, and then checks through the Prefect API what a user sees in the UI.
-Every setting goes to the child processes through their environment; this process's settings change
-only inside ``temporary_settings`` while it reads the API.
+The README's deployment block, run as written: the test starts ``prefect server start`` on a free
+loopback port with its own PREFECT_HOME (so it never touches ~/.prefect, nor the session's
+``prefect_harness`` server) and gives the children PREFECT_API_URL in their environment (for the
+README's ``prefect config set``); then it runs the README's next lines verbatim in a shell with the
+venv's ``bin`` first on PATH (what ``source .venv/bin/activate`` does): ``prefect work-pool create``,
+``prefect deploy --all``, ``prefect worker start``, and the ``prefect deployment run 'pipeline/nightly'``
+command, which must complete. It checks through the Prefect API what a user sees in the UI.
+
+They run in a copy of the project root (``prefect.yaml`` and the ``flows/`` its entrypoints name), as
+a user's clone: the README's relative ``work_dir`` then lands in the test's temporary directory, not in
+this checkout's ``runs/``. This process's settings change only inside ``temporary_settings`` while it
+reads the API.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,10 +35,9 @@ import pytest
 import yaml
 from process_helpers import stop_process_groups
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
-PREFECT = Path(sys.executable).parent / "prefect"
+VENV_BIN = Path(sys.executable).parent
+README_SECTION = "### Prefect server, UI and deployments"
 POOL = "dlrmflow"
 START_TIMEOUT_S = 180  # a cold server start migrates a fresh SQLite database; 2 busy cores are slow
 RUN_TIMEOUT_S = 420
@@ -45,6 +50,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def readme_deployment_block() -> list[str]:
+    """The shell commands of the README's Prefect deployment block: continuation lines joined (their
+    backslash-newline kept, as a shell reads them), a ``# ...`` comment after a command left out."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(README_SECTION):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    commands, pending = [], ""
+    for line in block.splitlines():
+        if line.endswith("\\"):
+            pending += line + "\n"
+            continue
+        commands.append(pending + re.sub(r"\s+# .*$", "", line))
+        pending = ""
+    return commands
+
+
+def readme_command(prefix: str) -> str:
+    """The README block's one command that starts with ``prefix``."""
+    [command] = [c for c in readme_deployment_block() if c.startswith(prefix)]
+    return command
+
+
+def shell_words(command: str) -> list[str]:
+    """The words a POSIX shell makes of ``command`` (a backslash-newline joins two lines)."""
+    return shlex.split(command.replace("\\\n", ""))
+
+
 def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
@@ -52,22 +85,25 @@ def _tail(path: Path, lines: int = 60) -> str:
 @dataclass
 class PrefectServer:
     api_url: str
-    env: dict[str, str]  # for child processes: this server, an isolated PREFECT_HOME
+    env: dict[str, str]  # for child processes: this server, an isolated PREFECT_HOME, the venv first on PATH
     log_dir: Path
+    project: Path  # the copy of the project root the commands run in
 
-    def cli(self, *args: str, timeout: float = 300) -> str:
-        """Run ``prefect ARGS`` from the project root like a user would; fail with its output if it fails."""
-        done = subprocess.run([str(PREFECT), "--no-prompt", *args], cwd=REPO, env=self.env, capture_output=True,
+    def shell(self, command: str, timeout: float = 300) -> str:
+        """Run ``command`` as a user types it, in the project root; fail with its output if it fails."""
+        done = subprocess.run(["bash", "-c", command], cwd=self.project, env=self.env, capture_output=True,
                               text=True, timeout=timeout)
         if done.returncode != 0:
-            pytest.fail(f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+            pytest.fail(f"{command} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
         return done.stdout + done.stderr
 
-    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    def start(self, name: str, command: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+        """Start ``command`` in the background, in the project root; its output goes to ``NAME.log``."""
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([str(PREFECT), *args], cwd=REPO, env={**self.env, **(env or {})}, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.project,
+                                    env={**self.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         return proc, log
 
 
@@ -75,8 +111,18 @@ def _child_env(home: Path) -> dict[str, str]:
     # No PREFECT_* setting of this process (the test harness, the user's profile) leaks into the children;
     # no DLRMFLOW_DASK_ADDRESS either: the flow runs start their own LocalCluster.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "DLRMFLOW_DASK_ADDRESS"}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_COLORS="false")
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_COLORS="false",
+               PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(VENV_BIN.parent))
     return env
+
+
+def _project_copy(base: Path) -> Path:
+    """A project root as a clone has it, for what the deployments need: prefect.yaml and flows/."""
+    project = base / "project"
+    project.mkdir()
+    (project / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
+    (project / "flows").symlink_to(REPO / "flows", target_is_directory=True)
+    return project
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +131,13 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
     port = _free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = _child_env(base / "home")
-    server = PrefectServer(api_url, {**env, "PREFECT_API_URL": api_url}, base)
+    server = PrefectServer(api_url, {**env, "PREFECT_API_URL": api_url}, base, _project_copy(base))
     log = base / "server.log"
     with open(log, "wb") as out:
         # --no-scheduler: the nightly schedule must not create runs on the test server (one at 02:00 UTC
         # would start the full-size pipeline in the project directory).
-        proc = subprocess.Popen([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-                                 "--no-ui", "--analytics-off", "--no-scheduler"],
+        proc = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                 str(port), "--no-ui", "--analytics-off", "--no-scheduler"],
                                 cwd=base, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -112,11 +158,12 @@ def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
 
 @pytest.fixture(scope="module")
 def worker(prefect_server) -> Iterator[Path]:
-    """The pool, every deployment of prefect.yaml, and a process worker polling the pool; yields its log."""
-    prefect_server.cli("work-pool", "create", POOL, "--type", "process")
-    prefect_server.cli("deploy", "--all")
+    """The pool, every deployment of prefect.yaml, and a process worker polling the pool, each made by the
+    README's own command; yields the worker's log."""
+    prefect_server.shell(readme_command("prefect work-pool create"))
+    prefect_server.shell(readme_command("prefect deploy --all"))
     # Poll every 2 s instead of 10 s: the test waits for the run.
-    proc, log = prefect_server.start("worker", "worker", "start", "--pool", POOL,
+    proc, log = prefect_server.start("worker", readme_command("prefect worker start"),
                                      env={"PREFECT_WORKER_QUERY_SECONDS": "2"})
     try:
         yield log
@@ -154,6 +201,24 @@ def _wait_for_final_state(url: str, run_id: str, worker_log: Path):
             time.sleep(2)
 
 
+def test_the_readme_block_is_the_server_the_profile_setting_and_what_the_test_runs():
+    """What the test replaces (the server on port 4200, ``prefect config set``) and what it runs verbatim."""
+    commands = [c.split()[:3] for c in readme_deployment_block()]
+    assert commands == [["prefect", "server", "start"], ["prefect", "config", "set"],
+                        ["prefect", "work-pool", "create"], ["prefect", "deploy", "--all"],
+                        ["prefect", "worker", "start"], ["prefect", "deployment", "run"]]
+    assert readme_command("prefect config set") == "prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api"
+    assert readme_command("prefect work-pool create") == f"prefect work-pool create {POOL} --type process"
+    assert readme_command("prefect worker start") == f"prefect worker start --pool {POOL}"
+
+
+def test_the_prefect_yaml_header_gives_the_readme_deployment_command():
+    header = [line.removeprefix("#").strip() for line in (REPO / "prefect.yaml").read_text().splitlines()
+              if line.startswith("#   prefect deployment run")]
+    assert [shell_words(line) for line in header] == [shell_words(readme_command("prefect deployment run"))]
+
+
+@pytest.mark.slow
 def test_every_deployment_is_created_from_prefect_yaml(prefect_server, worker):
     with _api(prefect_server.api_url) as client:
         deployments = client.read_deployments()
@@ -163,13 +228,16 @@ def test_every_deployment_is_created_from_prefect_yaml(prefect_server, worker):
     # Every run starts in the project root, whatever directory the worker runs in.
     for d in deployments:
         assert d.pull_steps == [
-            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(prefect_server.project)}}
         ], d.name
     [schedule] = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("0 2 * * *", "UTC", True)
 
 
-def test_the_pipeline_deployment_runs_on_the_worker(prefect_server, worker, tmp_path):
+@pytest.mark.slow
+def test_the_readme_pipeline_deployment_command_completes_on_the_worker(prefect_server, worker):
+    """The README's ``prefect deployment run 'pipeline/nightly' --watch ...``, verbatim: it exits 0 once the
+    run completed (``--watch`` exits 1 for any other end), with every step a completed subflow run."""
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,
@@ -180,12 +248,18 @@ def test_the_pipeline_deployment_runs_on_the_worker(prefect_server, worker, tmp_
 
     from dlrmflow.datasets.meta import read_meta
 
-    work_dir = tmp_path / "nightly"
-    config = {"rows": 20000, "scale": 0.01, "work_dir": str(work_dir), "batch_size": 512, "lookahead": 20,
-              "train_iterations": 8, "parity": 0}
-    out = prefect_server.cli("deployment", "run", "pipeline/nightly", "--param", f"config={json.dumps(config)}")
+    command = readme_command("prefect deployment run 'pipeline/nightly'")
+    [param] = [arg for arg in shell_words(command) if arg.startswith("config=")]
+    config = json.loads(param.removeprefix("config="))
+    work_dir = prefect_server.project / config["work_dir"]
+    try:
+        out = prefect_server.shell(command, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{command} still watching after {RUN_TIMEOUT_S} s:\n{exc.stdout}\nworker log:\n"
+                    f"{_tail(worker)}")
     found = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert found, out
+    assert "Flow run finished successfully in 'Completed'" in out, out[-3000:]
     run = _wait_for_final_state(prefect_server.api_url, found.group(1), worker)
     assert run.state.type == StateType.COMPLETED, f"{run.state!r}\nworker log:\n{_tail(worker)}"
     assert run.parameters == {"config": config}
@@ -201,13 +275,18 @@ def test_the_pipeline_deployment_runs_on_the_worker(prefect_server, worker, tmp_
     assert all(s.state.type == StateType.COMPLETED for s in subflows), {names[s.id]: s.state for s in subflows}
     [profile_run] = [i for i, n in names.items() if n == "profile"]
     by_key = {a.key: a for a in artifacts if a.key}
-    assert by_key["skew-profile"].type == "table" and by_key["skew-profile"].flow_run_id == profile_run
-    assert by_key["skew-coverage"].type == "markdown" and by_key["skew-coverage"].flow_run_id == profile_run
-    # The run wrote where its parameters said: the dataset of 20,000 rows and its skew report.
-    assert read_meta(work_dir / "dataset").rows == 20000
+    # Keys name the dataset by the work dir's name (runs/nightly-demo: skew-profile-nightly-demo).
+    profile_key, coverage_key = (f"{what}-{work_dir.name}" for what in ("skew-profile", "skew-coverage"))
+    assert by_key[profile_key].type == "table" and by_key[profile_key].flow_run_id == profile_run
+    assert by_key[coverage_key].type == "markdown" and by_key[coverage_key].flow_run_id == profile_run
+    # The run wrote where its parameters said, relative to the project root: the dataset and its skew report.
+    assert read_meta(work_dir / "dataset").rows == config["rows"]
     assert (work_dir / "dataset" / "profile.json").is_file() and (work_dir / "dataset" / "coverage.png").is_file()
+    summary = json.loads((work_dir / "runs" / "oracle" / "summary.json").read_text())
+    assert summary["iterations"] == config["train_iterations"]
 
 
+@pytest.mark.slow
 def test_a_pipeline_run_with_a_shard_kill_shows_a_recovery_subflow(prefect_server, worker, tmp_path):
     """A real SIGKILL of a data shard's worker during training: a completed `recover-shard` flow run
     hangs under this pipeline run's `train` flow run, and the run still ends bit-identical."""
@@ -216,7 +295,8 @@ def test_a_pipeline_run_with_a_shard_kill_shows_a_recovery_subflow(prefect_serve
 
     config = {"rows": 20000, "scale": 0.01, "work_dir": str(tmp_path / "killed"), "batch_size": 512,
               "lookahead": 20, "train_iterations": 10, "parity": 1, "kills": ["shard:0@4"]}
-    out = prefect_server.cli("deployment", "run", "pipeline/nightly", "--param", f"config={json.dumps(config)}")
+    param = shlex.quote(f"config={json.dumps(config)}")
+    out = prefect_server.shell(f"prefect deployment run 'pipeline/nightly' --param {param}")
     found = re.search(r"UUID: ([0-9a-f-]{36})", out)
     assert found, out
     run = _wait_for_final_state(prefect_server.api_url, found.group(1), worker)
@@ -245,6 +325,7 @@ def test_a_pipeline_run_with_a_shard_kill_shows_a_recovery_subflow(prefect_serve
     assert parity_run["parity"]["kills"] and parity_run["parity"]["verify"]["ok"] is True
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_training_run():
     """The cause of the recover-shard nesting gap, in process and in seconds: the oracle trainer notices

@@ -82,6 +82,18 @@ def crash_then_resume(config, tmp_path, monkeypatch, cluster, crash: int, every:
     return crashed, run_dir, train(replace(crashed, resume=True), client=cluster)
 
 
+
+def test_a_resumed_lru_run_reports_the_uninterrupted_runs_traffic(cluster, tmp_path, monkeypatch):
+    """The checkpoint carries the LRU cache's slots: the resumed cache makes the same hits, misses and
+    evictions, so fetched and written-back bytes equal the uninterrupted run's (and the bits too)."""
+    dataset = make_dataset(tmp_path / "data", 47)
+    config = small_config(dataset, tmp_path / "full", "lru", iterations=18, capacity=150, checkpoint_every=4)
+    full = train(config, client=cluster)
+    _, run_dir, resumed = crash_then_resume(config, tmp_path, monkeypatch, cluster, crash=10, every=4)
+    assert resumed["state_sha256"] == full["state_sha256"]
+    assert (resumed["bytes_fetched"], resumed["bytes_written_back"]) == (full["bytes_fetched"],
+                                                                       full["bytes_written_back"])
+
 @pytest.mark.parametrize("seed", range(4))
 def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(cluster, tmp_path, monkeypatch, seed):
     rng = np.random.default_rng(700 + seed)

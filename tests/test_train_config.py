@@ -185,7 +185,7 @@ def test_one_kill_rule():
 def test_the_pipeline_uses_the_kill_rule():
     from dlrmflow.flows.pipeline import PipelineConfig
 
-    with pytest.raises(ValueError, match="no shard 2 with --shards 2"):
+    with pytest.raises(ValueError, match="no shard 2 with shards 2"):  # the config's field, not the CLI flag
         PipelineConfig(parity=1, kills=["shard:2@1"])
     with pytest.raises(ValueError, match="past the last one"):
         PipelineConfig(parity=1, train_iterations=5, kills=["shard:0@5"])

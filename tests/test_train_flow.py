@@ -82,18 +82,26 @@ def test_human_summary(dataset, tmp_path, capsys):
 
 def test_flow_publishes_metrics_artifacts(dataset, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     from dlrmflow.flows.train import train_flow
 
-    summary = train_flow(TrainConfig(dataset_dir=str(dataset), mode="local", output_dir=str(tmp_path / "run"),
-                                     batch_size=64, iterations=6, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1],
-                                     metrics_every=2))
+    state = train_flow(TrainConfig(dataset_dir=str(dataset), mode="local", output_dir=str(tmp_path / "run"),
+                                   batch_size=64, iterations=6, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1],
+                                   metrics_every=2), return_state=True)
+    summary, run_id = state.result(), state.state_details.flow_run_id
     assert summary["iterations"] == 6 and len(summary["metrics"]) == 3
+    names = ["train-metrics-data-local", "train-summary-data-local", "train-loss-data-local", "train-time-data-local"]
     with get_client(sync_client=True) as client:
-        keys = {a.key for a in client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-metrics", "train-summary"])))}
-    assert keys == {"train-metrics", "train-summary"}
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=names), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        run = client.read_flow_run(run_id)
+    assert {a.key for a in artifacts} == set(names)
+    # The run says what it runs: its name, and tags for its mode and dataset.
+    assert run.name == "train-local" and {"mode:local", "dataset:data"} <= set(run.tags)
+    table = next(a for a in artifacts if a.key == "train-metrics-data-local").data
+    assert '"Iteration time (ms)"' in table and "_ms" not in table
+    assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "iteration_time.png").is_file()
 
 
 @pytest.mark.parametrize(
@@ -126,3 +134,73 @@ def test_missing_dataset_and_wrong_plan(dataset, tmp_path, capsys):
     planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=2), tmp_path / "plan16")
     code = main([*common(dataset, tmp_path / "run"), "--mode", "oracle", "--plan", str(tmp_path / "plan16")])
     assert code == 2 and "batch size 16, not 32" in capsys.readouterr().err
+
+
+def _run_log(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the run's logs go to the API in batches, in the background: send them now
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [entry.message for entry in logs]
+
+
+def test_engine_events_from_any_thread_land_in_the_run_log():
+    """The engine reports a kill, a loss and a rebuild on plain loggers, from the training thread or a
+    thread without a Prefect context (prefetch worker, rebuild thread); the train task routes them to its run."""
+    import logging
+    import threading
+
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from dlrmflow.tasks.reporting import engine_events_to_run_log
+
+    @task
+    def train_like():
+        with engine_events_to_run_log():
+            logging.getLogger("dlrmflow.engine.faults").info("killed data shard 0 (from the training thread)")
+            thread = threading.Thread(target=logging.getLogger("dlrmflow.engine.coded_shards.group").warning,
+                                      args=("lost data shard 0 (from a bare thread)",))
+            thread.start()
+            thread.join()
+        logging.getLogger("dlrmflow.engine.faults").info("after the task: not routed")
+
+    @flow
+    def train_like_flow():
+        train_like()
+        return FlowRunContext.get().flow_run.id
+
+    messages = _run_log(train_like_flow())
+    assert "killed data shard 0 (from the training thread)" in messages
+    assert "lost data shard 0 (from a bare thread)" in messages
+    assert "after the task: not routed" not in messages
+
+
+@pytest.mark.slow
+def test_a_kill_its_detection_and_the_rebuild_are_logged_in_the_train_run(tmp_path):
+    """A parity run with a kill: the train flow run's own log says what was killed, when the loss was
+    noticed and when the rebuild ended (the recover-shard subflow logs its details too). ~20 s: a real
+    LocalCluster of 4 worker processes and a real SIGKILL."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from test_trainers import make_dataset
+
+    from dlrmflow.flows.train import train_flow
+
+    dataset = make_dataset(tmp_path / "kill-data", 23)
+    summary = train_flow(TrainConfig(dataset_dir=str(dataset), mode="remote", output_dir=str(tmp_path / "run"),
+                                     batch_size=16, iterations=10, embedding_dim=4, bottom_mlp=[8, 4],
+                                     top_mlp=[8, 1], num_shards=2, parity=1, kills=["shard:1@4"]))
+    assert summary["parity"]["verify"]["ok"]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["train-remote-k2-r1"])))
+    (run,) = [r for r in runs if r.parameters["config"]["output_dir"] == str(tmp_path / "run")]
+    assert {"mode:remote", "parity", "kills"} <= set(run.tags)
+    log = "\n".join(_run_log(run.id))
+    assert "killed data shard 1: SIGKILL to its Dask worker" in log and "at the start of iteration 4" in log
+    assert "lost data shard 1 (" in log
+    assert "rebuilt data shard 1:" in log
+    assert log.index("killed data shard 1") < log.index("lost data shard 1") < log.index("rebuilt data shard 1")

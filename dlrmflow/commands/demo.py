@@ -26,18 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from pydantic import ValidationError
-
-    from dlrmflow.errors import UserInputError
+    """The pipeline's config; a bad value raises PipelineConfigError (a UserInputError) naming the field."""
     from dlrmflow.flows.pipeline_config import PipelineConfig
 
     values = {name: getattr(args, name) for name in PipelineConfig.model_fields if hasattr(args, name)}
     values["kills"] = args.kill
-    try:
-        return PipelineConfig(**values)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        raise UserInputError(f"invalid pipeline parameters: {problems}") from None
+    return PipelineConfig(**values)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,6 +41,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(r: dict[str, Any]) -> str:
+    from dlrmflow.commands.units import size
+
     g, p = r["generated"], r["preprocess"]
 
     def took(step: dict[str, Any] | None) -> str:
@@ -56,7 +52,7 @@ def summarize(r: dict[str, Any]) -> str:
 
     lines = [f"dlrmflow pipeline finished: {r['work_dir']}", ""]
     if g:
-        lines.append(f"  generate    {g['rows']:,} rows, {g['bytes'] / 1e6:,.0f} MB  {took(g)}")
+        lines.append(f"  generate    {g['rows']:,} rows, {size(g['bytes'])}  {took(g)}")
     lines.append(f"  preprocess  {p['rows']:,} rows, {p['rejected_rows']} rejected, "
                  f"{p['embedding_rows']:,} embedding rows  {took(p)}")
     plan = r["plan"]

@@ -33,9 +33,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(r: dict[str, Any]) -> str:
-    mb = r["bytes"] / 1e6
+    from dlrmflow.commands.units import size
+
     return (
-        f"wrote {r['rows']:,} rows ({mb:,.1f} MB) to {r['output']} in {r['seconds']:.1f} s "
+        f"wrote {r['rows']:,} rows ({size(r['bytes'])}) to {r['output']} in {r['seconds']:.1f} s "
         f"({r['rows'] / max(r['seconds'], 1e-9):,.0f} rows/s)\n"
         f"seed {r['seed']}, scale {r['scale']}: {len(r['cardinalities'])} tables, "
         f"{sum(r['cardinalities']):,} rows in all (largest {max(r['cardinalities']):,})"

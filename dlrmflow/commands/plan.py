@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(r: dict[str, Any]) -> str:
+    from dlrmflow.commands.units import per_second
+
     c = r["counts"]
     bound = "unbounded" if r["capacity"] is None else f"capacity {r['capacity']:,} rows"
     return "\n".join([
@@ -47,6 +49,6 @@ def summarize(r: dict[str, Any]) -> str:
         f"prefetched rows {c['prefetched_rows']:,}, evicted rows {c['evicted_rows']:,}, "
         f"peak cache {c['peak_occupancy']:,} rows, cache slots {r['num_slots']:,}",
         f"{c['ids']:,} ids in {r['seconds']:.2f} s on {r['dask_workers']} Dask workers: "
-        f"{r['ids_per_second'] / 1e6:.1f} M ids/s, {r['iterations_per_second']:,.0f} iterations/s",
+        f"{per_second(r['ids_per_second'], 'ids')}, {per_second(r['iterations_per_second'], 'iterations')}",
         f"plan: {r['output']}",
     ])

@@ -7,6 +7,7 @@ import sys
 from types import UnionType
 from typing import Any, Literal, get_args, get_origin
 
+from dlrmflow.commands.units import size
 from dlrmflow.errors import UserInputError
 
 NAME = "train"
@@ -85,10 +86,12 @@ class TrainingStopped(UserInputError):
 def run_training(config, dask_address: str | None) -> dict[str, Any]:
     """Check ``config`` once, then run the train flow on the result. A failure that leaves a resumable run
     names `dlrmflow resume RUN_DIR`."""
-    from dlrmflow.engine.checkpoint import ResumeError, unfinished_run_message
+    from dlrmflow.engine.checkpoint import ResumeError, refuse_to_overwrite, unfinished_run_message
     from dlrmflow.engine.trainer import prepare_run
     from dlrmflow.flows.train import train_checked
 
+    if not config.resume:
+        refuse_to_overwrite(config.output_dir)  # never over a finished run or a directory that is not a run's
     setup = prepare_run(config)  # every input check (UserInputError), before Prefect or Dask start
     try:
         summary = train_checked(setup, dask_address)
@@ -112,20 +115,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return run_training(config_from_args(args), args.dask_address)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 def _parity_lines(p: dict[str, Any] | None) -> list[str]:
     if not p:
         return []
     verify = p["verify"]
     lines = [
-        f"  parity             R={p['parity_shards']}: {_fmt_bytes(p['parity_bytes_sent'])} of deltas in "
+        f"  parity             R={p['parity_shards']}: {size(p['parity_bytes_sent'])} of deltas in "
         f"{p['write_back_batches']:,} write-back batches; verify "
         f"{'OK' if verify['ok'] else 'FAILED ' + str(verify['mismatched_stripes'])} ({verify['stripes']:,} stripes)",
     ]
@@ -172,10 +167,10 @@ def summarize(r: dict[str, Any]) -> str:
         f"{r['mode']} training: {r['iterations']:,} iterations of batch {r['batch_size']:,} on {r['device']}",
         f"  mean iteration     {r['mean_iteration_ms']:.2f} ms (median {r['median_iteration_ms']:.2f} ms)",
         f"  stall              {100 * r['stall_fraction']:.1f}% of iteration time",
-        f"  traffic            {_fmt_bytes(r['bytes_fetched'])} fetched, "
-        f"{_fmt_bytes(r['bytes_written_back'])} written back",
+        f"  traffic            {size(r['bytes_fetched'])} fetched, "
+        f"{size(r['bytes_written_back'])} written back",
         f"  train loss         {r['first_train_loss']:.4f} (first) -> {r['final_train_loss_mean']:.4f} "
-        f"(mean of the last {r['metrics_every']})",
+        f"(mean of the last {min(r['metrics_every'], r['iterations'])})",
         f"  eval ({r['eval_rows']:,} rows)   AUC {auc}, log loss {logloss}",
         f"  state SHA-256      {r['state_sha256']}",
         *_parity_lines(r.get("parity")),

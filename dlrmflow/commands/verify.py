@@ -1,12 +1,20 @@
-"""dlrmflow verify: recompute a finished run's parity from its embedding rows, compare bit for bit."""
+"""dlrmflow verify: recompute a finished run's parity from its embedding rows, compare bit for bit.
+
+Exit status: 0 when the parity matches; 1 when it does not (a failed verification: the summary, or
+the JSON object, on stdout as usual, and one line on stderr saying so); 2 for a bad RUN_DIR.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from typing import Any
 
 NAME = "verify"
-HELP = "check a run trained with --parity: parity re-encoded from final_state.pt equals its parity shards"
+HELP = ("check a run trained with --parity: parity re-encoded from final_state.pt equals its parity shards "
+        "(exit status 1 when it does not)")
+MISMATCH_EXIT_STATUS = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.recovery import verify_flow
 
-    return verify_flow(args.run_dir)
+    result = verify_flow(args.run_dir)
+    if not result["ok"]:
+        # The CLI exits 0 after any result it prints; a mismatch prints the same, then exits 1.
+        print(json.dumps(result, sort_keys=True) if getattr(args, "json", False) else summarize(result))
+        print(f"dlrmflow {NAME}: parity of {result['run_dir']} does not match its data "
+              f"({sum(result['mismatched_stripes']):,} mismatched stripes)", file=sys.stderr)
+        raise SystemExit(MISMATCH_EXIT_STATUS)
+    return result
 
 
 def summarize(r: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ Every method that touches the state runs under ``lock`` (an RLock the rebuild th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,17 @@ PARITY_BATCHES: int = TrainConfig.model_fields["parity_batches"].default
 REBUILD_CHUNK: int = TrainConfig.model_fields["rebuild_chunk"].default
 
 RecoveryRunner = Callable[[Callable[..., dict], dict], Any]
+
+# Losses and rebuilds, as they happen (a plain logger: the train flow routes it to the run's Prefect log).
+EVENTS = logging.getLogger(__name__)
+
+
+def short_cause(cause: BaseException | None, limit: int = 160) -> str:
+    """The failure that showed a loss, on one line of at most ``limit`` characters."""
+    if cause is None:
+        return "no answer"
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class CodedShardGroup(ShardGroup):
@@ -274,7 +286,10 @@ class CodedShardGroup(ShardGroup):
     def on_lost(self, members: set[int], cause: BaseException | None = None) -> None:
         """Members (or replacements being rebuilt) are gone: restart the rebuild of everything lost
         (:meth:`RebuildState.member_lost`). Called with the lock held; losing more than R raises
-        TooManyErasuresError (and keeps it)."""
+        TooManyErasuresError (and keeps it). Reports the loss on this module's logger (the run's log under Prefect)."""
+        lost = ", ".join(member_name(s, self.code.k) for s in sorted(members))
+        EVENTS.warning("lost %s (%s): rebuilding from parity while training goes on", lost,
+                       short_cause(cause))
         if self.state.member_lost(set(members), cause, time.perf_counter()) and self.start_rebuild is not None:
             self.recovery_thread = self.start_rebuild(self)
 

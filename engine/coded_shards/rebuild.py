@@ -28,6 +28,7 @@ train flow's ``recover-shard`` subflow) the rebuild still starts at once and the
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +60,10 @@ COPY_PAUSE_S = 0.0
 YIELD_S = 0.0
 
 
+# The rebuild's start and end, as they happen (a plain logger: the train flow routes it to the run's Prefect log).
+EVENTS = logging.getLogger(__name__)
+
+
 def start_rebuild_thread(group: CodedShardGroup) -> threading.Thread:
     """The thread that rebuilds ``group``'s lost members until none is lost (or a loss is fatal)."""
     # Run in a copy of the caller's context: under Prefect the recovery subflow then knows its parent.
@@ -74,6 +79,8 @@ def _run(group: CodedShardGroup) -> None:
             lost = sorted(group.state.lost)
             info = {"lost": [member_name(s, group.code.k) for s in lost], "stripes": group.n_stripes,
                     "chunk": chunk_stripes(group, len(lost))}
+        EVENTS.info("rebuilding %s: %d stripes, in chunks of %d, on replacement workers", ", ".join(info["lost"]),
+                    info["stripes"], info["chunk"])
         if group.recovery_runner is not None:
             rebuild_while_reporting(group, info)
         else:
@@ -368,7 +375,13 @@ def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | 
             begun = state.rebuild_begun()
             record = state.current_record()
             if begun is None:  # decided under the lock: a later loss starts a new rebuild thread
-                return record.as_dict(group.code.k, group.started_at)
+                report = record.as_dict(group.code.k, group.started_at)
+                if report["seconds"] is not None:
+                    EVENTS.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, "
+                                "%.3f s after detection (%d restarts)", ", ".join(report["lost"]),
+                                report["rows_rebuilt"], report["chunks"], report["stripes_generated"],
+                                report["seconds"], report["restarts"])
+                return report
             lost, generation, need = begun
         placing = time.perf_counter()
         try:

@@ -1,0 +1,100 @@
+"""Flow run names and tags that say what a run does, so runs can be told apart in the Prefect UI.
+
+Each ``*_run_name`` is a flow's ``flow_run_name`` callable: Prefect calls it with no arguments when
+the run starts, inside the run's context, so it reads the run's parameters there
+(:func:`prefect.runtime.flow_run.get_parameters`; models when called in process, dicts when they
+come from a deployment: :func:`_field` reads both). Tags go on the run with :func:`tag_this_run`
+(the train flow: mode, dataset, parity) or on every run started within ``prefect.tags(...)``
+(the pipeline's steps: the work dir's dataset).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import get_client
+from prefect.runtime import flow_run
+
+from dlrmflow.tasks.reporting import artifact_key, dataset_label
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _params() -> dict[str, Any]:
+    return flow_run.get_parameters() or {}
+
+
+def train_name(config: Any) -> str:
+    """``train-<mode>`` for a local run, else ``train-<mode>-k<shards>-r<parity>`` (``-resume`` when resuming)."""
+    mode = _field(config, "mode", "local")
+    name = f"train-{mode}" if mode == "local" else \
+        f"train-{mode}-k{_field(config, 'num_shards', 0)}-r{_field(config, 'parity', 0)}"
+    return artifact_key(name, "resume" if _field(config, "resume") else "")
+
+
+def train_tags(config: Any) -> list[str]:
+    """``mode:<mode>``, ``dataset:<dataset>`` and, with parity shards, ``parity`` (and ``kills`` with kills)."""
+    tags = [f"mode:{_field(config, 'mode', 'local')}", f"dataset:{dataset_label(_field(config, 'dataset_dir', ''))}"]
+    if _field(config, "parity", 0):
+        tags.append("parity")
+    if _field(config, "kills"):
+        tags.append("kills")
+    return tags
+
+
+def train_run_name() -> str:
+    return train_name(_params().get("config"))
+
+
+def recover_run_name() -> str:
+    """``recover-data-shard-0`` (every lost member, in order)."""
+    return artifact_key("recover", *_params().get("lost", []))
+
+
+def verify_run_name() -> str:
+    return artifact_key("verify", Path(str(_params().get("run_dir", ""))).name)
+
+
+def generate_run_name() -> str:
+    params = _params()
+    return artifact_key("generate", dataset_label(params.get("output", "")), f"{params.get('rows', 0)}rows")
+
+
+def preprocess_run_name() -> str:
+    return artifact_key("preprocess", dataset_label(_params().get("output", "")))
+
+
+def profile_run_name() -> str:
+    return artifact_key("profile", dataset_label(_params().get("dataset_dir", "")))
+
+
+def plan_run_name() -> str:
+    params = _params()
+    return artifact_key("plan", dataset_label(params.get("dataset_dir", "")), f"b{params.get('batch_size')}",
+                        f"l{params.get('lookahead', 200)}")
+
+
+def compare_caches_run_name() -> str:
+    params = _params()
+    return artifact_key("compare-caches", dataset_label(params.get("dataset_dir", "")),
+                        f"b{params.get('batch_size')}")
+
+
+def pipeline_run_name() -> str:
+    config = _params().get("config")
+    return artifact_key("pipeline", Path(str(_field(config, "work_dir", "runs/demo"))).name)
+
+
+def tag_this_run(tags: list[str]) -> None:
+    """Add ``tags`` to the current flow run (its own tags kept): a flow's tags that depend on its parameters."""
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(run_id).tags or []
+        client.update_flow_run(run_id, tags=sorted({*current, *tags}))

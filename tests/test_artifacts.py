@@ -1,0 +1,179 @@
+"""What a person reads in the Prefect UI: the table formatter, artifact keys, the cache-policy sweep
+plot, the training plots and progress artifacts that move while the work runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dlrmflow.engine.cache_policies import POLICIES, PolicyResult, capacity_sweep, comparison_lines, plot_comparison
+from dlrmflow.tasks.recovery import recovery_table
+from dlrmflow.tasks.reporting import Column, artifact_key, dataset_label, format_table, format_value, metric_table
+from dlrmflow.tasks.train import summary_table
+
+# ---- the formatter --------------------------------------------------------------------------------
+
+
+def test_numbers_are_rounded_in_their_units_and_stay_numbers():
+    assert format_value(3.81110000944318e-05, "s") == 3.81e-05
+    assert format_value(57.51234, "ms") == 57.5
+    assert format_value(1234.5678, "ms") == 1235.0
+    assert format_value(0.123456, "%") == 12.3
+    assert format_value(4_787_404, "MB") == 4.79
+    assert format_value(146072.0, "count") == 146072 and isinstance(format_value(146072.0, "count"), int)
+    assert format_value(0.7312345678, "") == 0.7312
+    assert format_value(12, "") == 12
+
+
+def test_no_python_reprs():
+    assert format_value(["data shard 0"]) == "data shard 0"
+    assert format_value(["data shard 0", "parity shard 0"]) == "data shard 0, parity shard 0"
+    assert format_value({"data shard 0": "tcp://a:1"}) == "data shard 0: tcp://a:1"
+    assert format_value(None) == "" and format_value(True) == "yes"
+    cells = [v for row in metric_table([("Lost", ["data shard 0"], ""), ("Bulk copy", 0.0123456, "s")])
+             for v in row.values()]
+    assert not any(isinstance(v, str) and (v.startswith(("[", "{", "(")) or "'" in v) for v in cells)
+
+
+def test_headers_are_plain_english_with_units():
+    rows = format_table([{"iteration_ms": 12.3456, "stall_fraction": 0.5, "rows_fetched": 10}],
+                        [Column("Iteration time", "iteration_ms", "ms"), Column("Stalled", "stall_fraction", "%"),
+                         Column("Rows fetched", "rows_fetched", "count")])
+    assert rows == [{"Iteration time (ms)": 12.3, "Stalled (%)": 50.0, "Rows fetched": 10}]
+    assert list(metric_table([("Fetched", 2e6, "MB")])[0]) == ["Metric", "Value", "Unit"]
+
+
+def test_a_recovery_record_is_several_readable_rows():
+    record = {"lost": ["data shard 0"], "detected_s": 1.2345678, "seconds": 0.0123456, "rows_rebuilt": 40,
+              "chunks": 2, "stripes_generated": 3, "new_workers": {"data shard 0": "tcp://127.0.0.1:1"},
+              "causes": ["members [0] lost: OSError('gone')"], "restarts": 0}
+    table = recovery_table(record)
+    by_metric = {row["Metric"]: row for row in table}
+    assert by_metric["Lost"]["Value"] == "data shard 0"
+    assert by_metric["Rebuilt after detection"] == {"Metric": "Rebuilt after detection", "Value": 0.0123, "Unit": "s"}
+    assert by_metric["New worker of data shard 0"]["Value"] == "tcp://127.0.0.1:1"
+    assert len(table) > 10 and all(list(row) == ["Metric", "Value", "Unit"] for row in table)
+    json.dumps(table)  # what Prefect stores
+
+
+def test_the_train_summary_table_has_units_and_rounded_numbers():
+    summary = {"mode": "oracle", "iterations": 100, "batch_size": 2048, "num_shards": 2, "capacity": 14607,
+               "mean_iteration_ms": 57.512345, "median_iteration_ms": 55.0001, "stall_fraction": 0.001234,
+               "bytes_fetched": 4_787_404, "bytes_written_back": 4_787_404, "final_train_loss_mean": 0.4712345,
+               "eval_auc": 0.7123456, "eval_log_loss": 0.51234, "state_sha256": "ab" * 32,
+               "parity": {"parity_shards": 1, "write_back_batches": 50, "parity_bytes_sent": 123_456_789,
+                          "degraded_rows_read": 0, "verify": {"ok": True, "mismatched_stripes": []},
+                          "kills": [{"kill": "shard:0@50", "at_s": 3.21987}],
+                          "recoveries": [{"lost": ["data shard 0"], "seconds": 0.4567, "rows_rebuilt": 9}]}}
+    rows = {row["Metric"]: (row["Value"], row["Unit"]) for row in summary_table(summary)}
+    assert rows["Mean iteration time"] == (57.5, "ms")
+    assert rows["Stalled (share of iteration time)"] == (0.1, "%")
+    assert rows["Fetched"] == (4.79, "MB") and rows["Parity sent"] == (123.0, "MB")
+    assert rows["Parity verified"] == ("OK", "")
+    assert rows["Killed data shard 0 (iteration 50), after the shards started"] == (3.22, "s")
+    assert rows["Recovery 1: lost"] == ("data shard 0", "")
+
+
+def test_artifact_keys_are_valid_and_name_the_dataset():
+    key = artifact_key("train-summary", "Criteo_Day0", "oracle", "parity1")
+    assert key == "train-summary-criteo-day0-oracle-parity1"
+    assert artifact_key("skew-profile", "") == "skew-profile"
+    assert dataset_label("/x/runs/demo/dataset") == "demo"  # the pipeline's dataset: its work dir names it
+    assert dataset_label("/data/criteo") == "criteo"
+    assert dataset_label("raw/day_0.tsv") == "day_0"
+
+
+# ---- plots ----------------------------------------------------------------------------------------
+
+
+def _sweep_results(capacities: list[int]) -> list[PolicyResult]:
+    uses, smallest_feasible = 10_000, capacities[2]
+    results = [PolicyResult("none", None, uses, uses, uses)]
+    for c in capacities:
+        for n, policy in enumerate(POLICIES[1:]):
+            feasible = c >= smallest_feasible or policy == "static"
+            fetched = max(100, uses - c * (n + 1)) if feasible else None
+            results.append(PolicyResult(policy, c, uses, fetched, fetched, "" if feasible else "too small"))
+    return results
+
+
+def test_the_capacity_sweep_has_six_or_more_capacities_around_the_fraction():
+    sweep = capacity_sweep(0.1, 146_072)
+    assert len(sweep) >= 6 and round(0.1 * 146_072) in sweep and sweep == sorted(sweep)
+    assert all(b / a == pytest.approx(2, rel=0.01) for a, b in zip(sweep, sweep[1:], strict=False))
+    assert max(capacity_sweep(1.0, 1000)) == 1000 and len(capacity_sweep(1.0, 1000)) >= 6
+
+
+def test_the_cache_plot_draws_every_policy_as_a_line_over_the_sweep(tmp_path):
+    capacities = capacity_sweep(0.1, 146_072)
+    results = _sweep_results(capacities)
+    lines = comparison_lines(results)
+    assert set(lines) == {"no cache", "lru", "static", "oracle", "belady"}
+    assert lines["no cache"][0] == [capacities[0], capacities[-1]]  # flat across the whole sweep
+    assert lines["static"][0] == capacities
+    assert lines["oracle"][0] == capacities[2:]  # infeasible points left out, the line goes on from there
+    assert all(len(xs) >= 2 for xs, _ in lines.values())
+    png = plot_comparison(results, tmp_path / "caches.png", title="test")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_training_plots_are_written(tmp_path):
+    from dlrmflow.tasks import plots
+
+    n = 40
+    (tmp_path / "iterations.csv").write_text("iteration,loss,iteration_ms,stall_ms\n" + "".join(
+        f"{t},{0.7 - 0.005 * t:.6f},{20 + (15 if t == 12 else 0):.3f},{(12 if t == 12 else 0.5):.3f}\n"
+        for t in range(n)))
+    columns = plots.read_iterations(tmp_path / "iterations.csv")
+    assert columns["iteration"].tolist() == list(range(n))
+    kills = [{"kill": "shard:0@12", "at_s": 1.0}]
+    for plot, name in ((plots.plot_loss, "loss.png"), (plots.plot_iteration_time, "time.png")):
+        assert plot(columns, tmp_path / name, title="t", kills=kills).read_bytes()[:4] == b"\x89PNG"
+    assert np.allclose(plots.moving_mean(np.array([1.0, 3.0, 5.0]), 2), [1.0, 2.0, 4.0])
+
+
+# ---- progress artifacts ----------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_progress_artifact_moves_while_the_work_runs_and_ends_at_100():
+    from prefect import flow, get_client, task
+
+    from dlrmflow.tasks.reporting import FlowProgress
+
+    def read(artifact_id) -> float:
+        with get_client(sync_client=True) as client:
+            return _read_artifact(client, artifact_id)
+
+    @task
+    def work(steps: int) -> tuple[list[float], float, int]:
+        progress = FlowProgress("test steps", min_interval_s=3600)  # only the step size lets updates through
+        seen = []
+        for done in range(1, steps + 1):
+            progress(done, steps)
+            seen.append(read(progress.artifact_id))
+        return seen, read(progress.artifact_id), progress.updates
+
+    @task
+    def skipped() -> float:
+        progress = FlowProgress("test skipped")
+        progress.finish()  # up to date: the engine reported nothing
+        return read(progress.artifact_id)
+
+    @flow
+    def progress_flow():
+        return work(20), skipped()
+
+    (seen, final, updates), skipped_final = progress_flow()
+    assert final == 100.0 and skipped_final == 100.0
+    assert 0 < seen[1] < 100  # read back from the API while the work runs
+    assert sorted(seen) == seen and len(set(seen)) >= 5 and updates >= 5
+
+
+def _read_artifact(client, artifact_id) -> float:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
+    return artifact.data

@@ -1,0 +1,136 @@
+"""The temporary local Prefect API of a ``dlrmflow`` command: it waits long enough on busy cores, a
+server that does not start is one line naming ``PREFECT_API_URL``, and it never outlives its command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dlrmflow import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _without_api_url(monkeypatch: pytest.MonkeyPatch):
+    """This process as a user's command without a server: no PREFECT_API_URL, temporary servers on, and no
+    temporary server registered yet (the session's ``prefect_harness`` registers its own as the default one
+    in Prefect's registry, ``SubprocessASGIServer._instances``; it is back after the test)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE, temporary_settings
+
+    monkeypatch.delitem(SubprocessASGIServer._instances, None, raising=False)
+    return temporary_settings({PREFECT_SERVER_ALLOW_EPHEMERAL_MODE: True}, restore_defaults={PREFECT_API_URL})
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE  # ended; its new parent may never reap it
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_the_api_start_up_waits_120_s_or_the_longer_prefect_setting(monkeypatch):
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    waits = []
+    monkeypatch.setattr("dlrmflow.flows.prefect_internals.prepare_temporary_api", waits.append)
+    with _without_api_url(monkeypatch):
+        cli.prepare_prefect_api()  # Prefect's default of 20 s is too short for a busy machine
+        with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 300}):
+            cli.prepare_prefect_api()
+    assert waits == [120, 300]
+
+
+def test_bad_input_is_answered_without_starting_a_server(monkeypatch, capsys, tmp_path):
+    with _without_api_url(monkeypatch):
+        assert cli.main(["generate", "--rows", "0", "--output", str(tmp_path / "g.tsv")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dlrmflow generate: error: --rows must be >= 1, got 0"
+    assert not [p for p in psutil.Process().children() if "dlrmflow.exit_with_parent" in p.cmdline()]
+
+
+def test_an_api_that_does_not_start_is_one_line_naming_prefect_api_url(monkeypatch, capsys, tmp_path):
+    """A real server start that cannot answer in time (the wait cut to 0.1 s): exit 2, one line, no server left."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    monkeypatch.setattr(cli, "API_STARTUP_TIMEOUT_S", 0.1)
+    with _without_api_url(monkeypatch), temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 0}):
+        status = cli.main(["generate", "--rows", "10", "--output", str(tmp_path / "g.tsv")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert [line for line in err if "error" in line] == [
+        "dlrmflow generate: error: the temporary local Prefect API did not start (it did not answer within 0.1 s); "
+        "start one with `prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api (`prefect config "
+        "set PREFECT_API_URL=...`), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
+    assert not (tmp_path / "g.tsv").exists()
+    servers = [p for p in psutil.Process().children() if "dlrmflow.exit_with_parent" in p.cmdline()]
+    assert all(_gone(p) for p in servers), servers
+
+
+def test_a_process_run_by_exit_with_parent_ends_when_its_parent_is_killed():
+    """The mechanism on its own, in a second: a parent that starts a server under
+    ``dlrmflow.exit_with_parent`` is SIGKILLed; the server ends though nothing stopped it."""
+    parent_code = ("import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', "
+                   "'dlrmflow.exit_with_parent', str(os.getpid()), 'http.server', '0', '--bind', '127.0.0.1'], "
+                   "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(int(parent.stdout.readline()))
+    try:
+        time.sleep(0.5)  # the server runs, its parent still there
+        assert not _gone(server)
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not _gone(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(server)
+    finally:
+        if not _gone(server):
+            server.kill()
+        parent.stdout.close()
+
+
+@pytest.mark.slow
+def test_a_killed_command_takes_its_temporary_api_along(tmp_path):
+    """SIGKILL of a ``dlrmflow generate`` process once its temporary Prefect API listens: the server ends
+    within seconds and its port is closed (Prefect stops it only from an atexit hook, which SIGKILL skips).
+    Slow: a real server start on a fresh database, 5-30 s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "DLRMFLOW_DASK_ADDRESS"}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    command = [sys.executable, "-m", "dlrmflow.cli", "generate", "--rows", "5000000", "--output",
+               str(tmp_path / "g.tsv")]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        port = None
+        while port is None:
+            assert proc.poll() is None, f"dlrmflow generate ended with status {proc.returncode} before the test"
+            assert time.monotonic() < deadline, "no temporary Prefect API listened within 180 s"
+            servers = [p for p in psutil.Process(proc.pid).children() if "uvicorn" in " ".join(p.cmdline())]
+            listening = [c.laddr.port for s in servers for c in s.net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN]
+            port = listening[0] if listening else None
+            time.sleep(0.05)
+        [server] = servers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while not _gone(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(server), f"the temporary Prefect API (pid {server.pid}) outlived its killed command"
+        with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+            s.connect(("127.0.0.1", port))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever else the command had started
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
