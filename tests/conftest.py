@@ -26,12 +26,13 @@ def data_dir() -> Path:
     return DATA
 
 
-# Fixtures that start Dask worker processes (a LocalCluster of processes, or external workers): the
-# tests that use them are end-to-end, so they count as slow (`make test-fast` leaves them out).
-PROCESS_CLUSTER_FIXTURES = {"cluster", "clusters", "external_cluster"}
+# Fixtures that start servers or processes: Dask worker processes (a LocalCluster of processes, or
+# external workers) and the Prefect API. The tests that use them are end-to-end, so they count as slow:
+# `make test-fast` runs the rest (algorithms, formats, in-process clusters) in under two minutes.
+END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harness"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if PROCESS_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if END_TO_END_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
