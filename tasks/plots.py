@@ -61,17 +61,8 @@ def plot_loss(columns: dict[str, np.ndarray], path: str | os.PathLike, *, title:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(it, loss, color="#9ecae1", lw=1, label="batch loss")
     ax.plot(it, moving_mean(loss, window), color="#08519c", lw=2, label=f"mean of the last {window}")
-    _mark_kills(ax, kills or [])
-    ax.set_xlabel("iteration")
     ax.set_ylabel("training loss (log loss)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return _finish_run_plot(plt, fig, ax, path, title=title, kills=kills)
 
 
 def plot_iteration_time(columns: dict[str, np.ndarray], path: str | os.PathLike, *, title: str,
@@ -84,10 +75,16 @@ def plot_iteration_time(columns: dict[str, np.ndarray], path: str | os.PathLike,
     share = 100 * stall.sum() / ms.sum() if ms.sum() > 0 else 0.0
     ax.fill_between(it, 0, np.minimum(stall, ms), color="#fd8d3c", alpha=0.6,
                     label=f"of which stalled on embedding rows ({share:.1f}% in all)")
-    _mark_kills(ax, kills or [])
-    ax.set_xlabel("iteration")
     ax.set_ylabel("time (ms)")
     ax.set_ylim(bottom=0)
+    return _finish_run_plot(plt, fig, ax, path, title=title, kills=kills)
+
+
+def _finish_run_plot(plt, fig, ax, path: str | os.PathLike, *, title: str,
+                     kills: list[dict[str, Any]] | None) -> Path:
+    """What every per-iteration plot of a run shares: kill markers, axis, title, legend, the PNG."""
+    _mark_kills(ax, kills or [])
+    ax.set_xlabel("iteration")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
