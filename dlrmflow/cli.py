@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, sort_keys=True))
     else:
         print(module.summarize(result))
+    # A command whose result can be a failure (verify's mismatch) says so: one line on stderr, its status.
+    failure = getattr(module, "failure", lambda _: None)(result)
+    if failure is not None:
+        status, message = failure
+        print(f"dlrmflow {module.NAME}: {message}", file=sys.stderr)
+        return status
     return 0
 
 

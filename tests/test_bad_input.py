@@ -271,9 +271,7 @@ def test_verify_exits_1_on_a_flipped_parity_bit(prefect_harness, tmp_path, capsy
     torch.save(saved, run_dir / PARITY_FILE)
     assert not verify_run_dir(run_dir)["ok"]
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        main(["verify", str(run_dir)])
-    assert exit_.value.code == 1
+    assert main(["verify", str(run_dir)]) == 1
     captured = capsys.readouterr()
     assert "MISMATCH" in captured.out
     assert captured.err.strip().splitlines()[-1] == (f"dlrmflow verify: parity of {run_dir} does not match its "

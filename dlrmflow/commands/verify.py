@@ -7,8 +7,6 @@ the JSON object, on stdout as usual, and one line on stderr saying so); 2 for a 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 NAME = "verify"
@@ -24,14 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.recovery import verify_flow
 
-    result = verify_flow(args.run_dir)
-    if not result["ok"]:
-        # The CLI exits 0 after any result it prints; a mismatch prints the same, then exits 1.
-        print(json.dumps(result, sort_keys=True) if getattr(args, "json", False) else summarize(result))
-        print(f"dlrmflow {NAME}: parity of {result['run_dir']} does not match its data "
-              f"({sum(result['mismatched_stripes']):,} mismatched stripes)", file=sys.stderr)
-        raise SystemExit(MISMATCH_EXIT_STATUS)
-    return result
+    return verify_flow(args.run_dir)
+
+
+def failure(r: dict[str, Any]) -> tuple[int, str] | None:
+    """A mismatch is a failed verification: exit status 1 and one line, after the usual output."""
+    if r["ok"]:
+        return None
+    return MISMATCH_EXIT_STATUS, (f"parity of {r['run_dir']} does not match its data "
+                                  f"({sum(r['mismatched_stripes']):,} mismatched stripes)")
 
 
 def summarize(r: dict[str, Any]) -> str:
