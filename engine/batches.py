@@ -70,6 +70,13 @@ def _matrix(table: pa.Table, columns: list[str], dtype: type) -> np.ndarray:
     return np.stack([table.column(c).to_numpy() for c in columns], axis=1).astype(dtype, copy=False)
 
 
+def batches_ending_by(n_rows: int, batch_size: int, end: int, *, drop_last: bool = False) -> int:
+    """How many batches of a stream over rows ``[0, n_rows)`` end at or before row ``end``: every full
+    batch that does, and the final partial batch (kept unless ``drop_last``) once ``end`` reaches ``n_rows``."""
+    partial = not drop_last and n_rows % batch_size != 0 and end >= n_rows
+    return min(end, n_rows) // batch_size + int(partial)
+
+
 class BatchStream:
     """Batches of ``batch_size`` rows over ``[start_row, stop_row)`` of a dataset.
 

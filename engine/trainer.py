@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
-from dlrmflow.engine.batches import Batch, BatchStream, global_ids
+from dlrmflow.engine.batches import Batch, BatchStream, batches_ending_by, global_ids
 from dlrmflow.engine.checkpoint import (
     Checkpointer,
     cache_of,
@@ -143,7 +143,7 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     if config.eval_fraction > 0 and eval_rows == 0:
         raise TrainConfigError(f"eval_fraction: --eval-fraction {config.eval_fraction} of {meta.rows} rows holds "
                                "out no row")
-    fit = sum(1 for t in range(len(stream)) if stream.batch_rows(t)[1] <= eval_start)
+    fit = batches_ending_by(meta.rows, config.batch_size, eval_start, drop_last=drop_last)
     if fit == 0:
         held_out = f", {eval_rows} of {meta.rows} held out for evaluation" if eval_rows else ""
         raise TrainConfigError(

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from dlrmflow.engine.batches import batches_ending_by
 from dlrmflow.engine.faults import KILL_SYNTAX, FaultSpecError, check_kills, parse_kill
 from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.errors import UserInputError
@@ -33,8 +34,8 @@ def training_batches(rows: int, batch_size: int, eval_fraction: float = EVAL_FRA
     """Whole batches a training run of a ``rows``-row dataset has before its held-out rows.
 
     The rule of ``engine/trainer.py``'s ``prepare_run``: the last ``round(eval_fraction * rows)`` rows
-    are held out, and a batch counts when it ends at or before them."""
-    return (rows - int(round(eval_fraction * rows))) // batch_size
+    are held out, and a batch counts when it ends at or before them (:func:`batches_ending_by`)."""
+    return batches_ending_by(rows, batch_size, rows - int(round(eval_fraction * rows)))
 
 
 def training_field(name: str, **overrides: Any) -> Any:

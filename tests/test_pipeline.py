@@ -6,6 +6,7 @@ import pytest
 from cli_helpers import run_json
 
 from dlrmflow.cli import main
+from dlrmflow.engine.batches import batches_ending_by
 from dlrmflow.flows.pipeline import PipelineConfig
 from dlrmflow.flows.pipeline_config import PipelineConfigError, training_batches
 
@@ -70,6 +71,16 @@ def test_training_batches_is_the_trainers_count_of_whole_batches_before_the_held
             fit = sum(1 for t in range(batches) if min((t + 1) * batch_size, rows) <= held_out_start)
             assert training_batches(rows, batch_size) == fit, (rows, batch_size)
     assert training_batches(200_000, 2048) == 87
+
+
+def test_batches_ending_by_counts_the_streams_batches_that_end_in_time():
+    for n_rows in range(0, 40):
+        for batch_size in (1, 2, 3, 7, 16):
+            for drop_last in (False, True):
+                n_batches = n_rows // batch_size if drop_last else -(-n_rows // batch_size)
+                for end in range(0, n_rows + 2):
+                    fit = sum(1 for t in range(n_batches) if min((t + 1) * batch_size, n_rows) <= end)
+                    assert batches_ending_by(n_rows, batch_size, end, drop_last=drop_last) == fit
 
 
 @pytest.mark.slow
