@@ -1,4 +1,6 @@
-"""Training speed of the four modes, side by side, on the same data in one run.
+"""Training speed of the four modes, side by side, on the same data in one run; optionally for several
+models (``--models dlrm,wide-deep,deepfm,dcn-v2``), with their held-out AUC and log loss after the
+same iterations.
 
     local    all rows in the trainer (the reference: the speed to match)
     remote   parameter-server baseline: every iteration fetches its rows and writes them back
@@ -12,6 +14,11 @@ rows of ``dlrmflow.datasets.synthetic``, skewed like the real data):
     b  embedding-bound: dim 64, bottom 13-64-64, top 415-64-1, batch 16384, ids with a milder skew
        (Zipf 0.9 per table), so embedding traffic, not the MLPs, dominates the iteration
 
+With ``--models``, every model runs every mode on the same data and plan: DLRM with the configuration's
+architecture, the others with their published layer sizes (docs/models.md) at the configuration's
+embedding dim; a second table puts the models side by side (local and oracle iteration time, eval
+AUC and log loss after the same iterations).
+
 Every mode runs ``--repeats`` times, in rotated order. Per mode the table shows: the mean
 iteration time (the train step: gather, compute, update, scatter; median over rounds), the median
 and 10th percentile of all iterations of all rounds (on a shared machine the p10 is the least
@@ -20,7 +27,7 @@ traffic / iteration time), bytes fetched and written back, eval AUC, and whether
 state's SHA-256 equals local's (it must: bit-identical training). The embedding servers are Dask
 actors on a LocalCluster of 2 worker processes on the same machine as the trainer.
 
-    .venv/bin/python benchmarks/train.py [--configs a,b] [--iterations N] [--device cpu|cuda]
+    .venv/bin/python benchmarks/train.py [--configs a,b] [--models dlrm,...] [--iterations N] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ CONFIGS = {
               iterations=30, zipf=0.9),
 }
 MODES = ("local", "remote", "lru", "oracle")
+MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
 EVAL_BATCHES = 2
 
 
@@ -99,22 +107,28 @@ def run_config(key: str, args, client: Client, work: Path) -> list[dict]:
     print(f"[{key}] plan L={args.lookahead} P={args.distance}: {plan.num_slots:,} cache slots "
           f"({100 * plan.num_slots / meta.total_embedding_rows:.1f}% of rows), made in "
           f"{time.perf_counter() - start:.1f} s (offline, not in the times below)", flush=True)
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    for round_ in range(args.repeats):
-        # Rotate the order each round so that no mode always runs first (cold caches, load drift).
-        order = MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]
-        for mode in order:
-            runs[mode].append(train_once(key, mode, cfg, iterations, dataset, plan_dir, plan, args, client, work))
-    return [combine(key, mode, runs[mode]) for mode in MODES]
+    results = []
+    for model in args.models:
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for round_ in range(args.repeats):
+            # Rotate the order each round so that no mode always runs first (cold caches, load drift).
+            order = MODES[round_ % len(MODES):] + MODES[: round_ % len(MODES)]
+            for mode in order:
+                runs[mode].append(train_once(key, model, mode, cfg, iterations, dataset, plan_dir, plan, args,
+                                             client, work))
+        results += [combine(key, mode, runs[mode]) for mode in MODES]
+    return results
 
 
-def train_once(key, mode, cfg, iterations, dataset, plan_dir, plan, args, client, work) -> dict:
+def train_once(key, model, mode, cfg, iterations, dataset, plan_dir, plan, args, client, work) -> dict:
+    # DLRM gets the configuration's MLPs; the other models their published layer sizes (engine/models).
+    architecture = {"bottom_mlp": cfg["bottom"], "top_mlp": cfg["top"]} if model == "dlrm" else {}
     config = TrainConfig(
-        dataset_dir=str(dataset), mode=mode, output_dir=str(work / f"run-{key}-{mode}"),
+        dataset_dir=str(dataset), mode=mode, output_dir=str(work / f"run-{key}-{model}-{mode}"),
         batch_size=cfg["batch"], iterations=iterations, num_shards=args.shards,
         capacity=plan.num_slots if mode == "lru" else None,
         plan_dir=str(plan_dir) if mode == "oracle" else None, device=args.device,
-        embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom"], top_mlp=cfg["top"],
+        model=model, embedding_dim=cfg["dim"], **architecture,
         eval_fraction=EVAL_BATCHES / (iterations + EVAL_BATCHES), metrics_every=iterations,
         save_state=False,
     )
@@ -126,7 +140,7 @@ def train_once(key, mode, cfg, iterations, dataset, plan_dir, plan, args, client
     summary.update(config=key, wall_seconds=wall, steady_iteration_ms=float(steady[:, 2].mean()),
                    steady_stall_fraction=float(steady[:, 3].sum() / steady[:, 2].sum()),
                    iteration_ms=per_it[:, 2].tolist(), stall_ms=per_it[:, 3].tolist())
-    print(f"[{key}] {mode:<7} {summary['mean_iteration_ms']:9.1f} ms/iteration "
+    print(f"[{key}] {model:<9} {mode:<7} {summary['mean_iteration_ms']:9.1f} ms/iteration "
           f"(median {summary['median_iteration_ms']:.1f}, steady {summary['steady_iteration_ms']:.1f}), "
           f"stall {100 * summary['stall_fraction']:.1f}%, run {wall:.1f} s", flush=True)
     return summary
@@ -152,19 +166,23 @@ def combine(key: str, mode: str, runs: list[dict]) -> dict:
     out.pop("iteration_ms", None), out.pop("stall_ms", None)
     for field in ("bytes_fetched", "bytes_written_back", "state_sha256"):
         if len({r[field] for r in runs}) != 1:
-            raise RuntimeError(f"[{key}] {mode}: {field} differs between rounds")
+            raise RuntimeError(f"[{key}] {out['model']} {mode}: {field} differs between rounds")
     return out
 
 
+def _run_key(r: dict) -> tuple[str, str]:
+    return r["config"], r["model"]
+
+
 def print_table(results: list[dict]) -> None:
-    local = {r["config"]: r for r in results if r["mode"] == "local"}
-    header = (f"{'cfg':<4}{'mode':<8}{'mean ms':>9}{'median':>9}{'p10':>9}{'x local':>9}{'(p10)':>7}"
+    local = {_run_key(r): r for r in results if r["mode"] == "local"}
+    header = (f"{'cfg':<4}{'model':<10}{'mode':<8}{'mean ms':>9}{'median':>9}{'p10':>9}{'x local':>9}{'(p10)':>7}"
               f"{'stall %':>9}{'fetched MB':>12}{'written MB':>12}{'eval AUC':>10}  same bits as local")
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
-        ref = local[r["config"]]
+        ref = local[_run_key(r)]
         auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
-        print(f"{r['config']:<4}{r['mode']:<8}{r['mean_iteration_ms']:9.1f}{r['pooled_median_ms']:9.1f}"
+        print(f"{r['config']:<4}{r['model']:<10}{r['mode']:<8}{r['mean_iteration_ms']:9.1f}{r['pooled_median_ms']:9.1f}"
               f"{r['pooled_p10_ms']:9.1f}{r['pooled_median_ms'] / ref['pooled_median_ms']:9.2f}"
               f"{r['pooled_p10_ms'] / ref['pooled_p10_ms']:7.2f}{100 * r['pooled_stall_fraction']:9.1f}"
               f"{r['bytes_fetched'] / 1e6:12.1f}{r['bytes_written_back'] / 1e6:12.1f}{auc:>10}  "
@@ -172,16 +190,44 @@ def print_table(results: list[dict]) -> None:
     print("mean ms: median over rounds of each run's mean; median / p10: over every iteration of every round;\n"
           "x local: median (and p10) ratio to local; stall %: time compute waited for embeddings / iteration time")
     for key in local:
-        m = {r["mode"]: r for r in results if r["config"] == key}
+        m = {r["mode"]: r for r in results if _run_key(r) == key}
         for stat in ("pooled_median_ms", "pooled_p10_ms"):
             o = m["oracle"][stat]
-            print(f"[{key}] {stat.split('_')[1]:>6}: oracle {m['remote'][stat] / o:.2f}x faster than remote, "
-                  f"{m['lru'][stat] / o:.2f}x faster than lru, {o / m['local'][stat]:.2f}x local's time")
+            print(f"[{key[0]} {key[1]}] {stat.split('_')[1]:>6}: oracle {m['remote'][stat] / o:.2f}x faster than "
+                  f"remote, {m['lru'][stat] / o:.2f}x faster than lru, {o / m['local'][stat]:.2f}x local's time")
+
+
+def print_models(results: list[dict]) -> None:
+    """The models side by side per configuration: iteration time (local, oracle), held-out AUC and log
+    loss after the same iterations (equal in every mode: the states are bit-identical)."""
+    by = {(r["config"], r["model"], r["mode"]): r for r in results}
+    header = (f"{'cfg':<4}{'model':<10}{'row width':>10}{'dense params':>14}{'local ms':>10}{'oracle ms':>11}"
+              f"{'eval AUC':>10}{'log loss':>10}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for cfg, model in dict.fromkeys((r["config"], r["model"]) for r in results):
+        local, oracle = by[cfg, model, "local"], by[cfg, model, "oracle"]
+        auc = "n/a" if local["eval_auc"] is None else f"{local['eval_auc']:.4f}"
+        loss = "n/a" if local["eval_log_loss"] is None else f"{local['eval_log_loss']:.4f}"
+        print(f"{cfg:<4}{model:<10}{local['row_width']:>10}{local['dense_parameters']:>14,}"
+              f"{local['pooled_median_ms']:>10.1f}{oracle['pooled_median_ms']:>11.1f}{auc:>10}{loss:>10}")
+    print("local / oracle ms: median over every iteration of every round; AUC and log loss on the held-out\n"
+          f"rows ({EVAL_BATCHES} batches) after the same iterations")
+
+
+def _models(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MODELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown model {unknown[0] if unknown else text!r}; choose from "
+                                         f"{', '.join(MODELS)}")
+    return names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="a,b", help="comma-separated: a (Criteo arch), b (embedding-bound)")
+    parser.add_argument("--models", default="dlrm", type=_models,
+                        help=f"comma-separated models to train in every mode: {', '.join(MODELS)} (default dlrm)")
     parser.add_argument("--iterations", type=int, help="override the per-config iteration count")
     parser.add_argument("--lookahead", type=int, default=20,
                         help="L: the oracle keeps a row across gaps of at most L iterations (default 20)")
@@ -205,6 +251,8 @@ def main() -> None:
             results += run_config(key.strip(), args, client, work)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     print_table(results)
+    if len(args.models) > 1:
+        print_models(results)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2, default=str) + "\n")
 

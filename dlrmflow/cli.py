@@ -34,7 +34,7 @@ def _modules() -> list[ModuleType]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dlrmflow",
-        description="Train DLRMs with huge embedding tables: preprocess, profile, plan, train.",
+        description="Train CTR models (DLRM, Wide & Deep, DeepFM, DCN-v2) with huge embedding tables.",
     )
     parser.add_argument("--version", action="version", version=f"dlrmflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -12,16 +12,32 @@ not one per step.
 Clients talk to workers directly (``direct_to_workers``): every embedding-server call is an
 actor call, and through the scheduler it would take two extra hops (and, with a LocalCluster,
 the trainer process's event loop) per call.
+
+:func:`shaped_cluster` puts the embedding servers behind an emulated network
+(:mod:`dlrmflow.engine.shaped_link`): a scheduler in this process on the link's root-side address,
+and one worker process per server inside the link's namespace, so every fetch and write-back
+between the trainer (this process) and a server crosses the shaped link.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
+import dask
 from distributed import Client, LocalCluster
+
+from dlrmflow.engine.placement import RESOURCE as SERVER_RESOURCE
+from dlrmflow.engine.shaped_link import ShapedLink, shaped_link
 
 ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
 
@@ -82,3 +98,114 @@ def cluster_workers(client: Client) -> dict[str, dict]:
     between ``scheduler_info()``'s fetch and its return, the cluster looks empty (seen here:
     "no workers to host embedding servers" on a cluster with five)."""
     return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+SERVER_START_TIMEOUT_S = 120.0
+SERVER_STOP_GRACE_S = 10.0
+
+
+@dataclass
+class ShapedCluster:
+    """A running :func:`shaped_cluster`: its scheduler's address, its link, and its server workers' addresses."""
+
+    address: str
+    link: ShapedLink
+    servers: list[str]
+
+
+def server_worker_command(link: ShapedLink, scheduler: str, name: str, local_directory: str) -> list[str]:
+    """The command of one embedding-server worker: ``dask worker`` inside the link's namespace, listening on the
+    namespace's address, advertising the ``embedding_server`` resource, one thread, no nanny (the process
+    started is the worker), under :mod:`dlrmflow.exit_with_parent` so that it ends with this process."""
+    return link.command([
+        sys.executable, "-m", "dlrmflow.exit_with_parent", str(os.getpid()), "distributed.cli.dask_worker",
+        scheduler, "--host", link.inside_address, "--nthreads", "1", "--no-nanny", "--no-dashboard",
+        "--resources", f"{SERVER_RESOURCE}=1", "--name", name, "--local-directory", local_directory,
+        "--death-timeout", "60"])
+
+
+def _worker_environment() -> dict[str, str]:
+    """This process's environment plus what a Dask nanny sets for its workers (one BLAS/OpenMP thread...):
+    the servers run as a LocalCluster's would, though without a nanny."""
+    env = dict(os.environ)
+    env.pop(ADDRESS_ENV, None)
+    env.update({k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()})
+    return env
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return " | ".join(line.strip() for line in text[-lines:]) or "(no output)"
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every worker (a Dask worker then leaves its scheduler), SIGKILL those still up after the grace."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + SERVER_STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_for_servers(client: Client, procs: list[subprocess.Popen], logs: list[Path], timeout_s: float) -> list[str]:
+    """The server workers' addresses once all have joined; RuntimeError when one exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        servers = sorted(a for a, info in cluster_workers(client).items()
+                         if (info.get("resources") or {}).get(SERVER_RESOURCE))
+        if len(servers) == len(procs):
+            return servers
+        for proc, log in zip(procs, logs, strict=True):
+            if proc.poll() is not None:
+                raise RuntimeError(f"an embedding-server worker exited with status {proc.returncode}: {_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(procs) - len(servers)} of {len(procs)} embedding-server workers did not join "
+                               f"within {timeout_s:.0f} s: {_tail(logs[0])}")
+        time.sleep(0.2)
+
+
+@contextmanager
+def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_workers: int = 0,
+                   start_timeout_s: float = SERVER_START_TIMEOUT_S) -> Iterator[ShapedCluster]:
+    """A Dask cluster whose ``n_servers`` embedding-server workers sit behind a link shaped at
+    ``rate_bits_per_s`` (None or 0: the same link unshaped).
+
+    The scheduler runs in this process on the link's root-side address, with ``extra_workers`` ordinary
+    worker processes beside it (in this namespace: work that is not an embedding server never crosses
+    the link). The server workers run inside the link's namespace (:func:`server_worker_command`). A
+    client of the scheduler in this process, talking to workers directly as :func:`dask_client`'s do,
+    reaches a server only through the link. Everything is stopped and removed when the block ends;
+    :class:`~dlrmflow.engine.shaped_link.LinkUnavailableError` (one line) where the link cannot be built."""
+    if n_servers < 1:
+        raise ValueError(f"need at least one embedding-server worker, got {n_servers}")
+    with ExitStack() as stack:
+        link = stack.enter_context(shaped_link(rate_bits_per_s))
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrmflow-shaped-")))
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+        cluster = stack.enter_context(LocalCluster(
+            n_workers=extra_workers, threads_per_worker=1, processes=True, host=link.root_address,
+            dashboard_address=None, silence_logs=logging.ERROR))
+        procs: list[subprocess.Popen] = []
+        stack.callback(_stop, procs)  # before the scheduler closes and the link goes: unwound first
+        logs = [home / f"server-{k}.log" for k in range(n_servers)]
+        env = _worker_environment()
+        for k, log in enumerate(logs):
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(
+                    server_worker_command(link, cluster.scheduler_address, f"server-{k}", str(home / f"server-{k}")),
+                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=home, start_new_session=True))
+        with Client(cluster.scheduler_address, timeout="30s") as client:
+            servers = _wait_for_servers(client, procs, logs, start_timeout_s)
+        yield ShapedCluster(cluster.scheduler_address, link, servers)
+
+
+@contextmanager
+def shaped_scheduler(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_workers: int = 0) -> Iterator[str]:
+    """:func:`shaped_cluster`'s scheduler address: what ``dask_scheduler`` yields, for train_flow and train's client."""
+    with shaped_cluster(rate_bits_per_s, n_servers, extra_workers=extra_workers) as cluster:
+        yield cluster.address

@@ -4,14 +4,18 @@
 
     format_version       1
     mode                 "local" | "remote" | "lru" | "oracle"
-    model_config         DLRMConfig as a dict
-    dense                the DLRM's parameters (state_dict: name -> tensor)
+    model                "dlrm" | "wide-deep" | "deepfm" | "dcn-v2" (absent in states written before
+                         --model existed: those are DLRM's)
+    model_config         the model's architecture (its config dataclass of dlrmflow.engine.models) as a dict
+    dense                the model's parameters (state_dict: name -> tensor)
     dense_optimizer      the dense optimizer's state_dict (SGD: no state; Adam: step, exp_avg, exp_avg_sq)
     embedding            {"rows": float32 [total_rows, dim + state_width] in global id order,
                           "dim", "optimizer", "state_width", "table_offsets", "cardinalities"}
 
 Each embedding row is the row layout of :mod:`dlrmflow.engine.embedding_rows`: ``dim``
-weights, then the optimizer state (row-wise Adagrad: one accumulator; SGD: nothing).
+weights, then the optimizer state (row-wise Adagrad: one accumulator; SGD: nothing). ``dim`` is
+the model's row width: every per-id parameter of the model (``embedding_dim`` values, plus the
+first-order weight of Wide & Deep and DeepFM in the last weight column; docs/models.md).
 
 The state hash is SHA-256 over, in this order: every dense parameter (sorted by name), every
 dense-optimizer state entry (by parameter index, then key, sorted), then the embedding rows;

@@ -16,7 +16,16 @@ import os
 from typing import Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from dlrmflow.engine.faults import KILL_SYNTAX, check_kills
 from dlrmflow.errors import UserInputError
@@ -26,6 +35,14 @@ SERVER_MODES = ("remote", "lru", "oracle")  # rows on embedding servers (what pa
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.engine.embedding_rows
 DENSE_OPTIMIZERS = ("sgd", "adam")
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
+DEFAULT_TOP_MLP = (512, 256, 1)
+MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")  # dlrmflow.engine.models: one module each
+# The architecture settings each model reads; setting one that the chosen model does not read is an error.
+MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "deepfm": ("dnn",),
+                  "dcn-v2": ("dnn", "cross_layers")}
+# Settings left out of a dump while at their defaults: a DLRM run's run_config.json and checkpoint
+# fingerprint stay what they were before these settings existed, so such runs still resume.
+OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers")
 
 # Fields whose `dlrmflow train` option is not --field-name; fields in NO_OPTION have none.
 OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_dir": "--plan",
@@ -65,11 +82,19 @@ class TrainConfig(BaseModel):
     plan_dir: str | None = Field(None, description="the plan for --mode oracle (`dlrmflow plan`)")
     device: str = Field("cpu", description="cpu or cuda")
     seed: int = Field(0, description="model and embedding initialisation")
+    model: Literal[MODELS] = Field(
+        "dlrm", description="the model: DLRM, Wide & Deep, DeepFM or DCN-v2 (docs/models.md); its per-id "
+                            "parameters all sit in the id's embedding row")
     embedding_dim: int = Field(16, ge=1, description="embedding width")
     bottom_mlp: tuple[int, ...] | None = Field(
-        None, description="bottom MLP layer sizes after the input, e.g. 512-256-64-16 (default: 512-256-64 "
-                          "then --embedding-dim)")
-    top_mlp: tuple[int, ...] = Field((512, 256, 1), description="top MLP layer sizes, ending in 1")
+        None, description="DLRM's bottom MLP layer sizes after the input, e.g. 512-256-64-16 (default: "
+                          "512-256-64 then --embedding-dim)")
+    top_mlp: tuple[int, ...] = Field(DEFAULT_TOP_MLP, description="DLRM's top MLP layer sizes, ending in 1")
+    dnn: tuple[int, ...] | None = Field(
+        None, description="hidden layer sizes of the DNN of --model wide-deep, deepfm or dcn-v2, e.g. "
+                          "400-400-400 (default: the model's published sizes, 400-400-400 for wide-deep and "
+                          "deepfm, 500-500-500 for dcn-v2)")
+    cross_layers: int | None = Field(None, ge=1, description="cross layers of --model dcn-v2 (default 3)")
     embedding_optimizer: Literal[EMBEDDING_OPTIMIZERS] = Field("adagrad", description="row-wise Adagrad or SGD")
     dense_optimizer: Literal[DENSE_OPTIMIZERS] = Field("sgd", description="optimizer of the dense parameters")
     lr: float = Field(0.01, gt=0, description="dense learning rate")
@@ -131,7 +156,32 @@ class TrainConfig(BaseModel):
                                    "recover the lost shard)")
         # prepare_run checks the iterations again once the dataset says how many there are.
         check_kills(self.kills, num_shards=self.num_shards, parity=self.parity, iterations=self.iterations)
+        self._check_model_settings()
         return self
+
+    def _check_model_settings(self) -> None:
+        """Each architecture setting is for the models that read it; layer sizes are positive."""
+        # A setting counts as set when it differs from its default: the CLI passes every option's default.
+        for name in ("bottom_mlp", "top_mlp", "dnn", "cross_layers"):
+            if getattr(self, name) != type(self).model_fields[name].default and name not in MODEL_SETTINGS[self.model]:
+                users = [m for m, names in MODEL_SETTINGS.items() if name in names]
+                raise TrainConfigError(f"{name}: {cli_option(name)} is used by --model {', '.join(users)}, not "
+                                       f"--model {self.model}")
+        for name in ("bottom_mlp", "top_mlp", "dnn"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or min(sizes) < 1):
+                raise TrainConfigError(f"{name}: {cli_option(name)} layer sizes must be positive, at least one; "
+                                       f"got {list(sizes)}")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Every field, less those of OMITTED_AT_DEFAULT that hold their defaults (a missing key reads
+        back as its default, so ``TrainConfig(**config.model_dump()) == config`` still holds)."""
+        values = handler(self)
+        for name in OMITTED_AT_DEFAULT:
+            if getattr(self, name) == type(self).model_fields[name].default:
+                values.pop(name, None)
+        return values
 
     @property
     def bottom_layers(self) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Train a DLRM in one of four modes; every mode ends in bit-identical parameters.
+"""Train a model (:mod:`dlrmflow.engine.models`) in one of four modes; every mode ends in bit-identical
+parameters.
 
     local    all embedding rows in the trainer's memory (the reference)
     remote   rows on K embedding servers, fetched and written back every iteration
@@ -10,9 +11,13 @@ One iteration, the same in every mode (only ``store`` differs)::
     ids      = global ids of the batch [B, T];  uniq, inverse = unique(ids)   (sorted)
     block    = store.gather(t, uniq)            [U, width] rows: weights + optimizer state
     weights  = block[:, :dim] (a leaf);  embeddings = weights[inverse]   [B, T, dim]
-    loss     = BCE(DLRM(dense, embeddings), labels);  backward
+    loss     = BCE(model(dense, embeddings), labels);  backward
     dense optimizer step;  apply_update(block, grad of weights)    (row-wise, per distinct id)
     store.scatter(t, uniq, block)
+
+``dim`` is the model's row width (``models.row_width``): every per-id parameter of the model
+(DeepFM's first-order weight as much as its factor vector) is a weight of the id's row, so the
+model is the only part of a run that knows which model it is.
 
 The gradient of a row used several times in a batch is summed by ``index_select``'s backward
 (``index_add_``), in the same order in every mode. Deterministic algorithms are switched on
@@ -60,7 +65,7 @@ from dlrmflow.engine.embedding_server import start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
 from dlrmflow.engine.faults import FaultInjector, Kill, check_kills
 from dlrmflow.engine.metrics import log_loss, roc_auc
-from dlrmflow.engine.model import DLRM, DLRMConfig, bce_loss
+from dlrmflow.engine.models import architecture, bce_loss, build_model, model_config, row_width
 from dlrmflow.engine.planner import CapacityError, load_plan
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
@@ -84,7 +89,7 @@ class RunSetup:
     stream: BatchStream
     iterations: int
     eval_start: int  # held-out rows [eval_start, meta.rows)
-    model_config: DLRMConfig
+    model_config: Any  # the model's checked architecture (dlrmflow.engine.models.model_config)
     spec: RowSpec
     plan: Any = None
     checks: dict[str, Any] = field(default_factory=dict)
@@ -114,15 +119,8 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     if config.mode == "lru" and config.capacity is None:
         raise CapacityError("capacity: --mode lru needs --capacity ROWS (>= 1)")
     meta = read_meta(config.dataset_dir)  # DatasetError (a UserInputError) if missing or broken
-    model_config = DLRMConfig(
-        num_dense=len(meta.dense_columns),
-        num_tables=len(meta.sparse_columns),
-        embedding_dim=config.embedding_dim,
-        bottom_mlp=config.bottom_layers,
-        top_mlp=tuple(config.top_mlp),
-    )
-    if not model_config.num_dense:
-        raise TrainConfigError("dataset_dir: the dataset has no dense features; DLRM's bottom MLP needs at least one")
+    architecture_config = model_config(config.model, config, num_dense=len(meta.dense_columns),
+                                       num_tables=len(meta.sparse_columns))
 
     drop_last = False
     if config.mode == "oracle":
@@ -158,7 +156,7 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
             "or --eval-fraction)"
         )
     spec = RowSpec(
-        dim=config.embedding_dim,
+        dim=row_width(config.model, config.embedding_dim),
         optimizer=config.embedding_optimizer,
         seed=config.seed,
         table_offsets=tuple(meta.table_offsets),
@@ -188,8 +186,8 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
                                     plan_fingerprint=plan_fp, iterations=iterations)
     else:
         refuse_unfinished_run(config.output_dir)  # names `dlrmflow resume RUN_DIR`
-    return RunSetup(config, meta, stream, iterations, eval_start, model_config, spec, plan, checks, kills, plan_fp,
-                    resume_at)
+    return RunSetup(config, meta, stream, iterations, eval_start, architecture_config, spec, plan, checks, kills,
+                    plan_fp, resume_at)
 
 
 def plan_fingerprint(plan) -> str | None:
@@ -224,7 +222,7 @@ def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=No
     return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start_at, rows=rows)
 
 
-def make_dense_optimizer(config: TrainConfig, model: DLRM) -> torch.optim.Optimizer:
+def make_dense_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     if config.dense_optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=config.lr)
     return torch.optim.SGD(model.parameters(), lr=config.lr)
@@ -237,7 +235,7 @@ def _batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, to
 
 
 def train_step(
-    t: int, batch: Batch, offsets: np.ndarray, model: DLRM, dense_optimizer: torch.optim.Optimizer,
+    t: int, batch: Batch, offsets: np.ndarray, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer,
     spec: RowSpec, store: RowStore, device: torch.device,
 ) -> torch.Tensor:
     """One iteration (see the module docstring); returns the batch loss (a 0-d tensor)."""
@@ -257,7 +255,7 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(setup: RunSetup, model: DLRM, store: RowStore, device: torch.device) -> dict[str, Any]:
+def evaluate(setup: RunSetup, model: torch.nn.Module, store: RowStore, device: torch.device) -> dict[str, Any]:
     """AUC and log loss on the held-out rows (after training; rows read from their home)."""
     config, meta = setup.config, setup.meta
     if setup.eval_start >= meta.rows:
@@ -282,12 +280,13 @@ def evaluate(setup: RunSetup, model: DLRM, store: RowStore, device: torch.device
     }
 
 
-def collect_state(setup: RunSetup, model: DLRM, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
+def collect_state(setup: RunSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
     """The final state in the layout documented in :mod:`dlrmflow.engine.run_state`."""
     spec = setup.spec
     return {
         "format_version": FORMAT_VERSION,
         "mode": setup.config.mode,
+        "model": setup.model_config.name,
         "model_config": asdict(setup.model_config),
         "dense": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "dense_optimizer": _to_cpu(optimizer.state_dict()),
@@ -384,7 +383,7 @@ def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_
         start_run_dir(output, config.model_dump(), dataset_fingerprint=setup.meta.fingerprint,
                       plan_fingerprint=setup.plan_fingerprint, iterations=setup.iterations)
     with deterministic_torch(device):
-        model = DLRM(setup.model_config, seed=config.seed).to(device)
+        model = build_model(setup.model_config, seed=config.seed).to(device)
         optimizer = make_dense_optimizer(config, model)
         history = TrainLog.empty(setup.iterations)
         rows = None
@@ -429,7 +428,8 @@ def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_
     if config.save_state:
         save_state(output, state)
     _write_iterations(output / ITERATIONS_FILE, log)
-    summary = _summary(setup, store, log, metrics, digest)
+    summary = _summary(setup, store, log, metrics, digest,
+                       dense_parameters=sum(value.numel() for value in state["dense"].values()))
     kills = injector.log if injector else []
     if checkpoints is not None:
         summary["checkpoint"] = {**checkpoints.report, "kills": _kills_since(kills, checkpoints.begin)}
@@ -560,7 +560,8 @@ def _write_iterations(path: Path, log: dict[str, Any]) -> None:
             writer.writerow([t, f"{loss:.6f}", f"{1e3 * it:.3f}", f"{1e3 * stall:.3f}"])
 
 
-def _summary(setup: RunSetup, store: RowStore, log: dict, metrics: dict, digest: str) -> dict[str, Any]:
+def _summary(setup: RunSetup, store: RowStore, log: dict, metrics: dict, digest: str, *,
+             dense_parameters: int) -> dict[str, Any]:
     config = setup.config
     it, stall = log["iteration_seconds"], log["stall_seconds"]
     plan = setup.plan
@@ -580,9 +581,11 @@ def _summary(setup: RunSetup, store: RowStore, log: dict, metrics: dict, digest:
             "prefetch_distance": plan.config.prefetch_distance, "num_slots": plan.num_slots,
         },
         "seed": config.seed,
+        "model": setup.model_config.name,
+        "architecture": architecture(setup.model_config),  # the model's name and every layer size
         "embedding_dim": config.embedding_dim,
-        "bottom_mlp": list(setup.model_config.bottom_mlp),
-        "top_mlp": list(setup.model_config.top_mlp),
+        "row_width": setup.spec.dim,  # values per id the model reads (embedding_dim + its per-id weights)
+        "dense_parameters": dense_parameters,
         "embedding_optimizer": config.embedding_optimizer,
         "dense_optimizer": config.dense_optimizer,
         "lr": config.lr,

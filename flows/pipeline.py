@@ -5,10 +5,16 @@ by their own fingerprints; profile, plan and training runs when their saved resu
 same dataset fingerprint and parameters), so rerunning the pipeline redoes only what changed.
 The parameters are one validated model, :class:`PipelineConfig`: a bad value fails before any
 work with a message naming the field.
+
+remote and oracle train twice: on a LocalCluster (servers on this machine, no network between
+them and the trainer), and with ``link_rate`` set, with their embedding servers behind an emulated
+link of that rate (docs/network.md). Where the link cannot be built (no root or CAP_NET_ADMIN), the
+summary says so in its row and the pipeline goes on.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +22,8 @@ from prefect import flow, get_run_logger, tags
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.cache_policies import capacity_sweep
-from dlrmflow.engine.cluster import dask_scheduler
+from dlrmflow.engine.cluster import dask_scheduler, shaped_scheduler
+from dlrmflow.engine.shaped_link import LinkUnavailableError
 from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
@@ -28,24 +35,66 @@ from dlrmflow.tasks.reporting import Column, artifact_key, format_table
 from dlrmflow.up_to_date import saved_result
 
 
-def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
-           fingerprint: str, kills: list[str]) -> dict[str, Any]:
+def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerprint: str,
+               kills: list[str]) -> dict[str, Any] | None:
+    """The summary of training run ``name`` when it is up to date (same dataset and parameters), else None."""
     out = Path(cfg.work_dir) / "runs" / name
     expect = {"dataset_fingerprint": fingerprint, "mode": mode, "iterations": cfg.train_iterations,
-              "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if mode != "local" else 0}
+              "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if mode != "local" else 0,
+              "model": cfg.model}
     earlier = None if kills else saved_result(out / "summary.json", expect)
     if earlier is not None and bool(earlier.get("parity")) == bool(parity):
-        get_run_logger().info("training run %s is up to date: skipped", out)
         return {**earlier, "skipped": True}
+    return None
+
+
+def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
+           fingerprint: str, kills: list[str], dask_address: str | None = None) -> dict[str, Any]:
+    """Training run ``name`` (runs/NAME in the work dir), skipped when up to date; on ``dask_address``, else
+    on the pipeline's ``dask_address``, else on a LocalCluster of its own."""
+    out = Path(cfg.work_dir) / "runs" / name
+    earlier = _saved_run(cfg, mode, parity, name, fingerprint, kills)
+    if earlier is not None:
+        get_run_logger().info("training run %s is up to date: skipped", out)
+        return earlier
     config = TrainConfig(dataset_dir=dataset, mode=mode, output_dir=str(out), batch_size=cfg.batch_size,
                          iterations=cfg.train_iterations, num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed,
-                         parity=parity, kills=kills)
-    return train_flow(config, cfg.dask_address)
+                         parity=parity, kills=kills, model=cfg.model)
+    return train_flow(config, dask_address or cfg.dask_address)
+
+
+LINK_MODES = ("remote", "oracle")
+
+
+def _train_behind_link(cfg: PipelineConfig, dataset: str, plan_dir: str, fingerprint: str
+                       ) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """remote and oracle again, their embedding servers behind a ``link_rate`` Mbit/s emulated link
+    (:func:`~dlrmflow.engine.cluster.shaped_scheduler`): ``({"remote_link": ..., "oracle_link": ...}, None)``,
+    or ``({}, why)`` when the link cannot be built here or the runs use the user's own cluster. The link is
+    built only when a run is not up to date."""
+    if cfg.dask_address:
+        return {}, f"the runs use the Dask cluster at {cfg.dask_address}"
+    names = {mode: f"{mode}-link{cfg.link_rate}mbit" for mode in LINK_MODES}
+    plans = {"remote": None, "oracle": plan_dir}
+    saved = {mode: _saved_run(cfg, mode, 0, names[mode], fingerprint, []) for mode in LINK_MODES}
+    if all(saved.values()):
+        get_run_logger().info("training runs behind the %d Mbit/s link are up to date: skipped", cfg.link_rate)
+        return {f"{mode}_link": run for mode, run in saved.items()}, None
+    with ExitStack() as stack:
+        try:
+            address = stack.enter_context(shaped_scheduler(cfg.link_rate * 1_000_000, n_servers=cfg.shards))
+        except LinkUnavailableError as exc:
+            get_run_logger().warning("runs behind the emulated link skipped: %s", exc)
+            return {}, str(exc)
+        get_run_logger().info("embedding servers behind a %d Mbit/s link: scheduler %s", cfg.link_rate, address)
+        return {f"{mode}_link": _train(cfg, dataset, plans[mode], mode, 0, names[mode], fingerprint, [], address)
+                for mode in LINK_MODES}, None
 
 
 @flow(name="pipeline", flow_run_name=pipeline_run_name)
 def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 - immutable use
-    """Generate or read raw data, preprocess, profile, plan, compare caches, train remote vs oracle.
+    """Generate or read raw data, preprocess, profile, plan, compare caches, train remote vs oracle (unshaped,
+    and behind a ``link_rate`` Mbit/s emulated link).
 
     The run is named ``pipeline-<work dir name>``; every step run is tagged ``dataset:<work dir name>``."""
     with tags(f"dataset:{artifact_key(Path(config.work_dir).resolve().name)}"):
@@ -103,10 +152,15 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
     # shards on separate workers, which the pipeline's small cluster may not have.
     runs = {"remote": _train(cfg, dataset, None, "remote", 0, "remote", fingerprint, [])}
     runs["oracle"] = _train(cfg, dataset, plan_dir, "oracle", 0, "oracle", fingerprint, [])
+    link_skipped = None
+    if cfg.link_rate:
+        behind_link, link_skipped = _train_behind_link(cfg, dataset, plan_dir, fingerprint)
+        runs.update(behind_link)
     if cfg.parity:
         runs["oracle_parity"] = _train(cfg, dataset, plan_dir, "oracle", cfg.parity,
                                        f"oracle-parity{cfg.parity}", fingerprint, cfg.kills)
     result["train"] = {k: {key: v.get(key) for key in SUMMARY_KEYS} for k, v in runs.items()}
+    result["link"] = {"rate_mbit": cfg.link_rate, "skipped": link_skipped}
     result["summary"] = summary_rows(result, cfg)
     table = format_table(result["summary"], SUMMARY_COLUMNS)
     publish_pipeline_summary_task(artifact_key("pipeline-summary", work.name), str(work), table)
@@ -137,10 +191,9 @@ def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, 
                      "baseline": rate(lru), "ratio": oracle["note"] or lru["note"]})
     train = result["train"]
     remote, orc = train["remote"], train["oracle"]
-    speedup = remote["median_iteration_ms"] / orc["median_iteration_ms"]
     rows.append({"what": "iteration time, oracle vs remote (median)",
                  "value": f"{orc['median_iteration_ms']:.1f} ms", "baseline": f"{remote['median_iteration_ms']:.1f} ms",
-                 "ratio": f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"})
+                 "ratio": _faster(remote["median_iteration_ms"], orc["median_iteration_ms"])})
     rows.append({"what": "oracle stall (share of iteration time)", "value": f"{100 * orc['stall_fraction']:.1f}%",
                  "baseline": "", "ratio": ""})
     rows.append({"what": "fetched, oracle vs remote", "value": f"{orc['bytes_fetched'] / 1e6:.3g} MB",
@@ -148,6 +201,7 @@ def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, 
     same = orc["state_sha256"] == remote["state_sha256"]
     rows.append({"what": "final state, oracle vs remote", "value": "bit-identical" if same else "DIFFERENT",
                  "baseline": "", "ratio": ""})
+    rows += link_rows(result, cfg)
     if "oracle_parity" in train:
         par = train["oracle_parity"]
         overhead = par["median_iteration_ms"] / orc["median_iteration_ms"] - 1
@@ -159,3 +213,31 @@ def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, 
         rows.append({"what": "final state with parity" + (" and kills" if cfg.kills else ""),
                      "value": "bit-identical" if same else "DIFFERENT", "baseline": "", "ratio": ""})
     return rows
+
+
+def _faster(baseline_ms: float, ms: float) -> str:
+    speedup = baseline_ms / ms
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def link_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, Any]]:
+    """Oracle vs remote behind the emulated link: iteration time, stall, final state; one row saying why
+    when the runs were skipped; none when ``link_rate`` is 0."""
+    if not cfg.link_rate:
+        return []
+    what = f"iteration time behind a {cfg.link_rate} Mbit/s link, oracle vs remote (median)"
+    train = result["train"]
+    if "oracle_link" not in train:
+        return [{"what": what, "value": "skipped", "baseline": "", "ratio": result["link"]["skipped"]}]
+    remote, orc = train["remote_link"], train["oracle_link"]
+    same = remote["state_sha256"] == orc["state_sha256"] == train["oracle"]["state_sha256"]
+    return [
+        {"what": what, "value": f"{orc['median_iteration_ms']:.1f} ms",
+         "baseline": f"{remote['median_iteration_ms']:.1f} ms",
+         "ratio": _faster(remote["median_iteration_ms"], orc["median_iteration_ms"])},
+        {"what": f"stall behind the {cfg.link_rate} Mbit/s link, oracle vs remote",
+         "value": f"{100 * orc['stall_fraction']:.1f}%", "baseline": f"{100 * remote['stall_fraction']:.1f}%",
+         "ratio": ""},
+        {"what": "final state behind the link, vs unshaped", "value": "bit-identical" if same else "DIFFERENT",
+         "baseline": "", "ratio": ""},
+    ]

@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 
 from dlrmflow.engine.batches import batches_ending_by
 from dlrmflow.engine.faults import KILL_SYNTAX, FaultSpecError, check_kills, parse_kill
-from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.train_config import MODELS, TrainConfig
 from dlrmflow.errors import UserInputError
 
 # The share of a dataset's rows every training run of the pipeline holds out for evaluation.
@@ -54,6 +54,7 @@ class PipelineConfig(BaseModel):
     rows: int = Field(500_000, ge=1, description="rows to generate when raw_inputs is empty")
     scale: float = Field(0.05, gt=0, description="table sizes vs Criteo Kaggle, for generated data")
     seed: int = training_field("seed", description="seeds the generated data, the shuffle and the models")
+    model: Literal[MODELS] = training_field("model", description="the model every training run trains")
     batch_size: int = training_field("batch_size", default=2048, description="batch size of the plan, the "
                                      "cache comparison and training")
     lookahead: int = Field(200, ge=1, description="L, iterations the oracle cacher looks ahead")
@@ -65,6 +66,9 @@ class PipelineConfig(BaseModel):
                                  "(0: no fault tolerance, and no such run)")
     kills: list[str] = Field(default_factory=list, description="failure injection in the oracle-parity run, "
                              "e.g. shard:0@50 (shard:I@ITER or parity:J@ITER, repeatable)")
+    link_rate: int = Field(20, ge=0, le=100_000, description="Mbit/s of the emulated network link (a network "
+                           "namespace and tbf; needs root or CAP_NET_ADMIN) that remote and oracle train again "
+                           "behind; 0: no such runs")
     dask_address: str | None = Field(None, description="existing Dask scheduler; none: a LocalCluster")
 
     def __init__(self, **values: Any) -> None:

@@ -55,7 +55,7 @@ def train_checked(setup: RunSetup, dask_address: str | None = None) -> dict[str,
 
 @flow(name="train", flow_run_name=train_run_name, on_failure=[log_resume_command], on_crashed=[log_resume_command])
 def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str, Any]:
-    """Train a DLRM as ``config`` says (mode local | remote | lru | oracle); writes final_state.pt and summary.json.
+    """Train the model ``config`` names (mode local | remote | lru | oracle); writes final_state.pt and summary.json.
 
     ``config.resume``: continue the unfinished run in ``output_dir`` from its checkpoint; every other setting
     must be the run's own (``dlrmflow resume RUN_DIR`` reads them from its run_config.json).

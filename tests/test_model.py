@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlrmflow.engine.model import DLRM, DLRMConfig, bce_loss, criteo_config
+from dlrmflow.engine.models import bce_loss
+from dlrmflow.engine.models.dlrm import DLRM, DLRMConfig, criteo_config
 from dlrmflow.engine.run_state import bit_equal
 from dlrmflow.errors import UserInputError
 

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from cli_helpers import run_json
 
 from dlrmflow.cli import main
+from dlrmflow.engine import shaped_link
 from dlrmflow.engine.batches import batches_ending_by
 from dlrmflow.flows.pipeline import PipelineConfig
 from dlrmflow.flows.pipeline_config import PipelineConfigError, training_batches
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
+# Whether this machine can build the emulated network link (root or CAP_NET_ADMIN, iproute2).
+LINK_BUILDABLE = shaped_link.has_net_admin() and all(map(shutil.which, ("ip", "tc")))
 SMALL = ["--rows", "30000", "--scale", "0.01", "--batch-size", "512", "--lookahead", "20",
          "--train-iterations", "6", "--parity", "0"]
 
 
 @pytest.mark.slow
-def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys):
+def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys, monkeypatch):
     argv = ["demo", "--work-dir", str(tmp_path / "demo"), *SMALL]
     first = run_json(capsys, argv)
     assert first["preprocess"]["rows"] == 30000 and not first["generated"]["skipped"]
@@ -30,15 +35,30 @@ def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys
     summary = {row["what"]: row for row in first["summary"]}
     assert summary["final state, oracle vs remote"]["value"] == "bit-identical"
     assert {"mode", "median_iteration_ms", "stall_fraction"} <= set(train["oracle"])
+    # remote and oracle again with their servers behind the default 20 Mbit/s emulated link: the same bits.
+    link = "iteration time behind a 20 Mbit/s link, oracle vs remote (median)"
+    if LINK_BUILDABLE:
+        assert train["remote_link"]["state_sha256"] == train["oracle_link"]["state_sha256"] == \
+            train["oracle"]["state_sha256"]
+        assert summary[link]["value"].endswith(" ms") and summary[link]["ratio"].endswith(("faster", "slower"))
+        assert summary["final state behind the link, vs unshaped"]["value"] == "bit-identical"
+    else:
+        assert summary[link]["value"] == "skipped" and summary[link]["ratio"]
 
     second = run_json(capsys, argv)
     assert second["generated"]["skipped"] and second["preprocess"]["skipped"]
     assert second["profile"]["skipped"] and second["plan"]["skipped"]
     assert all(run["skipped"] for run in second["train"].values())
-    # A changed training parameter redoes training only.
+    # A changed training parameter redoes training only. Where the link cannot be built (here: no `ip`
+    # command), its row says why in one line, and the pipeline succeeds.
+    monkeypatch.setattr(shaped_link, "IP_COMMAND", "dlrmflow-no-such-ip")
     third = run_json(capsys, [*argv, "--train-iterations", "5"])
     assert third["plan"]["skipped"] and not third["train"]["oracle"]["skipped"]
     assert third["train"]["oracle"]["iterations"] == 5
+    assert "oracle_link" not in third["train"]
+    assert {row["what"]: row for row in third["summary"]}[link] == {
+        "what": link, "value": "skipped", "baseline": "",
+        "ratio": "a shaped link needs the `dlrmflow-no-such-ip` command (iproute2), which is not on PATH"}
 
 
 @pytest.mark.parametrize("argv, field", [
@@ -46,6 +66,7 @@ def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys
     (["--scale", "0"], "scale"),
     (["--prefetch-distance", "300", "--lookahead", "200"], "prefetch_distance"),
     (["--parity", "5"], "parity"),
+    (["--link-rate", "-1"], "link_rate"),
     (["--kill", "shard:0@3", "--parity", "0"], "kills need parity"),
     # The README's first deployment example: 100 iterations of 2048 rows, but 200,000 rows leave 87 batches.
     (["--rows", "200000", "--scale", "0.01"], "train_iterations: 100 batches of batch_size 2048 need 204,800 "

@@ -9,14 +9,17 @@ from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.flows.run_names import train_name, train_tags
 
 
-def test_train_names_and_tags_say_mode_shards_parity_and_dataset():
+def test_train_names_and_tags_say_mode_shards_parity_model_and_dataset():
     oracle = TrainConfig(dataset_dir="/data/criteo", mode="oracle", output_dir="o", plan_dir="p", num_shards=2,
                          parity=1, kills=["shard:0@3"])
     assert train_name(oracle) == "train-oracle-k2-r1"
-    assert train_tags(oracle) == ["mode:oracle", "dataset:criteo", "parity", "kills"]
+    assert train_tags(oracle) == ["mode:oracle", "model:dlrm", "dataset:criteo", "parity", "kills"]
     remote = {"dataset_dir": "/w/demo/dataset", "mode": "remote", "num_shards": 4, "parity": 0}  # from a deployment
-    assert train_name(remote) == "train-remote-k4-r0" and train_tags(remote) == ["mode:remote", "dataset:demo"]
+    assert train_name(remote) == "train-remote-k4-r0"
+    assert train_tags(remote) == ["mode:remote", "model:dlrm", "dataset:demo"]
     assert train_name({"mode": "local", "resume": True}) == "train-local-resume"
+    deepfm = {**remote, "model": "deepfm", "resume": True}
+    assert train_name(deepfm) == "train-remote-k4-r0-deepfm-resume" and "model:deepfm" in train_tags(deepfm)
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -72,9 +72,11 @@ def test_the_pipeline_derives_its_training_fields():
     from dlrmflow.flows.pipeline import PipelineConfig
 
     for pipeline_name, name in [("batch_size", "batch_size"), ("train_iterations", "iterations"),
-                                ("shards", "num_shards"), ("parity", "parity"), ("seed", "seed")]:
+                                ("shards", "num_shards"), ("parity", "parity"), ("seed", "seed"), ("model", "model")]:
         assert PipelineConfig.model_fields[pipeline_name].metadata == TrainConfig.model_fields[name].metadata
     assert PipelineConfig().shards == TrainConfig(**REQUIRED).num_shards
+    assert PipelineConfig().model == TrainConfig(**REQUIRED).model
+    assert PipelineConfig.model_fields["model"].annotation == TrainConfig.model_fields["model"].annotation
 
 
 def test_the_optimizer_choices_are_the_engines():
@@ -106,7 +108,7 @@ def test_every_bounded_field_is_tested():
     assert {name for name, _ in BOUNDED} == {
         "batch_size", "iterations", "num_shards", "capacity", "embedding_dim", "lr", "embedding_lr",
         "eval_fraction", "eval_batch_size", "metrics_every", "parity", "rebuild_chunk", "parity_batches",
-        "rebuild_rate", "checkpoint_every"}
+        "rebuild_rate", "checkpoint_every", "cross_layers"}
 
 
 @pytest.mark.parametrize(("name", "value"), BOUNDED)
@@ -214,6 +216,53 @@ def test_run_config_round_trip(tmp_path):
     assert resumed == replace(config, resume=True, dataset_dir=str(Path("data").resolve()),
                               plan_dir=str(Path("plan").resolve()))
     assert config_sha256(resumed.model_dump()) == config_sha256(config.model_dump())
+
+
+def test_a_run_config_from_before_model_existed_resumes_as_dlrm(tmp_path):
+    """A DLRM run records what it recorded before --model, --dnn and --cross-layers existed (the keys are
+    left out at their defaults), so its checkpoint fingerprint is unchanged and it resumes as DLRM."""
+    from dlrmflow.commands.resume import resumed_config
+
+    config = TrainConfig(dataset_dir="data", mode="remote", output_dir=str(tmp_path / "run"), checkpoint_every=5)
+    assert not {"model", "dnn", "cross_layers"} & set(config.model_dump())
+    (tmp_path / "run").mkdir()
+    start_run_dir(tmp_path / "run", config.model_dump(), dataset_fingerprint="f", plan_fingerprint=None,
+                  iterations=40)
+    saved = json.loads((tmp_path / "run" / "run_config.json").read_text())["config"]
+    assert "model" not in saved
+    resumed = resumed_config(str(tmp_path / "run"))
+    assert resumed.model == "dlrm" and config_sha256(resumed.model_dump()) == config_sha256(config.model_dump())
+
+
+def test_another_models_run_config_round_trip(tmp_path):
+    from dlrmflow.commands.resume import resumed_config
+
+    config = TrainConfig(dataset_dir="data", mode="lru", capacity=99, output_dir=str(tmp_path / "run"),
+                         checkpoint_every=5, model="dcn-v2", dnn=[64, 32], cross_layers=2)
+    assert (config.model_dump()["model"], config.model_dump()["dnn"]) == ("dcn-v2", (64, 32))
+    (tmp_path / "run").mkdir()
+    start_run_dir(tmp_path / "run", config.model_dump(), dataset_fingerprint="f", plan_fingerprint=None,
+                  iterations=40)
+    resumed = resumed_config(str(tmp_path / "run"))
+    assert (resumed.model, resumed.dnn, resumed.cross_layers) == ("dcn-v2", (64, 32), 2)
+    assert config_sha256(resumed.model_dump()) == config_sha256(config.model_dump())
+    other = replace(config, model="deepfm", cross_layers=None)
+    assert config_sha256(other.model_dump()) != config_sha256(config.model_dump())
+
+
+def test_a_setting_for_another_model_names_its_field():
+    def error(**values) -> str:
+        with pytest.raises(TrainConfigError) as caught:
+            TrainConfig(**{**REQUIRED, **values})
+        return str(caught.value)
+
+    assert error(model="bert").startswith("model: unknown model 'bert'; choose one of dlrm, wide-deep, deepfm, dcn-v2")
+    assert error(model="dcn-v2", cross_layers=0) == "cross_layers: --cross-layers must be >= 1, got 0"
+    assert error(cross_layers=3) == "cross_layers: --cross-layers is used by --model dcn-v2, not --model dlrm"
+    assert error(dnn=(8,)) == "dnn: --dnn is used by --model wide-deep, deepfm, dcn-v2, not --model dlrm"
+    assert error(model="deepfm", top_mlp=(8, 1)) == "top_mlp: --top-mlp is used by --model dlrm, not --model deepfm"
+    assert error(model="deepfm", dnn=(8, 0)) == "dnn: --dnn layer sizes must be positive, at least one; got [8, 0]"
+    assert TrainConfig(**REQUIRED, model="dcn-v2", dnn=(8,), cross_layers=1).cross_layers == 1
 
 
 def test_config_sha256_is_the_one_of_the_dataclass_it_replaced():

@@ -379,7 +379,7 @@ def test_duplicate_ids_in_a_batch_sum_their_gradients(tmp_path):
     config = small_config(tmp_path / "d", tmp_path / "run", "local", batch_size=rows, iterations=1,
                           eval_fraction=0.0, embedding_optimizer="sgd", embedding_lr=0.5, dense_optimizer="sgd")
     setup = prepare_run(config)
-    model = trainer_module.DLRM(setup.model_config, seed=0)
+    model = trainer_module.build_model(setup.model_config, seed=0)
     emb = torch.from_numpy(init_rows(setup.spec, np.array([0]))[:, :4]).repeat(rows, 1).requires_grad_(True)
     loss = trainer_module.bce_loss(model(torch.from_numpy(dense), emb.view(rows, 1, 4)),
                                    torch.from_numpy(labels.astype(np.float32)))

@@ -1,4 +1,4 @@
-"""dlrmflow train: train a DLRM locally, against embedding servers, or with an LRU / oracle cache."""
+"""dlrmflow train: train a CTR model locally, against embedding servers, or with an LRU / oracle cache."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ from dlrmflow.commands.units import size
 from dlrmflow.errors import UserInputError
 
 NAME = "train"
-HELP = "train a DLRM (modes: local, remote, lru, oracle); writes final_state.pt and summary.json"
+HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, remote, lru or oracle; writes "
+        "final_state.pt and summary.json")
 
 
 # Metavars of the options whose value is not a plain word (the option names: train_config.cli_option).
 METAVARS = {"dataset_dir": "DATASET_DIR", "output_dir": "RUN_DIR", "plan_dir": "PLAN_DIR", "capacity": "ROWS",
             "num_shards": "K", "iterations": "N", "batch_size": "B", "bottom_mlp": "SIZES", "top_mlp": "SIZES",
-            "eval_fraction": "F", "metrics_every": "N", "parity": "R", "kills": "shard:I@ITER|parity:J@ITER",
+            "dnn": "SIZES", "cross_layers": "L", "eval_fraction": "F", "metrics_every": "N", "parity": "R",
+            "kills": "shard:I@ITER|parity:J@ITER",
             "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N"}
 
 
@@ -164,7 +166,8 @@ def summarize(r: dict[str, Any]) -> str:
     auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
     logloss = "n/a" if r["eval_log_loss"] is None else f"{r['eval_log_loss']:.4f}"
     lines = [
-        f"{r['mode']} training: {r['iterations']:,} iterations of batch {r['batch_size']:,} on {r['device']}",
+        f"{r['mode']} training{'' if r.get('model', 'dlrm') == 'dlrm' else ' of ' + r['model']}: "
+        f"{r['iterations']:,} iterations of batch {r['batch_size']:,} on {r['device']}",
         f"  mean iteration     {r['mean_iteration_ms']:.2f} ms (median {r['median_iteration_ms']:.2f} ms)",
         f"  stall              {100 * r['stall_fraction']:.1f}% of iteration time",
         f"  traffic            {size(r['bytes_fetched'])} fetched, "

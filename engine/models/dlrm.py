@@ -1,4 +1,5 @@
-"""DLRM, the dense part (facebookresearch/dlrm's ``DLRM_Net`` without its embedding tables).
+"""DLRM (Naumov et al. 2019, arXiv:1906.00091), the dense part: facebookresearch/dlrm's ``DLRM_Net``
+without its embedding tables.
 
     dense features ──bottom MLP (ReLU)──► x [B, D]
     embeddings [B, T, D] (looked up by the trainer) ─┐
@@ -6,22 +7,21 @@
                      concatenate with x  ──► [B, D + (T+1)T/2]
     top MLP (ReLU, last layer linear) ──► logit; sigmoid gives the click probability
 
-The embedding lookup is not part of the module: the trainer gathers the batch's rows from
-wherever they live (local table, embedding servers, cache) and passes them in, so every
-trainer mode runs one and the same model code. The loss is binary cross-entropy; it is
-computed from the logit (``binary_cross_entropy_with_logits``), which equals BCE of the
-sigmoid output without its overflow at large logits.
+An id's embedding row is its D-vector ``e`` and nothing else (``row_width(D) = D``). Defaults: the
+reference's Criteo Kaggle architecture (``dlrm_s_criteo_kaggle.sh``: sparse dim 16, bottom
+13-512-256-64-16, top 367-512-256-1; :func:`criteo_config`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dlrmflow.engine.models.layers import mlp
+from dlrmflow.engine.train_config import TrainConfigError
 from dlrmflow.errors import UserInputError
 
 
@@ -32,6 +32,7 @@ class DLRMConfig:
     embedding_dim: int = 16
     bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)  # layer sizes after the input; last = embedding_dim
     top_mlp: tuple[int, ...] = (512, 256, 1)  # the last must be 1
+    name: ClassVar[str] = "dlrm"
 
     def __post_init__(self) -> None:
         if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
@@ -57,17 +58,17 @@ def criteo_config(num_dense: int = 13, num_tables: int = 26) -> DLRMConfig:
     return DLRMConfig(num_dense, num_tables, 16, (512, 256, 64, 16), (512, 256, 1))
 
 
-def _mlp(sizes: list[int], generator: torch.Generator) -> nn.Sequential:
-    """Linear layers with ReLU between them (and after the last one for the bottom MLP: see caller)."""
-    layers: list[nn.Module] = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True):
-        layer = nn.Linear(n_in, n_out)
-        # The reference's init: W ~ N(0, sqrt(2 / (in + out))), b ~ N(0, sqrt(1 / out)).
-        with torch.no_grad():
-            layer.weight.normal_(0.0, float(np.sqrt(2.0 / (n_in + n_out))), generator=generator)
-            layer.bias.normal_(0.0, float(np.sqrt(1.0 / n_out)), generator=generator)
-        layers += [layer, nn.ReLU()]
-    return nn.Sequential(*layers)
+def row_width(embedding_dim: int) -> int:
+    return embedding_dim
+
+
+def config_from(settings: Any, num_dense: int, num_tables: int) -> DLRMConfig:
+    """The architecture ``settings`` (a TrainConfig) asks for, on data with these feature counts."""
+    if not num_dense:
+        raise TrainConfigError("dataset_dir: the dataset has no dense features; DLRM's bottom MLP needs at least "
+                               "one (--model wide-deep, deepfm and dcn-v2 train without)")
+    return DLRMConfig(num_dense, num_tables, settings.embedding_dim, tuple(settings.bottom_layers),
+                      tuple(settings.top_mlp))
 
 
 class DLRM(nn.Module):
@@ -75,8 +76,8 @@ class DLRM(nn.Module):
         super().__init__()
         self.config = config
         generator = torch.Generator().manual_seed(seed)
-        self.bottom = _mlp([config.num_dense, *config.bottom_mlp], generator)
-        top = _mlp([config.interaction_width, *config.top_mlp], generator)
+        self.bottom = mlp([config.num_dense, *config.bottom_mlp], generator)
+        top = mlp([config.interaction_width, *config.top_mlp], generator)
         self.top = top[:-1]  # no ReLU after the logit layer
         features = config.num_tables + 1
         rows, cols = torch.tril_indices(features, features, offset=-1)
@@ -95,6 +96,4 @@ class DLRM(nn.Module):
         return self.top(self.interact(x, embeddings)).squeeze(1)
 
 
-def bce_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean binary cross-entropy of sigmoid(logits) against 0/1 labels."""
-    return F.binary_cross_entropy_with_logits(logits, labels)
+MODEL = DLRM

@@ -1,0 +1,347 @@
+"""The four models (``--model dlrm|wide-deep|deepfm|dcn-v2``): each forward pass against its paper's
+formula, written out here; the per-id weights living in the embedding row; every mode ending
+bit-identical to local for every model; learning the generator's labels and real Criteo rows;
+bad input as one line.
+
+How forward passes are compared. The models evaluate their formulas in other orders than a loop
+does (Rendle's identity for the FM term, batched matrix products, vectorised sums), so float32
+results may differ from a loop in the last bits. The comparisons therefore run on a float64 copy
+of the model whose parameters, and whose inputs, are small multiples of 1/4: every product and sum
+is then exact in float64, any order of operations gives the same bits, and ``torch.equal`` applies.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_recovery import Cluster
+from test_resume import crash_then_resume
+from test_trainers import assert_bit_identical, keep_all_plan, make_dataset
+
+from dlrmflow.cli import main
+from dlrmflow.datasets import synthetic
+from dlrmflow.datasets.writer import write_array_dataset
+from dlrmflow.engine import models
+from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.models.dcn_v2 import DCNv2Config
+from dlrmflow.engine.models.deepfm import DeepFMConfig
+from dlrmflow.engine.models.wide_deep import WideDeepConfig
+from dlrmflow.engine.run_state import bit_equal, load_state
+from dlrmflow.engine.train_config import MODELS, TrainConfig
+from dlrmflow.engine.trainer import prepare_run, train
+from dlrmflow.errors import UserInputError
+
+DATA = Path(__file__).parent / "data"
+
+# Small architectures of every model for the runs below (the published defaults are exercised on the
+# real Criteo rows).
+SMALL = {"dlrm": {"bottom_mlp": (8, 4), "top_mlp": (8, 1)}, "wide-deep": {"dnn": (8, 8)}, "deepfm": {"dnn": (8,)},
+         "dcn-v2": {"dnn": (8,), "cross_layers": 2}}
+
+
+def run_config(dataset: Path, out: Path, mode: str, model: str, **kw) -> TrainConfig:
+    base = dict(dataset_dir=str(dataset), mode=mode, output_dir=str(out), batch_size=16, iterations=12,
+                embedding_dim=4, eval_fraction=0.1, metrics_every=5, embedding_lr=0.05, model=model, **SMALL[model])
+    return TrainConfig(**{**base, **kw})
+
+
+# ---- the registry -----------------------------------------------------------------------------------
+
+
+def test_the_cli_choices_are_the_registrys_models():
+    assert tuple(models.MODULES) == MODELS == TrainConfig.model_fields["model"].annotation.__args__
+
+
+def test_a_row_holds_every_per_id_parameter():
+    """Wide & Deep's wide weight and DeepFM's first-order weight sit next to the factor vector."""
+    assert {name: models.row_width(name, 16) for name in MODELS} == {
+        "dlrm": 16, "wide-deep": 17, "deepfm": 17, "dcn-v2": 16}
+
+
+def test_the_published_defaults():
+    """BARS Criteo_x1 (reczoo/BARS): DNN 400-400-400 for Wide & Deep and DeepFM; DCN-v2 parallel,
+    3 cross layers beside a 500-500-500 DNN."""
+    settings = TrainConfig(dataset_dir="d", mode="local", output_dir="o", model="dcn-v2")
+    arch = {name: models.architecture(models.model_config(name, TrainConfig(
+        dataset_dir="d", mode="local", output_dir="o", model=name), num_dense=13, num_tables=26)) for name in MODELS}
+    assert arch["wide-deep"]["dnn"] == arch["deepfm"]["dnn"] == [400, 400, 400]
+    assert (arch["dcn-v2"]["dnn"], arch["dcn-v2"]["cross_layers"]) == ([500, 500, 500], 3)
+    assert (arch["dlrm"]["bottom_mlp"], arch["dlrm"]["top_mlp"]) == ([512, 256, 64, 16], [512, 256, 1])
+    assert models.model_config("dcn-v2", settings, num_dense=13, num_tables=26).input_width == 26 * 16 + 13
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_init_is_a_function_of_the_config_and_seed(name):
+    config = models.model_config(name, run_config(Path("d"), Path("o"), "local", name), num_dense=3, num_tables=4)
+    a, b, c = (models.build_model(config, seed) for seed in (1, 1, 2))
+    for (key, p), q, r in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values(),
+                              strict=True):
+        assert bit_equal(p, q), key
+        if p.numel() > 1 or p.abs().sum() > 0:  # the wide / FM bias starts at 0 whatever the seed
+            assert not bit_equal(p, r), key
+
+
+# ---- forward passes against the papers' formulas -------------------------------------------------------
+
+
+def quarters(shape, generator: torch.Generator) -> torch.Tensor:
+    """float64 multiples of 1/4 in [-3/4, 3/4]: products and sums of a few of them are exact."""
+    return torch.randint(-3, 4, shape, generator=generator).double() / 4
+
+
+def exact_copy(config, seed: int):
+    """The model of ``config`` in float64 with parameters that are multiples of 1/4."""
+    model = models.build_model(config, seed).double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(quarters(p.shape, generator))
+    return model
+
+
+def inputs(config, width: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + seed)
+    return (quarters((batch, config.num_dense), generator),
+            quarters((batch, config.num_tables, width), generator))
+
+
+def linears(seq: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in seq if isinstance(m, torch.nn.Linear)]
+
+
+def dnn_by_hand(layers: list[torch.nn.Linear], a: torch.Tensor, linear_output: bool) -> torch.Tensor:
+    """a_{l+1} = ReLU(W_l a_l + b_l), the last layer without ReLU when ``linear_output``."""
+    for i, layer in enumerate(layers):
+        a = layer.weight @ a + layer.bias
+        if not (linear_output and i == len(layers) - 1):
+            a = torch.relu(a)
+    return a
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_wide_and_deep_is_the_papers_formula(seed):
+    """logit = sum of the ids' wide weights + <a, dense> + b  +  DNN([v_1..v_T, dense])."""
+    rng = np.random.default_rng(seed)
+    config = WideDeepConfig(int(rng.integers(0, 4)), int(rng.integers(1, 5)), int(rng.integers(1, 4)),
+                            tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 3)))))
+    model = exact_copy(config, seed)
+    dense, rows = inputs(config, config.embedding_dim + 1, 5, seed)
+    dim = config.embedding_dim
+    expected = []
+    for b in range(len(dense)):
+        wide = model.bias.clone()
+        for k in range(config.num_tables):
+            wide = wide + rows[b, k, dim]  # the wide weight of the id in field k
+        for j in range(config.num_dense):
+            wide = wide + model.dense_weight[j] * dense[b, j]
+        deep = dnn_by_hand(linears(model.deep), torch.cat([rows[b, :, :dim].reshape(-1), dense[b]]), True)
+        expected.append(wide + deep[0])
+    assert torch.equal(model(dense, rows), torch.stack(expected))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deepfm_is_the_papers_formula(seed):
+    """logit = b + <a, dense> + sum_k w_k + sum_{i<j} <v_i, v_j>  +  DNN([v_1..v_T, dense]); the pairwise
+    term by a double loop over the fields."""
+    rng = np.random.default_rng(10 + seed)
+    config = DeepFMConfig(int(rng.integers(0, 4)), int(rng.integers(1, 6)), int(rng.integers(1, 4)),
+                          tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 3)))))
+    model = exact_copy(config, seed)
+    dense, rows = inputs(config, config.embedding_dim + 1, 5, seed)
+    dim, fields = config.embedding_dim, config.num_tables
+    expected = []
+    for b in range(len(dense)):
+        v = rows[b, :, :dim]
+        fm = model.bias.clone()
+        for j in range(config.num_dense):
+            fm = fm + model.dense_weight[j] * dense[b, j]
+        for k in range(fields):
+            fm = fm + rows[b, k, dim]  # the first-order weight of the id in field k
+        for i in range(fields):
+            for j in range(i + 1, fields):
+                fm = fm + (v[i] * v[j]).sum()
+        deep = dnn_by_hand(linears(model.deep), torch.cat([v.reshape(-1), dense[b]]), True)
+        expected.append(fm + deep[0])
+    assert torch.equal(model(dense, rows), torch.stack(expected))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dcn_v2_is_the_papers_formula(seed):
+    """x_0 = [v_1..v_T, dense]; x_{l+1} = x_0 * (W_l x_l + b_l) + x_l; logit = <u, [x_L, DNN(x_0)]> + c."""
+    rng = np.random.default_rng(20 + seed)
+    config = DCNv2Config(int(rng.integers(0, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 4)),
+                         tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 3)))),
+                         int(rng.integers(1, 4)))
+    model = exact_copy(config, seed)
+    dense, rows = inputs(config, config.embedding_dim, 4, seed)
+    expected = []
+    for b in range(len(dense)):
+        x0 = torch.cat([rows[b].reshape(-1), dense[b]])
+        x = x0
+        for layer in model.cross:
+            w, bias = layer.weight, layer.bias
+            x = torch.stack([x0[i] * (sum(w[i, j] * x[j] for j in range(len(x))) + bias[i]) + x[i]
+                             for i in range(len(x))])
+        h = dnn_by_hand(linears(model.deep), x0, False)
+        both = torch.cat([x, h])
+        u, c = model.output.weight[0], model.output.bias[0]
+        expected.append(sum(u[i] * both[i] for i in range(len(both))) + c)
+    assert torch.equal(model(dense, rows), torch.stack(expected))
+
+
+@pytest.mark.parametrize("name", ["wide-deep", "deepfm"])
+def test_the_per_id_weight_gets_its_gradient_through_the_row(name):
+    """d logit / d w_k = 1 for each field's first-order (wide) weight: the embedding optimizer trains it
+    as one more value of the id's row."""
+    config = models.model_config(name, run_config(Path("d"), Path("o"), "local", name), num_dense=3, num_tables=4)
+    rows = torch.randn(6, 4, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    models.build_model(config, 0)(torch.randn(6, 3), rows).sum().backward()
+    assert torch.equal(rows.grad[:, :, 4], torch.ones(6, 4))
+    assert rows.grad[:, :, :4].abs().sum() > 0
+
+
+# ---- every mode ends bit-identical to local, for every model --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    """One LocalCluster of 4 worker processes for every mode of every model (K = 2 shards, R = 1 parity
+    shard, a spare), started afresh only if a killed worker does not come back (test_recovery)."""
+    holder = Cluster()
+    yield holder
+    holder.close()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_mode_ends_bit_identical_to_local(name, clusters, tmp_path, monkeypatch):
+    """remote, lru, oracle; oracle with a parity shard and a killed data shard; lru with checkpoints, a
+    trainer crash and a resume: each run's final state equals local's, bit for bit."""
+    dataset = make_dataset(tmp_path / "data", 3)
+    plan = keep_all_plan(dataset, 16, 12, 2)
+
+    def run(out: str, mode: str, **kw) -> dict:
+        config = run_config(dataset, tmp_path / out, mode, name, **kw)
+        return train(config, client=clusters.get(), setup=prepare_run(config, plan=plan if mode == "oracle" else None))
+
+    local = run("local", "local")
+    reference = load_state(tmp_path / "local")
+    assert reference["model"] == name and reference["embedding"]["dim"] == models.row_width(name, 4)
+    for out, mode, kw in [("remote", "remote", {}), ("lru", "lru", {"capacity": 120}), ("oracle", "oracle", {}),
+                          ("oracle-parity-kill", "oracle", {"parity": 1, "kills": ["shard:0@5"]})]:
+        summary = run(out, mode, **kw)
+        assert summary["state_sha256"] == local["state_sha256"], out
+        assert_bit_identical(reference, load_state(tmp_path / out), out)
+    assert summary["parity"]["recoveries"] and summary["parity"]["verify"]["ok"]
+    crashed = run_config(dataset, tmp_path / "full", "lru", name, capacity=120, checkpoint_every=4)
+    *_, resumed = crash_then_resume(crashed, tmp_path, monkeypatch, clusters.get(), crash=7, every=4)
+    assert resumed["state_sha256"] == local["state_sha256"]
+    assert_bit_identical(reference, load_state(tmp_path / "crashed"), "resumed")
+
+
+# ---- learning ---------------------------------------------------------------------------------------
+
+# Architectures for embedding dim 8, small enough to train in a second or two on 2 cores.
+LEARNING = {"dlrm": {"bottom_mlp": (16, 8), "top_mlp": (16, 1)}, "wide-deep": {"dnn": (32, 32)},
+            "deepfm": {"dnn": (32, 32)}, "dcn-v2": {"dnn": (32, 32), "cross_layers": 2}}
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> Path:
+    """10,000 rows of the synthetic Criteo generator, preprocessed as `dlrmflow preprocess` writes them
+    (id 0 = missing, ids by popularity rank, dense log(max(x, 0) + 1)); its labels are learnable."""
+    path = tmp_path_factory.mktemp("generated")
+    scale = 0.001
+    arrays = synthetic.generate_arrays(0, 10_000, seed=5, scale=scale)
+    dense = np.log1p(np.maximum(arrays["dense"], 0)).astype(np.float32)
+    dense[arrays["dense_missing"]] = 0.0
+    sparse = np.where(arrays["cat_missing"], 0, arrays["ranks"]).astype(np.int32)
+    cards = [c + 1 for c in synthetic.table_cardinalities(scale)]
+    write_array_dataset(path, arrays["labels"].astype(np.int8), dense, sparse, cards)
+    return path
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_model_learns_the_generators_labels(name, generated, tmp_path):
+    """Trained on the first 80% of the rows (62 batches of 128), the held-out 20% rank clicks well
+    above chance: the labels depend on the head values and the dense features (datasets/synthetic)."""
+    config = TrainConfig(dataset_dir=str(generated), mode="local", output_dir=str(tmp_path / "run"), model=name,
+                         batch_size=128, embedding_dim=8, lr=0.003, embedding_lr=0.05, dense_optimizer="adam",
+                         eval_fraction=0.2, save_state=False, **LEARNING[name])
+    summary = train(config)
+    assert summary["eval_rows"] == 2000 and summary["iterations"] == 62
+    assert summary["eval_auc"] > 0.62, summary["eval_auc"]
+
+
+def test_each_model_fits_the_real_criteo_sample(tmp_path):
+    """The 200 real Criteo rows (13 dense, 26 categorical features), 5 shuffled passes: each model's loss
+    falls and it ranks the rows it was trained on well (the eval tail is a copy of the 200 rows, as in
+    test_trainers' DLRM test of the same data). Small layers keep it fast on 2 cores."""
+    from dlrmflow.datasets.preprocess import preprocess
+
+    preprocess([str(DATA / "criteo_kaggle_sample.csv")], tmp_path / "criteo", fmt="criteo-csv")
+    stream = BatchStream(tmp_path / "criteo", 200)
+    batch = next(iter(stream))
+    rng = np.random.default_rng(0)
+    order = np.concatenate([rng.permutation(200) for _ in range(5)] + [np.arange(200)])
+    write_array_dataset(tmp_path / "passes", batch.labels[order], batch.dense[order], batch.sparse[order],
+                        stream.meta.cardinalities)
+    for name in MODELS:
+        out = tmp_path / name
+        config = TrainConfig(dataset_dir=str(tmp_path / "passes"), mode="local", output_dir=str(out), model=name,
+                             batch_size=20, eval_fraction=200 / len(order), lr=0.003, embedding_lr=0.01,
+                             dense_optimizer="adam", metrics_every=10, save_state=False, embedding_dim=8,
+                             **LEARNING[name])
+        summary = train(config)
+        assert summary["iterations"] == 50 and summary["architecture"]["num_dense"] == 13
+        with open(out / "iterations.csv") as f:
+            losses = [float(r["loss"]) for r in csv.DictReader(f)]
+        assert np.mean(losses[-10:]) < np.mean(losses[:10]), name
+        assert summary["eval_auc"] > 0.7, (name, summary["eval_auc"])
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+
+def _train_cli(capsys, *argv: str) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    try:
+        status = main(["train", "data", "--mode", "local", "--output", "run", *argv])
+    except SystemExit as exc:  # argparse refuses an unknown choice itself (after its usage lines)
+        status = exc.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def test_bad_model_settings_are_one_line(capsys):
+    status, err = _train_cli(capsys, "--model", "bert")
+    assert status == 2 and err[-1].endswith(
+        "argument --model: invalid choice: 'bert' (choose from 'dlrm', 'wide-deep', 'deepfm', 'dcn-v2')")
+    for argv, message in [
+        (["--model", "dcn-v2", "--cross-layers", "0"], "cross_layers: --cross-layers must be >= 1, got 0"),
+        (["--cross-layers", "2"], "cross_layers: --cross-layers is used by --model dcn-v2, not --model dlrm"),
+        (["--dnn", "64-32"], "dnn: --dnn is used by --model wide-deep, deepfm, dcn-v2, not --model dlrm"),
+        (["--model", "deepfm", "--cross-layers", "2"],
+         "cross_layers: --cross-layers is used by --model dcn-v2, not --model deepfm"),
+        (["--model", "wide-deep", "--bottom-mlp", "64-16"],
+         "bottom_mlp: --bottom-mlp is used by --model dlrm, not --model wide-deep"),
+        (["--model", "dcn-v2", "--top-mlp", "64-1"], "top_mlp: --top-mlp is used by --model dlrm, not --model dcn-v2"),
+    ]:
+        assert _train_cli(capsys, *argv) == (2, [f"dlrmflow train: error: {message}"]), argv
+
+
+def test_model_configs_refuse_impossible_architectures():
+    with pytest.raises(UserInputError, match="dnn: layer sizes must be positive"):
+        DeepFMConfig(3, 2, 4, ())
+    with pytest.raises(UserInputError, match="cross_layers: DCN-v2 needs at least one cross layer"):
+        DCNv2Config(3, 2, 4, (8,), 0)
+
+
+def test_dlrm_needs_dense_features_the_others_do_not(tmp_path):
+    dataset = make_dataset(tmp_path / "data", 1, n_dense=0)
+    with pytest.raises(UserInputError, match="^dataset_dir: the dataset has no dense features"):
+        prepare_run(run_config(dataset, tmp_path / "run", "local", "dlrm"))
+    for name in ("wide-deep", "deepfm", "dcn-v2"):
+        assert train(run_config(dataset, tmp_path / name, "local", name, iterations=3))["iterations"] == 3
