@@ -41,6 +41,17 @@ from dlrmflow.engine.shaped_link import ShapedLink, shaped_link
 
 ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
 
+# Dask's periodic housekeeping in the clusters dlrmflow starts, made rarer. The defaults (an event-loop
+# health check every 20 ms, a system monitor every 500 ms, a statistical profiler sampling every worker
+# thread every 10 ms) cost an idle trainer process (which hosts a LocalCluster's scheduler) about 50 ms
+# of CPU per second, taken from compute when the trainer and the servers share a few cores; with these,
+# about 20 ms (docs/oracle-overhead.md). Nothing dlrmflow does reads the profiles or the tick health.
+HOUSEKEEPING = {
+    "distributed.admin.tick.interval": "500ms",
+    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.worker.profile.enabled": False,
+}
+
 
 def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
@@ -51,14 +62,15 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto") -> L
     # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
     # drown the flow's own progress lines in the terminal and the Prefect logs.
     logging.getLogger("distributed").setLevel(logging.WARNING)
-    return LocalCluster(
-        n_workers=workers,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",  # a free port: never collides with another cluster's 8787
-        memory_limit=memory_limit,
-        silence_logs=logging.ERROR,
-    )
+    with dask.config.set(HOUSEKEEPING):  # read when the scheduler starts; the nannies pass it to their workers
+        return LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",  # a free port: never collides with another cluster's 8787
+            memory_limit=memory_limit,
+            silence_logs=logging.ERROR,
+        )
 
 
 @contextmanager
@@ -130,6 +142,8 @@ def _worker_environment() -> dict[str, str]:
     env = dict(os.environ)
     env.pop(ADDRESS_ENV, None)
     env.update({k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()})
+    env.update({"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
+                for key, value in HOUSEKEEPING.items()})
     return env
 
 
@@ -187,9 +201,10 @@ def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_wor
         link = stack.enter_context(shaped_link(rate_bits_per_s))
         home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrmflow-shaped-")))
         logging.getLogger("distributed").setLevel(logging.WARNING)
-        cluster = stack.enter_context(LocalCluster(
-            n_workers=extra_workers, threads_per_worker=1, processes=True, host=link.root_address,
-            dashboard_address=None, silence_logs=logging.ERROR))
+        with dask.config.set(HOUSEKEEPING):
+            cluster = stack.enter_context(LocalCluster(
+                n_workers=extra_workers, threads_per_worker=1, processes=True, host=link.root_address,
+                dashboard_address=None, silence_logs=logging.ERROR))
         procs: list[subprocess.Popen] = []
         stack.callback(_stop, procs)  # before the scheduler closes and the link goes: unwound first
         logs = [home / f"server-{k}.log" for k in range(n_servers)]

@@ -87,8 +87,9 @@ def _train_behind_link(cfg: PipelineConfig, dataset: str, plan_dir: str, fingerp
             get_run_logger().warning("runs behind the emulated link skipped: %s", exc)
             return {}, str(exc)
         get_run_logger().info("embedding servers behind a %d Mbit/s link: scheduler %s", cfg.link_rate, address)
-        return {f"{mode}_link": _train(cfg, dataset, plans[mode], mode, 0, names[mode], fingerprint, [], address)
-                for mode in LINK_MODES}, None
+        with tags(f"link:{cfg.link_rate}mbit"):  # in the UI, tells these runs from the unshaped ones of the same name
+            return {f"{mode}_link": _train(cfg, dataset, plans[mode], mode, 0, names[mode], fingerprint, [], address)
+                    for mode in LINK_MODES}, None
 
 
 @flow(name="pipeline", flow_run_name=pipeline_run_name)

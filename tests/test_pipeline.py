@@ -18,12 +18,12 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 # Whether this machine can build the emulated network link (root or CAP_NET_ADMIN, iproute2).
 LINK_BUILDABLE = shaped_link.has_net_admin() and all(map(shutil.which, ("ip", "tc")))
 SMALL = ["--rows", "30000", "--scale", "0.01", "--batch-size", "512", "--lookahead", "20",
-         "--train-iterations", "6", "--parity", "0"]
+         "--train-iterations", "6", "--parity", "0", "--link-rate", "0"]
 
 
 @pytest.mark.slow
 def test_pipeline_runs_every_step_then_skips_what_is_up_to_date(tmp_path, capsys, monkeypatch):
-    argv = ["demo", "--work-dir", str(tmp_path / "demo"), *SMALL]
+    argv = ["demo", "--work-dir", str(tmp_path / "demo"), *SMALL, "--link-rate", "20"]
     first = run_json(capsys, argv)
     assert first["preprocess"]["rows"] == 30000 and not first["generated"]["skipped"]
     assert first["profile"]["top1pct_share"] >= 0.9  # the generator's calibrated skew
