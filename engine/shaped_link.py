@@ -315,3 +315,14 @@ def shaped_link(rate_bits_per_s: int | None = None) -> Iterator[ShapedLink]:
             yield link
         finally:
             _remove(link.namespace, link.root_veth)
+
+
+def unavailable_reason() -> str | None:
+    """Why no shaped link can be built here (one line), or None when one can: builds a shaped link and
+    removes it, so a refused step anywhere (a namespace, a veth, a qdisc) is found, not only a missing
+    permission or command."""
+    try:
+        with shaped_link(10_000_000):
+            return None
+    except LinkUnavailableError as exc:
+        return str(exc)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 from cli_helpers import run_json
 
@@ -16,7 +14,7 @@ from dlrmflow.flows.pipeline_config import PipelineConfigError, training_batches
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 # Whether this machine can build the emulated network link (root or CAP_NET_ADMIN, iproute2).
-LINK_BUILDABLE = shaped_link.has_net_admin() and all(map(shutil.which, ("ip", "tc")))
+LINK_BUILDABLE = shaped_link.unavailable_reason() is None
 SMALL = ["--rows", "30000", "--scale", "0.01", "--batch-size", "512", "--lookahead", "20",
          "--train-iterations", "6", "--parity", "0", "--link-rate", "0"]
 

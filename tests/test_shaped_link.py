@@ -22,8 +22,8 @@ from test_trainers import make_dataset, small_config
 from dlrmflow.engine import shaped_link as link_module
 from dlrmflow.engine.shaped_link import LinkUnavailableError, namespaces, root_links, shaped_link
 
-pytestmark = pytest.mark.skipif(not link_module.has_net_admin() or not all(
-    map(link_module.shutil.which, ("ip", "tc"))), reason="shaped links need root or CAP_NET_ADMIN and iproute2")
+UNAVAILABLE = link_module.unavailable_reason()  # None where this machine can build a shaped link
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no shaped link here: {UNAVAILABLE}")
 
 
 def left_behind(namespace: str, root_veth: str) -> list[str]:
@@ -229,3 +229,15 @@ def test_server_workers_run_inside_the_namespace_under_exit_with_parent():
     assert " ".join(argv[9:]).startswith(
         "tcp://10.213.0.1:8786 --host 10.213.0.2 --nthreads 1 --no-nanny --no-dashboard --resources "
         "embedding_server=1")
+
+
+def test_the_probe_builds_and_removes_a_link():
+    before = (namespaces(), root_links())
+    assert link_module.unavailable_reason() is None
+    assert (namespaces(), root_links()) == before
+
+
+def test_the_probe_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(link_module, "TC_COMMAND", "dlrmflow-no-such-tc")
+    reason = link_module.unavailable_reason()
+    assert reason is not None and "dlrmflow-no-such-tc" in reason and "\n" not in reason
