@@ -57,8 +57,11 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
 
 
-def local_cluster(n_workers: int | None = None, memory_limit: str = "auto") -> LocalCluster:
-    workers = n_workers or max(1, min(os.cpu_count() or 1, 4))
+def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, host: str | None = None
+                  ) -> LocalCluster:
+    """A LocalCluster of ``n_workers`` single-threaded worker processes (None: one per core, at most 4; 0:
+    a scheduler alone), its scheduler in this process listening on ``host`` (None: Dask's default)."""
+    workers = n_workers if n_workers is not None else max(1, min(os.cpu_count() or 1, 4))
     # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
     # drown the flow's own progress lines in the terminal and the Prefect logs.
     logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -70,6 +73,7 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto") -> L
             dashboard_address=":0",  # a free port: never collides with another cluster's 8787
             memory_limit=memory_limit,
             silence_logs=logging.ERROR,
+            host=host,
         )
 
 
@@ -200,11 +204,7 @@ def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_wor
     with ExitStack() as stack:
         link = stack.enter_context(shaped_link(rate_bits_per_s))
         home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrmflow-shaped-")))
-        logging.getLogger("distributed").setLevel(logging.WARNING)
-        with dask.config.set(HOUSEKEEPING):
-            cluster = stack.enter_context(LocalCluster(
-                n_workers=extra_workers, threads_per_worker=1, processes=True, host=link.root_address,
-                dashboard_address=None, silence_logs=logging.ERROR))
+        cluster = stack.enter_context(local_cluster(extra_workers, host=link.root_address))
         procs: list[subprocess.Popen] = []
         stack.callback(_stop, procs)  # before the scheduler closes and the link goes: unwound first
         logs = [home / f"server-{k}.log" for k in range(n_servers)]

@@ -25,39 +25,21 @@ and an embedding regulariser; this module has none of them, and uses the shared 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import numpy as np
 import torch
-from torch import nn
 
-from dlrmflow.engine.models.layers import check_layers, mlp
+from dlrmflow.engine.models.wide_deep import DEFAULT_DNN, WideDeep, WideDeepConfig, row_width
 
-DEFAULT_DNN = (400, 400, 400)  # BARS DeepFM_criteo_x1: hidden_units [400, 400, 400]
+__all__ = ["DEFAULT_DNN", "DeepFM", "DeepFMConfig", "config_from", "pairwise_interactions", "row_width"]
 
 
 @dataclass(frozen=True)
-class DeepFMConfig:
-    num_dense: int
-    num_tables: int
-    embedding_dim: int = 16
-    dnn: tuple[int, ...] = DEFAULT_DNN  # hidden layer sizes; the output unit follows
+class DeepFMConfig(WideDeepConfig):
     name: ClassVar[str] = "deepfm"
 
-    def __post_init__(self) -> None:
-        check_layers("dnn", self.dnn)
 
-    @property
-    def deep_input_width(self) -> int:
-        return self.num_tables * self.embedding_dim + self.num_dense
-
-
-def row_width(embedding_dim: int) -> int:
-    return embedding_dim + 1  # the factor vector, then the first-order weight
-
-
-def config_from(settings: Any, num_dense: int, num_tables: int) -> DeepFMConfig:
-    return DeepFMConfig(num_dense, num_tables, settings.embedding_dim, tuple(settings.dnn or DEFAULT_DNN))
+config_from = DeepFMConfig.from_settings
 
 
 def pairwise_interactions(factors: torch.Tensor) -> torch.Tensor:
@@ -67,16 +49,9 @@ def pairwise_interactions(factors: torch.Tensor) -> torch.Tensor:
     return 0.5 * (square_of_sum - sum_of_squares).sum(1)
 
 
-class DeepFM(nn.Module):
-    def __init__(self, config: DeepFMConfig, seed: int = 0) -> None:
-        super().__init__()
-        self.config = config
-        generator = torch.Generator().manual_seed(seed)
-        self.deep = mlp([config.deep_input_width, *config.dnn, 1], generator)[:-1]  # linear output unit
-        self.dense_weight = nn.Parameter(torch.empty(config.num_dense))  # a: first-order weights of dense
-        self.bias = nn.Parameter(torch.zeros(()))  # b
-        with torch.no_grad():
-            self.dense_weight.normal_(0.0, float(np.sqrt(2.0 / (config.num_dense + 1))), generator=generator)
+class DeepFM(WideDeep):
+    """Wide & Deep's parameters and initialisation (the DNN, ``a``, ``b``; the same default DNN, as in BARS),
+    with the wide part a factorization machine over the DNN's factor vectors."""
 
     def fm(self, dense: torch.Tensor, factors: torch.Tensor, first_order: torch.Tensor) -> torch.Tensor:
         """The factorization machine [B]: bias, first-order terms, pairwise interactions."""

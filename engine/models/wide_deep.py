@@ -48,13 +48,16 @@ class WideDeepConfig:
     def deep_input_width(self) -> int:
         return self.num_tables * self.embedding_dim + self.num_dense
 
+    @classmethod
+    def from_settings(cls, settings: Any, num_dense: int, num_tables: int) -> WideDeepConfig:
+        return cls(num_dense, num_tables, settings.embedding_dim, tuple(settings.dnn or DEFAULT_DNN))
+
 
 def row_width(embedding_dim: int) -> int:
     return embedding_dim + 1  # the deep embedding, then the wide weight
 
 
-def config_from(settings: Any, num_dense: int, num_tables: int) -> WideDeepConfig:
-    return WideDeepConfig(num_dense, num_tables, settings.embedding_dim, tuple(settings.dnn or DEFAULT_DNN))
+config_from = WideDeepConfig.from_settings
 
 
 class WideDeep(nn.Module):
