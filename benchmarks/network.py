@@ -46,13 +46,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_data import synthetic_dataset
 from distributed import Client
-from train import CONFIGS, EVAL_BATCHES, MODES, combine, zipf_dataset
+from train import CONFIGS, EVAL_BATCHES, MODES, combine, config_data
 
-from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.cluster import shaped_cluster
-from dlrmflow.engine.planner import PlanConfig, load_plan, make_plan
 from dlrmflow.engine.shaped_link import LinkUnavailableError, ShapedLink
 from dlrmflow.engine.train_config import TrainConfig
 from dlrmflow.engine.trainer import train
@@ -81,20 +78,12 @@ def rate_label(mbit: float | None) -> str:
 
 def prepare(key: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """benchmarks/train.py's dataset and plan of config ``key``: paths, the plan's cache size, iterations."""
-    cfg = CONFIGS[key]
-    iterations = args.iterations or cfg["iterations"]
-    rows = cfg["batch"] * (iterations + EVAL_BATCHES)
-    if "zipf" in cfg:
-        dataset = zipf_dataset(work / f"data-{key}", rows, cfg["scale"], cfg["zipf"])
-    else:
-        dataset = synthetic_dataset(work / f"data-{key}", rows, cfg["scale"])
-    plan_dir = work / f"plan-{key}"
-    make_plan(dataset, PlanConfig(cfg["batch"], lookahead=args.lookahead, prefetch_distance=args.distance), plan_dir)
-    meta = read_meta(dataset)
-    log(f"[{key}] {cfg['name']}: {rows:,} rows, {meta.total_embedding_rows:,} embedding rows of dim {cfg['dim']}, "
-        f"batch {cfg['batch']}, {iterations} iterations, plan L={args.lookahead} P={args.distance}")
-    return {"key": key, "cfg": cfg, "iterations": iterations, "dataset": dataset, "plan_dir": plan_dir,
-            "slots": load_plan(plan_dir).num_slots}
+    data = config_data(key, args, work)
+    cfg, meta = data["cfg"], data["meta"]
+    log(f"[{key}] {cfg['name']}: {data['rows']:,} rows, {meta.total_embedding_rows:,} embedding rows of dim "
+        f"{cfg['dim']}, batch {cfg['batch']}, {data['iterations']} iterations, plan L={args.lookahead} "
+        f"P={args.distance}")
+    return {**data, "slots": data["plan"].num_slots}
 
 
 def train_point(data: dict[str, Any], mode: str, link: ShapedLink | None, mbit: float | None,

@@ -38,6 +38,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,7 +87,9 @@ def zipf_dataset(path: Path, rows: int, scale: float, exponent: float, seed: int
     return path
 
 
-def run_config(key: str, args, client: Client, work: Path) -> list[dict]:
+def config_data(key: str, args, work: Path, client: Client | None = None) -> dict[str, Any]:
+    """Config ``key``'s dataset and its plan (L and P from ``args``), made in ``work``: paths, the plan,
+    the iteration count, the dataset's meta and how long each took."""
     cfg = CONFIGS[key]
     iterations = args.iterations or cfg["iterations"]
     rows = cfg["batch"] * (iterations + EVAL_BATCHES)
@@ -95,18 +98,26 @@ def run_config(key: str, args, client: Client, work: Path) -> list[dict]:
         dataset = zipf_dataset(work / f"data-{key}", rows, cfg["scale"], cfg["zipf"])
     else:
         dataset = synthetic_dataset(work / f"data-{key}", rows, cfg["scale"])
-    meta = read_meta(dataset)
-    print(f"\n[{key}] {cfg['name']}: {rows:,} rows, {meta.total_embedding_rows:,} embedding rows of dim "
-          f"{cfg['dim']}, batch {cfg['batch']}, {iterations} iterations "
-          f"(data ready in {time.perf_counter() - start:.1f} s)", flush=True)
+    data_seconds = time.perf_counter() - start
     plan_dir = work / f"plan-{key}"
     start = time.perf_counter()
     make_plan(dataset, PlanConfig(cfg["batch"], lookahead=args.lookahead, prefetch_distance=args.distance),
               plan_dir, client=client)
-    plan = load_plan(plan_dir)
+    return {"key": key, "cfg": cfg, "iterations": iterations, "rows": rows, "dataset": dataset,
+            "plan_dir": plan_dir, "plan": load_plan(plan_dir), "meta": read_meta(dataset),
+            "data_seconds": data_seconds, "plan_seconds": time.perf_counter() - start}
+
+
+def run_config(key: str, args, client: Client, work: Path) -> list[dict]:
+    data = config_data(key, args, work, client)
+    cfg, iterations, dataset, plan_dir, plan, meta = (data[k] for k in ("cfg", "iterations", "dataset", "plan_dir",
+                                                                      "plan", "meta"))
+    print(f"\n[{key}] {cfg['name']}: {data['rows']:,} rows, {meta.total_embedding_rows:,} embedding rows of dim "
+          f"{cfg['dim']}, batch {cfg['batch']}, {iterations} iterations "
+          f"(data ready in {data['data_seconds']:.1f} s)", flush=True)
     print(f"[{key}] plan L={args.lookahead} P={args.distance}: {plan.num_slots:,} cache slots "
           f"({100 * plan.num_slots / meta.total_embedding_rows:.1f}% of rows), made in "
-          f"{time.perf_counter() - start:.1f} s (offline, not in the times below)", flush=True)
+          f"{data['plan_seconds']:.1f} s (offline, not in the times below)", flush=True)
     results = []
     for model in args.models:
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
