@@ -37,6 +37,7 @@ import dask
 from distributed import Client, LocalCluster
 
 from dlrmflow.engine.placement import RESOURCE as SERVER_RESOURCE
+from dlrmflow.engine.placement import TRAINER_RESOURCE
 from dlrmflow.engine.shaped_link import ShapedLink, shaped_link
 
 ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
@@ -57,16 +58,19 @@ def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
 
 
-def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, host: str | None = None
-                  ) -> LocalCluster:
+def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, host: str | None = None,
+                  trainers: int = 0) -> LocalCluster:
     """A LocalCluster of ``n_workers`` single-threaded worker processes (None: one per core, at most 4; 0:
-    a scheduler alone), its scheduler in this process listening on ``host`` (None: Dask's default)."""
+    a scheduler alone), its scheduler in this process listening on ``host`` (None: Dask's default).
+
+    ``trainers`` > 1: as many more worker processes advertising the ``trainer`` resource, each with an
+    equal share of the cores as threads (a trainer computes with its worker's threads)."""
     workers = n_workers if n_workers is not None else max(1, min(os.cpu_count() or 1, 4))
     # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
     # drown the flow's own progress lines in the terminal and the Prefect logs.
     logging.getLogger("distributed").setLevel(logging.WARNING)
     with dask.config.set(HOUSEKEEPING):  # read when the scheduler starts; the nannies pass it to their workers
-        return LocalCluster(
+        cluster = LocalCluster(
             n_workers=workers,
             threads_per_worker=1,
             processes=True,
@@ -75,25 +79,42 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
             silence_logs=logging.ERROR,
             host=host,
         )
+        if trainers > 1:
+            add_trainer_workers(cluster, trainers)
+    return cluster
+
+
+def add_trainer_workers(cluster: LocalCluster, count: int) -> None:
+    """Start ``count`` worker processes advertising the ``trainer`` resource in ``cluster`` and wait for them."""
+    threads = max(1, (os.cpu_count() or 1) // count)
+    template = next(iter(cluster.new_worker_spec().values()))
+    for i in range(count):
+        spec = {**template, "options": {**template["options"], "nthreads": threads,
+                                        "resources": {TRAINER_RESOURCE: 1}}}
+        cluster.worker_spec[f"trainer-{i}"] = spec
+    cluster.scale(len(cluster.worker_spec))
+    cluster.wait_for_workers(len(cluster.worker_spec))
 
 
 @contextmanager
-def dask_scheduler(address: str | None = None, *, n_workers: int | None = None) -> Iterator[str]:
-    """Yield a scheduler address: ``address`` (or $DLRMFLOW_DASK_ADDRESS), else a new LocalCluster's."""
+def dask_scheduler(address: str | None = None, *, n_workers: int | None = None, trainers: int = 0) -> Iterator[str]:
+    """Yield a scheduler address: ``address`` (or $DLRMFLOW_DASK_ADDRESS), else a new LocalCluster's
+    (with ``trainers`` trainer workers when > 1)."""
     address = resolve_address(address)
     if address:
         yield address
         return
-    with local_cluster(n_workers) as cluster:
+    with local_cluster(n_workers, trainers=trainers) as cluster:
         yield cluster.scheduler_address
 
 
 @contextmanager
-def dask_client(address: str | None = None, *, n_workers: int | None = None) -> Iterator[Client]:
-    """Yield a Client connected to ``address`` (or $DLRMFLOW_DASK_ADDRESS), else to a new LocalCluster."""
+def dask_client(address: str | None = None, *, n_workers: int | None = None, trainers: int = 0) -> Iterator[Client]:
+    """Yield a Client connected to ``address`` (or $DLRMFLOW_DASK_ADDRESS), else to a new LocalCluster
+    (with ``trainers`` trainer workers when > 1)."""
     address = resolve_address(address)
     if not address:
-        with local_cluster(n_workers) as cluster, Client(cluster, direct_to_workers=True) as client:
+        with local_cluster(n_workers, trainers=trainers) as cluster, Client(cluster, direct_to_workers=True) as client:
             yield client
         return
     try:
@@ -188,14 +209,15 @@ def _wait_for_servers(client: Client, procs: list[subprocess.Popen], logs: list[
 
 
 @contextmanager
-def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_workers: int = 0,
+def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_workers: int = 0, trainers: int = 0,
                    start_timeout_s: float = SERVER_START_TIMEOUT_S) -> Iterator[ShapedCluster]:
     """A Dask cluster whose ``n_servers`` embedding-server workers sit behind a link shaped at
     ``rate_bits_per_s`` (None or 0: the same link unshaped).
 
     The scheduler runs in this process on the link's root-side address, with ``extra_workers`` ordinary
     worker processes beside it (in this namespace: work that is not an embedding server never crosses
-    the link). The server workers run inside the link's namespace (:func:`server_worker_command`). A
+    the link; ``trainers`` > 1 adds that many trainer workers, as :func:`local_cluster` does). The server workers
+    run inside the link's namespace (:func:`server_worker_command`). A
     client of the scheduler in this process, talking to workers directly as :func:`dask_client`'s do,
     reaches a server only through the link. Everything is stopped and removed when the block ends;
     :class:`~dlrmflow.engine.shaped_link.LinkUnavailableError` (one line) where the link cannot be built."""
@@ -204,7 +226,7 @@ def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_wor
     with ExitStack() as stack:
         link = stack.enter_context(shaped_link(rate_bits_per_s))
         home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dlrmflow-shaped-")))
-        cluster = stack.enter_context(local_cluster(extra_workers, host=link.root_address))
+        cluster = stack.enter_context(local_cluster(extra_workers, host=link.root_address, trainers=trainers))
         procs: list[subprocess.Popen] = []
         stack.callback(_stop, procs)  # before the scheduler closes and the link goes: unwound first
         logs = [home / f"server-{k}.log" for k in range(n_servers)]
@@ -220,7 +242,8 @@ def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_wor
 
 
 @contextmanager
-def shaped_scheduler(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_workers: int = 0) -> Iterator[str]:
+def shaped_scheduler(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_workers: int = 0,
+                     trainers: int = 0) -> Iterator[str]:
     """:func:`shaped_cluster`'s scheduler address: what ``dask_scheduler`` yields, for train_flow and train's client."""
-    with shaped_cluster(rate_bits_per_s, n_servers, extra_workers=extra_workers) as cluster:
+    with shaped_cluster(rate_bits_per_s, n_servers, extra_workers=extra_workers, trainers=trainers) as cluster:
         yield cluster.address

@@ -56,3 +56,13 @@ def is_lost_actor_error(exc: BaseException) -> bool:
     CommClosedError is too), or Dask refusing to send to a worker it knows is lost. Relies on the
     wording of the RuntimeError that ``distributed.actor.Actor.__getattr__`` raises then."""
     return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and LOST_ACTOR_MESSAGE in str(exc))
+
+
+def bind_actor(actor: Any) -> None:
+    """Bind an actor handle unpickled on a worker to that worker and its client, from a task's thread.
+
+    A handle binds on its first call, and only from a task's thread (``get_worker`` knows no other);
+    a call first made from another thread of the task (the oracle's prefetch thread) would find
+    neither. Relies on ``Actor._try_bind_worker_client``."""
+    if isinstance(actor, Actor):
+        actor._try_bind_worker_client()

@@ -139,3 +139,27 @@ def apply_update(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torc
         # A [U] view (stride = width) into the block's state column.
         rowwise_adagrad_update(weights, block[:, spec.dim], grad, spec.lr, spec.eps)
     return block
+
+
+def apply_update_rowwise(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_update` computed so that each row's result depends on that row alone, in place.
+
+    Several trainers (:mod:`dlrmflow.engine.data_parallel`) update a row in blocks of different
+    shapes (a trainer's own rows, the rows synced now, those synced later). CPU kernels round a
+    fused multiply-add (``w - lr * g`` in one step) in their vectorised body and a multiply then
+    an add in their scalar tail, so :func:`apply_update`'s result for a row can depend on where the
+    row sits in its block. Here every step is a single elementwise operation (each exactly rounded
+    wherever the element sits) and Adagrad's row mean is a sum over columns in column order."""
+    weights = block[:, : spec.dim]
+    if spec.optimizer == "sgd":
+        weights.sub_(grad.mul(spec.lr))
+        return block
+    squares = grad.mul(grad)
+    total = squares[:, 0].clone()
+    for column in range(1, spec.dim):
+        total.add_(squares[:, column])
+    accumulators = block[:, spec.dim]
+    accumulators.add_(total.div_(spec.dim))
+    denominator = accumulators.sqrt().add_(spec.eps).unsqueeze(1)
+    weights.sub_(grad.div(denominator).mul_(spec.lr))
+    return block

@@ -30,6 +30,8 @@ from distributed.comm import get_address_host
 from dlrmflow.errors import UserInputError
 
 RESOURCE = "embedding_server"
+TRAINER_RESOURCE = "trainer"  # workers that may run a trainer process (``--trainers W``)
+ROLES = (RESOURCE, TRAINER_RESOURCE)
 
 WorkerInfo = Mapping[str, Mapping[str, Any]]  # address -> the scheduler's info on that worker
 
@@ -43,10 +45,32 @@ def host_of(address: str, worker_info: WorkerInfo) -> str:
     return (worker_info.get(address) or {}).get("host") or get_address_host(address)
 
 
+def advertises(info: Mapping[str, Any], resource: str) -> bool:
+    return (info.get("resources") or {}).get(resource, 0) > 0
+
+
 def eligible_workers(worker_info: WorkerInfo, resource: str = RESOURCE) -> list[str]:
-    """Workers advertising ``resource`` when any does, else every worker; sorted."""
-    advertised = [a for a, info in worker_info.items() if (info.get("resources") or {}).get(resource, 0) > 0]
-    return sorted(advertised or worker_info)
+    """Workers advertising ``resource`` when any does; else those advertising no other dlrmflow role
+    (:data:`ROLES`) when there are any, else every worker; sorted."""
+    advertised = [a for a, info in worker_info.items() if advertises(info, resource)]
+    if advertised:
+        return sorted(advertised)
+    neutral = [a for a, info in worker_info.items() if not any(advertises(info, r) for r in ROLES if r != resource)]
+    return sorted(neutral or worker_info)
+
+
+def place_trainers(worker_info: WorkerInfo, n: int, servers: Collection[str] = ()) -> list[str]:
+    """One distinct worker per trainer (a trainer is a process: two in one worker would share it), from the
+    workers :func:`eligible_workers` allows for :data:`TRAINER_RESOURCE`, those hosting no embedding server
+    (``servers``) first, spread across hosts."""
+    eligible = eligible_workers(worker_info, TRAINER_RESOURCE)
+    free = [w for w in eligible if w not in servers]
+    order = spread_order(worker_info, free) + spread_order(worker_info, [w for w in eligible if w in servers])
+    if len(order) < n:
+        raise NoWorkersError(
+            f"trainers: --trainers {n} needs {n} Dask worker processes, one per trainer; the cluster has "
+            f"{len(order)} that may run one (start workers with --resources {TRAINER_RESOURCE}=1)")
+    return order[:n]
 
 
 def spread_order(worker_info: WorkerInfo, addresses: Collection[str]) -> list[str]:
@@ -96,7 +120,7 @@ def place(worker_info: WorkerInfo, n: int, resource: str = RESOURCE) -> Placemen
         raise NoWorkersError("the Dask cluster has no workers to host embedding servers")
     order = spread_order(worker_info, eligible)
     workers = [order[i % len(order)] for i in range(n)]
-    by_resource = any((info.get("resources") or {}).get(resource, 0) > 0 for info in worker_info.values())
+    by_resource = any(advertises(info, resource) for info in worker_info.values())
     return Placement(workers, [host_of(w, worker_info) for w in workers], by_resource)
 
 

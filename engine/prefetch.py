@@ -64,6 +64,7 @@ class Done:
     evict_ids: np.ndarray
     evict_slots: np.ndarray
     event: torch.cuda.Event | None  # GPU: recorded after the iteration's update of the cache
+    writers: np.ndarray | None = None  # several trainers: the trainer that writes each evicted row home
 
 
 class PrefetchWorker:

@@ -447,12 +447,16 @@ class OracleRows(CachedRows):
                                        torch.from_numpy(np.ascontiguousarray(rows[ids])).to(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the worker's side stream must not race the loads above
-        self.worker = PrefetchWorker(
+        self.worker = self.make_worker(t, ids, slots)
+        self._step = None
+        self.worker.start()
+
+    def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
+        """The prefetch worker that starts at iteration ``t`` with ``ids`` cached in ``slots``."""
+        return PrefetchWorker(
             self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
             self.spec.total_rows, start=t, cached=(ids, slots),
         )
-        self._step = None
-        self.worker.start()
 
     def _quiesce(self) -> None:
         """Wait until the worker has written back every posted eviction and has no round trip in flight."""

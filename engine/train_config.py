@@ -42,7 +42,7 @@ MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "dee
                   "dcn-v2": ("dnn", "cross_layers")}
 # Settings left out of a dump while at their defaults: a DLRM run's run_config.json and checkpoint
 # fingerprint stay what they were before these settings existed, so such runs still resume.
-OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers")
+OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers", "trainers")
 
 # Fields whose `dlrmflow train` option is not --field-name; fields in NO_OPTION have none.
 OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_dir": "--plan",
@@ -76,6 +76,10 @@ class TrainConfig(BaseModel):
     iterations: int | None = Field(
         None, ge=1, description="batches to train (default: every batch before the held-out rows)")
     num_shards: int = Field(2, ge=1, description="embedding servers")
+    trainers: int = Field(
+        1, ge=1, description="data-parallel trainer processes, each training 1/W of every batch on a Dask worker "
+                             "(workers advertising the `trainer` resource when any does); --mode oracle then "
+                             "runs Bagpipe's LRPP cache (docs/trainers.md)")
     capacity: int | None = Field(
         None, ge=1, description="cache rows: required by --mode lru; with --mode oracle an optional bound on "
                                 "the plan's cache")
@@ -154,10 +158,30 @@ class TrainConfig(BaseModel):
         if self.kills and not (self.parity or self.checkpoint_every):
             raise TrainConfigError("kills: --kill needs --parity R >= 1 or --checkpoint-every N (nothing could "
                                    "recover the lost shard)")
+        if self.trainers > 1:
+            self._check_trainers()
         # prepare_run checks the iterations again once the dataset says how many there are.
         check_kills(self.kills, num_shards=self.num_shards, parity=self.parity, iterations=self.iterations)
         self._check_model_settings()
         return self
+
+    def _check_trainers(self) -> None:
+        """What several trainers support (one trainer supports everything)."""
+        w = self.trainers
+        if self.mode not in SERVER_MODES:
+            raise TrainConfigError(f"trainers: --trainers {w} needs embedding servers; use --mode remote (the "
+                                   "reference), lru or oracle")
+        if self.batch_size % w:
+            raise TrainConfigError(f"trainers: --batch-size {self.batch_size} does not split into {w} equal "
+                                   f"slices (--trainers {w}); use a multiple of {w}")
+        if not self.device.startswith("cpu"):
+            raise TrainConfigError(f"trainers: --trainers {w} trains on the CPU (gloo); --device {self.device} "
+                                   "is for one trainer")
+        for name, flag in (("parity", "--parity"), ("checkpoint_every", "--checkpoint-every"),
+                           ("kills", "--kill"), ("resume", "resume")):
+            if getattr(self, name):
+                raise TrainConfigError(f"trainers: {flag} is not supported with --trainers {w} yet; "
+                                       "use one trainer")
 
     def _check_model_settings(self) -> None:
         """Each architecture setting is for the models that read it; layer sizes are positive."""

@@ -33,7 +33,6 @@ import contextlib
 import csv
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from dlrmflow.engine.checkpoint import (
     unfinished_run_message,
 )
 from dlrmflow.engine.coded_shards import parity_report, start_coded_shards
+from dlrmflow.engine.data_parallel import run_trainers
 from dlrmflow.engine.embedding_rows import RowSpec, apply_update
 from dlrmflow.engine.embedding_server import start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
@@ -71,6 +71,7 @@ from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
 from dlrmflow.engine.run_state import FORMAT_VERSION, ITERATIONS_FILE, save_state, state_hash, write_summary
 from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
+from dlrmflow.engine.training import TrainLog, batch_tensors, deterministic_torch, make_dense_optimizer
 from dlrmflow.run_lock import output_lock
 
 Progress = Callable[[int, int], None]
@@ -222,18 +223,6 @@ def make_store(setup: RunSetup, device: torch.device, client, recovery_runner=No
     return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start_at, rows=rows)
 
 
-def make_dense_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if config.dense_optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=config.lr)
-    return torch.optim.SGD(model.parameters(), lr=config.lr)
-
-
-def _batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same
-    # code path whatever NumPy's buffer alignment was.
-    return torch.tensor(batch.dense, device=device), torch.tensor(batch.labels, device=device)
-
-
 def train_step(
     t: int, batch: Batch, offsets: np.ndarray, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer,
     spec: RowSpec, store: RowStore, device: torch.device,
@@ -244,7 +233,7 @@ def train_step(
     block = store.gather(t, uniq)
     weights = block[:, : spec.dim].clone().requires_grad_(True)
     embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
-    dense, labels = _batch_tensors(batch, device)
+    dense, labels = batch_tensors(batch, device)
     loss = bce_loss(model(dense, embeddings.view(ids.shape[0], ids.shape[1], spec.dim)), labels)
     dense_optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -267,7 +256,7 @@ def evaluate(setup: RunSetup, model: torch.nn.Module, store: RowStore, device: t
         uniq, inverse = np.unique(ids, return_inverse=True)
         weights = store.read(uniq)[:, : setup.spec.dim]
         embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
-        dense, _ = _batch_tensors(batch, device)
+        dense, _ = batch_tensors(batch, device)
         logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
         probs.append(torch.sigmoid(logits).cpu().numpy())
         labels.append(batch.labels)
@@ -311,20 +300,6 @@ def _to_cpu(obj):
     return obj
 
 
-@contextlib.contextmanager
-def deterministic_torch(device: torch.device):
-    """Deterministic kernels for the duration of a run (restores the previous setting)."""
-    if device.type == "cuda":
-        # cuBLAS is deterministic only with a fixed workspace (must be set before its first use).
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
 def train(
     config: TrainConfig,
     *,
@@ -344,6 +319,8 @@ def train(
     setup = setup or prepare_run(config)
     output = Path(setup.config.output_dir)
     with run_dir_for(output, f"train --mode {setup.config.mode}"):
+        if setup.config.trainers > 1:
+            return _train_with_trainers(setup, output, client, progress, on_metrics)
         return _train(setup, output, client, progress, on_metrics, recovery_runner)
 
 
@@ -443,61 +420,65 @@ def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_
     return summary
 
 
+def _train_with_trainers(setup: RunSetup, output: Path, client, progress: Progress | None,
+                         on_metrics: MetricsCallback | None) -> dict[str, Any]:
+    """``--trainers W``: the trainers train on Dask workers (:mod:`dlrmflow.engine.data_parallel`); this
+    process starts the servers, then evaluates and records the result from rank 0's dense state and the
+    rows the servers hold at the end."""
+    config = setup.config
+    if client is None:
+        raise ValueError(f"--trainers {config.trainers} needs a Dask client to run the trainers on")
+    device = torch.device(config.device)
+    shards = start_shards(client, setup.spec, config.num_shards)
+    store = RemoteRows(setup.spec, device, shards)  # this process's view of the servers: final rows, evaluation
+    try:
+        results = run_trainers(setup, client, shards, progress=progress, on_metrics=on_metrics)
+        lead = results[0]
+        with deterministic_torch(device):
+            model = build_model(setup.model_config, seed=config.seed).to(device)
+            model.load_state_dict(lead["dense"])
+            optimizer = make_dense_optimizer(config, model)
+            optimizer.load_state_dict(lead["dense_optimizer"])
+            metrics = evaluate(setup, model, store, device)
+            state = collect_state(setup, model, optimizer, store)
+    finally:
+        store.close()
+    digest = state_hash(state)
+    if config.save_state:
+        save_state(output, state)
+    log = lead["log"]
+    _write_iterations(output / ITERATIONS_FILE, log)
+    store.bytes_fetched = sum(r["bytes_fetched"] for r in results)
+    store.bytes_written = sum(r["bytes_written"] for r in results)
+    summary = _summary(setup, store, log, metrics, digest,
+                       dense_parameters=sum(value.numel() for value in state["dense"].values()))
+    summary["trainers"] = trainers_report(results, log)
+    write_summary(output, summary)
+    return summary
+
+
+def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[str, Any]:
+    """Per trainer: where it ran and what it moved; totals of the traffic between trainers by kind."""
+    between: dict[str, int] = {}
+    for result in results:
+        for kind, count in result["bytes_to_trainers"].items():
+            between[kind] = between.get(kind, 0) + int(count)
+    iteration_seconds = float(np.sum(log["iteration_seconds"]))
+    return {
+        "count": len(results),
+        "bytes_between_trainers": between,
+        "sync_fraction": float(np.sum(results[0]["sync_seconds"]) / iteration_seconds) if iteration_seconds else 0.0,
+        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "threads": r["threads"],
+                         "bytes_fetched": r["bytes_fetched"], "bytes_written_back": r["bytes_written"],
+                         "stall_seconds": float(np.sum(r["log"]["stall_seconds"])),
+                         "sync_seconds": float(np.sum(r["sync_seconds"]))} for r in results],
+    }
+
+
 def _kills_since(log: list[dict], origin: float) -> list[dict]:
     """The kills done, each with ``at_s`` on the clock of its report (``clock_origin``), so that a
     recovery's ``detected_s`` minus it is how long the loss went unnoticed."""
     return [{**{k: v for k, v in kill.items() if k != "at"}, "at_s": kill["at"] - origin} for kill in log]
-
-
-@dataclass
-class TrainLog:
-    """What the loop records per iteration. A checkpoint carries it (:meth:`snapshot`), so a resumed
-    run reports every iteration's loss, not only those after the resume."""
-
-    losses: list  # 0-d loss tensors (None: not trained yet)
-    iteration_seconds: np.ndarray
-    stall_seconds: np.ndarray
-    metrics: list[dict[str, Any]]
-    start: int = 0  # the first iteration this process trains (a resume: the checkpoint's)
-    done: int = 0  # iterations reported (progress, metrics): a replay does not report them again
-    seconds_before: float = 0.0  # training time before the resume
-    begin: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def empty(cls, n: int) -> TrainLog:
-        return cls([None] * n, np.zeros(n), np.zeros(n), [])
-
-    def record(self, t: int, loss: torch.Tensor, seconds: float, stall: float) -> None:
-        self.losses[t], self.iteration_seconds[t], self.stall_seconds[t] = loss, seconds, stall
-
-    def snapshot(self, t: int) -> dict[str, Any]:
-        """The log of iterations ``0..t-1`` (what a checkpoint before iteration ``t`` holds)."""
-        return {"losses": torch.stack(self.losses[:t]).cpu() if t else torch.zeros(0),
-                "iteration_seconds": torch.from_numpy(self.iteration_seconds[:t].copy()),
-                "stall_seconds": torch.from_numpy(self.stall_seconds[:t].copy()),
-                "metrics": [dict(m) for m in self.metrics if m["iteration"] <= t],
-                "seconds": self.seconds_before + time.perf_counter() - self.begin}
-
-    @classmethod
-    def restore(cls, n: int, snap: dict[str, Any], device: torch.device) -> TrainLog:
-        log = cls.empty(n)
-        t = len(snap["losses"])
-        log.losses[:t] = list(snap["losses"].to(device).unbind())
-        log.iteration_seconds[:t] = snap["iteration_seconds"].numpy()
-        log.stall_seconds[:t] = snap["stall_seconds"].numpy()
-        log.metrics = [dict(m) for m in snap["metrics"]]
-        log.start = log.done = t
-        log.seconds_before = float(snap["seconds"])
-        return log
-
-    def result(self) -> dict[str, Any]:
-        return {
-            "losses": torch.stack(self.losses).cpu().numpy().astype(np.float64),
-            "iteration_seconds": self.iteration_seconds,
-            "stall_seconds": self.stall_seconds,
-            "train_seconds": self.seconds_before + time.perf_counter() - self.begin,
-            "metrics": self.metrics,
-        }
 
 
 def _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector=None,

@@ -43,9 +43,15 @@ def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerpri
               "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if mode != "local" else 0,
               "model": cfg.model}
     earlier = None if kills else saved_result(out / "summary.json", expect)
-    if earlier is not None and bool(earlier.get("parity")) == bool(parity):
+    if earlier is not None and bool(earlier.get("parity")) == bool(parity) and \
+            (earlier.get("trainers") or {}).get("count", 1) == _trainers(cfg, mode, parity):
         return {**earlier, "skipped": True}
     return None
+
+
+def _trainers(cfg: PipelineConfig, mode: str, parity: int) -> int:
+    """The pipeline's ``trainers`` train its remote and oracle runs; local and parity runs have one."""
+    return cfg.trainers if mode in ("remote", "oracle") and not parity else 1
 
 
 def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
@@ -59,7 +65,7 @@ def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, p
         return earlier
     config = TrainConfig(dataset_dir=dataset, mode=mode, output_dir=str(out), batch_size=cfg.batch_size,
                          iterations=cfg.train_iterations, num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed,
-                         parity=parity, kills=kills, model=cfg.model)
+                         parity=parity, kills=kills, model=cfg.model, trainers=_trainers(cfg, mode, parity))
     return train_flow(config, dask_address or cfg.dask_address)
 
 
@@ -82,7 +88,8 @@ def _train_behind_link(cfg: PipelineConfig, dataset: str, plan_dir: str, fingerp
         return {f"{mode}_link": run for mode, run in saved.items()}, None
     with ExitStack() as stack:
         try:
-            address = stack.enter_context(shaped_scheduler(cfg.link_rate * 1_000_000, n_servers=cfg.shards))
+            address = stack.enter_context(shaped_scheduler(cfg.link_rate * 1_000_000, n_servers=cfg.shards,
+                                                           trainers=cfg.trainers))
         except LinkUnavailableError as exc:
             get_run_logger().warning("runs behind the emulated link skipped: %s", exc)
             return {}, str(exc)

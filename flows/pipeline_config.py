@@ -62,6 +62,8 @@ class PipelineConfig(BaseModel):
     cache_fraction: float = Field(0.1, gt=0, le=1, description="cache size (share of rows) to compare policies at")
     train_iterations: int = training_field("iterations", default=100, description="iterations of each training run")
     shards: int = training_field("num_shards")
+    trainers: int = training_field("trainers", description="data-parallel trainers of the remote and oracle runs "
+                                   "(oracle: Bagpipe's LRPP cache); the local and parity runs have one")
     parity: int = training_field("parity", default=1, description="parity shards of the oracle-parity run "
                                  "(0: no fault tolerance, and no such run)")
     kills: list[str] = Field(default_factory=list, description="failure injection in the oracle-parity run, "
@@ -83,6 +85,9 @@ class PipelineConfig(BaseModel):
         if self.prefetch_distance > self.lookahead:
             raise PipelineConfigError(f"prefetch_distance: {self.prefetch_distance} must be <= lookahead "
                                       f"({self.lookahead})")
+        if self.batch_size % self.trainers:
+            raise PipelineConfigError(f"trainers: batch_size {self.batch_size} does not split into {self.trainers} "
+                                      "equal slices; use a multiple of trainers")
         self._check_kills()
         if not self.raw_inputs:
             self.check_rows(self.rows)

@@ -30,22 +30,26 @@ def _params() -> dict[str, Any]:
 
 
 def train_name(config: Any) -> str:
-    """``train-<mode>`` for a local run, else ``train-<mode>-k<shards>-r<parity>``; then the model unless it is
-    DLRM (``-deepfm``) and ``-resume`` when resuming."""
+    """``train-<mode>`` for a local run, else ``train-<mode>-k<shards>-r<parity>``; then ``-w<W>`` with W > 1
+    trainers, the model unless it is DLRM (``-deepfm``) and ``-resume`` when resuming."""
     mode = _field(config, "mode", "local")
     name = f"train-{mode}" if mode == "local" else \
         f"train-{mode}-k{_field(config, 'num_shards', 0)}-r{_field(config, 'parity', 0)}"
     model = _field(config, "model", "dlrm")
-    return artifact_key(name, "" if model == "dlrm" else model, "resume" if _field(config, "resume") else "")
+    trainers = _field(config, "trainers", 1)
+    return artifact_key(name, f"w{trainers}" if trainers > 1 else "", "" if model == "dlrm" else model,
+                        "resume" if _field(config, "resume") else "")
 
 
 def train_tags(config: Any) -> list[str]:
     """``mode:<mode>``, ``model:<model>``, ``dataset:<dataset>`` and, with parity shards, ``parity`` (and
-    ``kills`` with kills)."""
+    ``kills`` with kills); ``trainers:<W>`` with W > 1 trainers."""
     tags = [f"mode:{_field(config, 'mode', 'local')}", f"model:{_field(config, 'model', 'dlrm')}",
             f"dataset:{dataset_label(_field(config, 'dataset_dir', ''))}"]
     if _field(config, "parity", 0):
         tags.append("parity")
+    if _field(config, "trainers", 1) > 1:
+        tags.append(f"trainers:{_field(config, 'trainers')}")
     if _field(config, "kills"):
         tags.append("kills")
     return tags

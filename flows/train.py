@@ -80,8 +80,11 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
         # With parity a LocalCluster gets one worker per shard (data and parity: separate fault
         # domains) plus a spare, so a rebuild starts at once on a fresh worker.
         workers = config.num_shards + config.parity + 1 if config.parity else None
-        with dask_scheduler(dask_address, n_workers=workers) as address:
+        with dask_scheduler(dask_address, n_workers=workers, trainers=config.trainers) as address:
             logger.info("embedding servers: %d shards on the Dask cluster at %s", config.num_shards, address)
+            if config.trainers > 1:
+                logger.info("%d trainers, each training %d rows of every batch", config.trainers,
+                            config.batch_size // config.trainers)
             summary = train_task(setup, address, runner)
     publish_train_report_task(summary)
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     fields = PipelineConfig.model_fields
     for name in ("work_dir", "rows", "scale", "seed", "batch_size", "lookahead", "prefetch_distance",
-                 "train_iterations", "model", "shards", "parity", "link_rate"):
+                 "train_iterations", "model", "shards", "trainers", "parity", "link_rate"):
         field = fields[name]
         kind = type(field.default)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,

@@ -17,9 +17,9 @@ HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, re
 
 # Metavars of the options whose value is not a plain word (the option names: train_config.cli_option).
 METAVARS = {"dataset_dir": "DATASET_DIR", "output_dir": "RUN_DIR", "plan_dir": "PLAN_DIR", "capacity": "ROWS",
-            "num_shards": "K", "iterations": "N", "batch_size": "B", "bottom_mlp": "SIZES", "top_mlp": "SIZES",
-            "dnn": "SIZES", "cross_layers": "L", "eval_fraction": "F", "metrics_every": "N", "parity": "R",
-            "kills": "shard:I@ITER|parity:J@ITER",
+            "num_shards": "K", "trainers": "W", "iterations": "N", "batch_size": "B", "bottom_mlp": "SIZES",
+            "top_mlp": "SIZES", "dnn": "SIZES", "cross_layers": "L", "eval_fraction": "F", "metrics_every": "N",
+            "parity": "R", "kills": "shard:I@ITER|parity:J@ITER",
             "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N"}
 
 
@@ -162,16 +162,28 @@ def _checkpoint_lines(c: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _trainer_lines(trainers: dict[str, Any] | None) -> list[str]:
+    """With several trainers: what went between them, by kind, and the time spent syncing."""
+    if not trainers:
+        return []
+    between = trainers["bytes_between_trainers"]
+    kinds = ", ".join(f"{size(count)} {kind}" for kind, count in sorted(between.items()))
+    return [f"  trainers           {trainers['count']}: {kinds or 'nothing'} between them; "
+            f"{100 * trainers['sync_fraction']:.1f}% of iteration time syncing rows"]
+
+
 def summarize(r: dict[str, Any]) -> str:
     auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
     logloss = "n/a" if r["eval_log_loss"] is None else f"{r['eval_log_loss']:.4f}"
     lines = [
-        f"{r['mode']} training{'' if r.get('model', 'dlrm') == 'dlrm' else ' of ' + r['model']}: "
+        f"{r['mode']} training{'' if r.get('model', 'dlrm') == 'dlrm' else ' of ' + r['model']}"
+        f"{' with ' + str(r['trainers']['count']) + ' trainers' if r.get('trainers') else ''}: "
         f"{r['iterations']:,} iterations of batch {r['batch_size']:,} on {r['device']}",
         f"  mean iteration     {r['mean_iteration_ms']:.2f} ms (median {r['median_iteration_ms']:.2f} ms)",
         f"  stall              {100 * r['stall_fraction']:.1f}% of iteration time",
         f"  traffic            {size(r['bytes_fetched'])} fetched, "
         f"{size(r['bytes_written_back'])} written back",
+        *_trainer_lines(r.get("trainers")),
         f"  train loss         {r['first_train_loss']:.4f} (first) -> {r['final_train_loss_mean']:.4f} "
         f"(mean of the last {min(r['metrics_every'], r['iterations'])})",
         f"  eval ({r['eval_rows']:,} rows)   AUC {auc}, log loss {logloss}",

@@ -1,0 +1,132 @@
+"""What W data-parallel trainers exchange, over torch.distributed (gloo).
+
+A :class:`TrainerGroup` is one trainer's membership: its rank, the group size ``W``, and two
+process groups: the default one, used by the training loop (dense gradients, embedding-row
+gradients, barriers), and a second one used only by the oracle's prefetch thread (rows fetched
+for the cache), so the two threads never interleave calls on one group.
+
+Every sum over trainers is taken here, in rank order, on gathered values
+(:func:`sum_in_rank_order`, :func:`sum_over_users`) rather than by ``all_reduce``: the order in
+which an all-reduce adds its W inputs depends on the algorithm, the tensor's size and the chunk
+an element falls in, and a run's modes put different rows in different tensors. Summed in rank
+order, a row's gradient is the same bits in every mode, on every trainer.
+
+Sizes. Gloo gathers equal-sized tensors; every caller here already knows how many rows each
+trainer contributes (all trainers see the whole global batch and the same plan), so
+:meth:`TrainerGroup.all_gather_rows` pads to the largest and cuts each part back without a size
+exchange. The bytes a trainer sends to the others are counted per kind of traffic.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# How long a collective may wait for a peer. A peer that dies closes its sockets and the others
+# fail at once; this bounds only a peer that hangs.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class TrainerGroup:
+    """One trainer's view of the W trainers (rank ``rank`` of ``size``); see the module docstring."""
+
+    def __init__(self, rank: int, size: int, init_method: str | None = None) -> None:
+        self.rank, self.size = rank, size
+        if init_method is not None:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        self.prefetch_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        self.bytes_sent: Counter[str] = Counter()  # kind of traffic -> bytes this trainer sent to the others
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        self.bytes_sent[kind] += tensor.numel() * tensor.element_size() * (self.size - 1)
+
+    def all_gather_equal(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
+        """Every trainer's ``tensor`` (same shape on all), in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor)
+        self._count(kind, tensor)
+        return parts
+
+    def all_gather_rows(self, rows: torch.Tensor, counts: Sequence[int], kind: str, *,
+                        prefetch: bool = False, async_op: bool = False):
+        """Every trainer's ``[counts[w], width]`` rows, in rank order (``rows`` is this trainer's part).
+
+        ``async_op``: returns a :class:`PendingGather` to :meth:`~PendingGather.wait` on instead."""
+        if rows.shape[0] != counts[self.rank]:
+            raise ValueError(f"trainer {self.rank} contributes {rows.shape[0]} rows, the counts say "
+                             f"{counts[self.rank]}")
+        most = max(counts)
+        if most == 0:  # every trainer knows the counts: all skip the call together
+            empty = [rows.new_zeros((0, *rows.shape[1:])) for _ in range(self.size)]
+            pending = PendingGather(None, empty, list(counts))
+            return pending if async_op else pending.wait()
+        padded = rows if rows.shape[0] == most else torch.cat(
+            [rows, rows.new_zeros((most - rows.shape[0], *rows.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        group = self.prefetch_group if prefetch else None
+        work = dist.all_gather(parts, padded.contiguous(), group=group, async_op=async_op)
+        self._count(kind, rows)
+        pending = PendingGather(work, parts, list(counts))
+        return pending if async_op else pending.wait()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class PendingGather:
+    """An :meth:`TrainerGroup.all_gather_rows` in flight."""
+
+    def __init__(self, work, parts: list[torch.Tensor], counts: list[int]) -> None:
+        self.work, self.parts, self.counts = work, parts, counts
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return [part[:n] for part, n in zip(self.parts, self.counts, strict=True)]
+
+
+def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``((parts[0] + parts[1]) + parts[2]) + ...`` divided by their number: the trainers' mean."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    return total.div_(len(parts)) if len(parts) > 1 else total
+
+
+def sum_over_users(ids: np.ndarray, parts: Sequence[tuple[np.ndarray, torch.Tensor]], size: int) -> torch.Tensor:
+    """Per id of ``ids`` (sorted): the sum, in rank order, of the rows the trainers that have it hold
+    for it (``parts[w]`` = trainer w's sorted ids and their rows), divided by ``size`` (the trainers'
+    mean gradient of a row, the others contributing nothing).
+
+    Only holders' rows are added (the first one is taken as it is): adding a non-user's zero would
+    turn a gradient of -0.0 into +0.0. Every id must have at least one holder."""
+    width = parts[0][1].shape[1]
+    total = torch.empty((len(ids), width), dtype=parts[0][1].dtype)
+    have = np.zeros(len(ids), dtype=bool)
+    for part_ids, rows in parts:
+        if not len(part_ids) or not len(ids):
+            continue
+        pos = np.searchsorted(part_ids, ids)
+        found = pos < len(part_ids)
+        found[found] = part_ids[pos[found]] == ids[found]
+        first, more = found & ~have, found & have
+        if first.any():
+            total[torch.from_numpy(np.flatnonzero(first))] = rows[torch.from_numpy(pos[first])]
+        if more.any():
+            where = torch.from_numpy(np.flatnonzero(more))
+            total[where] = total[where] + rows[torch.from_numpy(pos[more])]
+        have |= found
+    if not have.all():
+        raise ValueError(f"id {int(ids[~have][0])} has no holder among the trainers")
+    return total.div_(size) if size > 1 else total

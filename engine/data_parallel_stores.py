@@ -1,0 +1,371 @@
+"""Row stores for W data-parallel trainers: each trainer trains its 1/W slice of every global batch.
+
+All three modes end in the same bits (the reference is ``remote``), because in every one of them:
+
+- a row's gradient at iteration ``t`` is the sum, in rank order, of the gradients of the trainers
+  whose slice uses it, divided by W (:func:`~dlrmflow.engine.collectives.sum_over_users`);
+- a row is updated with :func:`~dlrmflow.engine.embedding_rows.apply_update_rowwise`, whose result
+  for a row does not depend on which other rows share its block;
+- every copy of a row that is read again holds every update before that read.
+
+What each trainer holds and who talks to the servers differs:
+
+``remote`` (:class:`RemoteRowsW`, the reference): every trainer fetches the rows of its slice, and
+after the step the lowest-ranked trainer that used a row writes it home; a barrier then orders
+every write of ``t`` before any fetch for ``t + 1``.
+
+``lru`` (:class:`LruRowsW`): independent per-trainer LRU caches. They stay coherent by update:
+every trainer applies the summed gradient of every row it holds that any trainer used, and the
+lowest-ranked user writes the row through to its server, so the servers are current after each
+iteration's barrier and a miss may read them. Server reads grow with W (each trainer misses on
+its own); writes equal ``remote``'s.
+
+``oracle`` (:class:`LrppRows`, Bagpipe's logically replicated, physically partitioned cache): one
+plan for the global batch, and every trainer holds the same cache slots. Each prefetched row is
+fetched from its server by one trainer and handed to the others over the trainer group (so server
+reads do not grow with W); each evicted row is written home by one trainer. After the step a row
+used at ``t`` is, by Bagpipe's classes:
+
+- ``no_sync``: used by one trainer and evicted after ``t``: that trainer updates it and writes it
+  home; no other copy is read again;
+- ``sync_now``: used at ``t + 1`` or evicted after ``t``: its gradients are gathered before
+  ``t + 1`` starts and every trainer updates its copy;
+- ``sync_later``: kept for a use at ``t + 2`` or later: its gradients are gathered while ``t + 1``
+  computes and applied at the end of ``t + 1``. A read of a row whose gradient is still in flight
+  is refused (:class:`~dlrmflow.engine.prefetch.PlanViolation`), never served stale.
+
+Who fetches and who writes. A row's writer at eviction is its only user (``no_sync``), else trainer
+``id % W``; its next fetch goes to the trainer that last wrote it home (``id % W`` before any
+write). A trainer's write and its own later fetch of the row go to the same server in order, so no
+fetch can overtake the write it must see, whatever the other trainers' timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dlrmflow.engine.collectives import PendingGather, TrainerGroup, sum_over_users
+from dlrmflow.engine.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.embedding_server import ShardGroup
+from dlrmflow.engine.prefetch import EMPTY_IDS, Done, PlanViolation, PrefetchWorker
+from dlrmflow.engine.row_stores import LruRows, OracleRows, host_buffer
+
+
+@dataclass
+class BatchSplit:
+    """Iteration ``t``'s global batch as the W trainers see it (every trainer computes the same one)."""
+
+    t: int
+    rank: int
+    union: np.ndarray  # sorted distinct ids of the whole global batch
+    uniq: list[np.ndarray]  # trainer w's sorted distinct ids
+    where: list[np.ndarray]  # positions of uniq[w] in union
+    users: np.ndarray  # [W, len(union)] bool: trainer w's slice uses union[i]
+    inverse: np.ndarray  # this trainer's slice, flattened: index into uniq[rank] per id
+
+    @classmethod
+    def of(cls, t: int, ids: np.ndarray, size: int, rank: int) -> BatchSplit:
+        """``ids``: the global batch's ids ``[B, T]``; trainer w takes rows ``w*B/W .. (w+1)*B/W - 1``."""
+        rows = ids.shape[0] // size
+        union = np.unique(ids)
+        uniq, where, inverse = [], [], None
+        users = np.zeros((size, len(union)), dtype=bool)
+        for w in range(size):
+            part = ids[w * rows:(w + 1) * rows]
+            if w == rank:
+                ids_w, inverse = np.unique(part, return_inverse=True)
+                inverse = inverse.reshape(-1)
+            else:
+                ids_w = np.unique(part)
+            uniq.append(ids_w)
+            where.append(np.searchsorted(union, ids_w))
+            users[w, where[-1]] = True
+        return cls(t, rank, union, uniq, where, users, inverse)
+
+    @property
+    def size(self) -> int:
+        return len(self.uniq)
+
+    @property
+    def mine(self) -> np.ndarray:
+        return self.uniq[self.rank]
+
+    def first_user(self) -> np.ndarray:
+        """Per id of the union: the lowest rank whose slice uses it."""
+        return np.argmax(self.users, axis=0)
+
+    def held(self, mask: np.ndarray) -> list[np.ndarray]:
+        """Per trainer, its ids that ``mask`` (over the union) selects."""
+        return [ids_w[mask[where_w]] for ids_w, where_w in zip(self.uniq, self.where, strict=True)]
+
+
+def sync_classes(split: BatchSplit, next_union: np.ndarray, evict: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bagpipe's classes of the rows iteration ``t`` used, as masks over ``split.union``: ``(no_sync,
+    sync_now, sync_later)`` for the plan's evictions after ``t`` (``evict``, sorted) and the next
+    iteration's ids (``next_union``, sorted). See the module docstring."""
+    evicted = np.isin(split.union, evict, assume_unique=True)
+    if np.count_nonzero(evicted) != len(evict):
+        raise PlanViolation(f"iteration {split.t}: the plan evicts a row the batch does not use")
+    no_sync = (split.users.sum(axis=0) == 1) & evicted
+    now = ~no_sync & (evicted | np.isin(split.union, next_union, assume_unique=True))
+    return no_sync, now, ~no_sync & ~now
+
+
+class RowsForTrainers:
+    """What every W-trainer store shares: the trainer group, its counters, gradient gathering."""
+
+    def __init__(self, spec: RowSpec, group: TrainerGroup) -> None:
+        self.group = group
+        self.sync_seconds = 0.0  # time in the row gradients' collectives (and the remote modes' barrier)
+
+    def _gather_gradients(self, split: BatchSplit, mask: np.ndarray, grad: torch.Tensor, kind: str, *,
+                          async_op: bool = False) -> tuple[list[np.ndarray], list | PendingGather]:
+        """Every trainer's gradients of its rows that ``mask`` selects: (ids per trainer, rows per trainer)."""
+        ids = split.held(mask)
+        mine = mask[split.where[split.rank]]
+        rows = grad[torch.from_numpy(np.flatnonzero(mine))]
+        gathered = self.group.all_gather_rows(rows, [len(i) for i in ids], kind, async_op=async_op)
+        return ids, gathered
+
+
+class RemoteRowsW(RowsForTrainers):
+    """The W-trainer reference: fetch the slice's rows, write each updated row home once, barrier."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup) -> None:
+        super().__init__(spec, group)
+        self.spec, self.device, self.shards = spec, device, shards
+        self.bytes_fetched = self.bytes_written = 0
+        self.stall_seconds = 0.0
+
+    def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
+        start = time.perf_counter()
+        host = host_buffer(len(split.mine), self.spec.width, self.device)
+        self.shards.fetch(split.mine, out=host.numpy())
+        self.bytes_fetched += len(split.mine) * self.spec.row_bytes
+        self.stall_seconds += time.perf_counter() - start
+        return host.to(self.device)
+
+    def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
+               grad: torch.Tensor) -> None:
+        start = time.perf_counter()
+        ids, parts = self._gather_gradients(split, np.ones(len(split.union), dtype=bool), grad, "row gradients")
+        self.sync_seconds += time.perf_counter() - start
+        write = split.union[split.first_user() == split.rank]
+        rows = block[torch.from_numpy(np.searchsorted(split.mine, write))]
+        apply_update_rowwise(self.spec, rows, sum_over_users(write, list(zip(ids, parts, strict=True)), split.size))
+        start = time.perf_counter()
+        self.shards.write_back(write, rows.numpy())
+        self.bytes_written += len(write) * self.spec.row_bytes
+        self.stall_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        self.group.barrier()  # every write of t is home before any trainer fetches for t + 1
+        self.sync_seconds += time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Every write went home in its iteration."""
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+class _CleanLruRows(LruRows):
+    """An LRU cache whose rows are never newer than their servers' (write-through): an evicted row is
+    dropped, not written back."""
+
+    def _exchange_slots(self, write_ids, write_slots, fetch_ids, fetch_slots) -> None:
+        super()._exchange_slots(write_ids[:0], write_slots[:0], fetch_ids, fetch_slots)
+
+    def finish(self) -> None:
+        """Nothing cached is newer than its server."""
+
+
+class LruRowsW(RowsForTrainers):
+    """Independent per-trainer LRU caches kept coherent by update and write-through (module docstring)."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup,
+                 capacity: int) -> None:
+        super().__init__(spec, group)
+        self.lru = _CleanLruRows(spec, device, shards, capacity)
+        self.spec, self.device, self.shards = spec, device, shards
+        self._written = 0
+        self._write_stall = 0.0
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self.lru.bytes_fetched
+
+    @property
+    def bytes_written(self) -> int:
+        return self._written
+
+    @property
+    def stall_seconds(self) -> float:
+        return self.lru.stall_seconds + self._write_stall
+
+    def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
+        return self.lru.gather(t, split.mine)
+
+    def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
+               grad: torch.Tensor) -> None:
+        start = time.perf_counter()
+        ids, parts = self._gather_gradients(split, np.ones(len(split.union), dtype=bool), grad, "row gradients")
+        self.sync_seconds += time.perf_counter() - start
+        directory = self.lru.directory
+        held = split.union[directory.slot_of[split.union] >= 0]  # every row here that some trainer used at t
+        slots = torch.from_numpy(directory.slot_of[held]).to(self.device)
+        rows = self.lru.cache.index_select(0, slots)
+        apply_update_rowwise(self.spec, rows, sum_over_users(held, list(zip(ids, parts, strict=True)), split.size))
+        self.lru.cache.index_copy_(0, slots, rows)
+        write = split.union[split.first_user() == split.rank]
+        start = time.perf_counter()
+        self.shards.write_back(write, rows[torch.from_numpy(np.searchsorted(held, write))].numpy())
+        self._written += len(write) * self.spec.row_bytes
+        self._write_stall += time.perf_counter() - start
+        start = time.perf_counter()
+        self.group.barrier()  # every write of t is home before any trainer misses on the row at t + 1
+        self.sync_seconds += time.perf_counter() - start
+
+    def finish(self) -> None:
+        """The servers hold every row: each update was written through."""
+
+    def close(self) -> None:
+        self.lru.close()
+
+
+class PartitionedPrefetchWorker(PrefetchWorker):
+    """The oracle's prefetch worker for one of W trainers holding the same cache slots: it writes home
+    the evicted rows it is the writer of, fetches the prefetched rows it is the fetcher of, and gathers
+    the others' fetches over the trainer group's prefetch process group (module docstring)."""
+
+    def __init__(self, *args, group: TrainerGroup, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.cuda:
+            raise ValueError("several trainers train on the CPU")
+        self.group = group
+        self.last_writer = np.full(len(self.slot_of), -1, dtype=np.int16)
+
+    def fetchers(self, ids: np.ndarray) -> np.ndarray:
+        """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``."""
+        last = self.last_writer[ids]
+        return np.where(last >= 0, last, ids % self.group.size)
+
+    def _take_evictions(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
+        ids, slots = done.evict_ids, done.evict_slots
+        if not np.array_equal(self.slot_of[ids], slots):
+            raise PlanViolation(f"iteration {done.t}: evicted rows are not where the worker put them")
+        mine = done.writers == self.group.rank
+        rows = self.cache_np[slots[mine]] if len(ids) else self._no_rows
+        self.last_writer[ids] = done.writers
+        self.slot_of[ids] = -1
+        self.owner[slots] = -1
+        return ids[mine], rows
+
+    def _exchange(self, t, write_ids, write_rows, ids, slots):
+        ids = np.asarray(ids, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if t is not None:
+            self._check_prefetch(t, ids, slots)
+        start = time.perf_counter()
+        fetcher = self.fetchers(ids)
+        mine = ids[fetcher == self.group.rank]
+        fetched = np.empty((len(mine), self.cache.shape[1]), dtype=np.float32)
+        if len(mine) or len(write_ids):
+            self.shards.exchange(write_ids, write_rows, mine, out=fetched)
+        if len(ids):
+            counts = [int(np.count_nonzero(fetcher == w)) for w in range(self.group.size)]
+            parts = self.group.all_gather_rows(torch.from_numpy(fetched), counts, "prefetched rows", prefetch=True)
+            for w, part in enumerate(parts):
+                self.cache_np[slots[fetcher == w]] = part.numpy()
+            self.slot_of[ids] = slots
+            self.owner[slots] = ids
+        self.bytes_fetched += len(mine) * self.row_bytes
+        self.bytes_written += len(write_ids) * self.row_bytes
+        self.busy_seconds += time.perf_counter() - start
+        return None
+
+
+class LrppRows(OracleRows, RowsForTrainers):
+    """Bagpipe's LRPP cache for one of W trainers (module docstring)."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup, plan,
+                 iterations: int) -> None:
+        RowsForTrainers.__init__(self, spec, group)
+        self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
+        self._later: tuple[np.ndarray, list[np.ndarray], PendingGather] | None = None
+        OracleRows.__init__(self, spec, device, shards, plan, iterations)
+
+    def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
+        return PartitionedPrefetchWorker(
+            self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
+            self.spec.total_rows, start=t, cached=(ids, slots), group=self.group)
+
+    def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
+        stale = self.in_flight[split.union]
+        if stale.any():
+            raise PlanViolation(f"iteration {t}: id {int(split.union[stale][0])} is read while its gradient "
+                                "from an earlier iteration is still being synced (a stale read)")
+        return OracleRows.gather(self, t, split.mine)
+
+    def _update_rows(self, ids: np.ndarray, parts: list[tuple[np.ndarray, torch.Tensor]], size: int) -> None:
+        if not len(ids):
+            return
+        slots = torch.from_numpy(self.directory.slot_of[ids]).to(self.device)
+        rows = self.cache.index_select(0, slots)
+        apply_update_rowwise(self.spec, rows, sum_over_users(ids, parts, size))
+        self.cache.index_copy_(0, slots, rows)
+
+    def _apply_later(self) -> None:
+        """Wait for the sync_later gradients in flight and update those rows."""
+        if self._later is None:
+            return
+        ids, held, pending = self._later
+        start = time.perf_counter()
+        parts = pending.wait()
+        self.sync_seconds += time.perf_counter() - start
+        self._update_rows(ids, list(zip(held, parts, strict=True)), self.group.size)
+        self.in_flight[ids] = False
+        self._later = None
+
+    def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
+               grad: torch.Tensor) -> None:
+        union, size = split.union, split.size
+        evict = np.asarray(self._step.evict_ids, dtype=np.int64)
+        no_sync, now, later = sync_classes(split, next_union, evict)
+
+        start = time.perf_counter()
+        ids, parts = self._gather_gradients(split, now, grad, "sync_now")
+        self.sync_seconds += time.perf_counter() - start
+        self._update_rows(union[now], list(zip(ids, parts, strict=True)), size)
+        own = no_sync & split.users[split.rank]
+        own_grad = grad[torch.from_numpy(np.flatnonzero(own[split.where[split.rank]]))]
+        self._update_rows(union[own], [(union[own], own_grad)], size)
+        self._apply_later()  # the previous iteration's: none of its rows is used at t or t + 1
+        ids, pending = self._gather_gradients(split, later, grad, "sync_later", async_op=True)
+        self._later = (union[later], ids, pending)
+        self.in_flight[union[later]] = True
+
+        evicted = np.isin(union, evict, assume_unique=True)
+        single = split.users.sum(axis=0) == 1
+        writers = np.where(single, split.first_user(), union % size)[evicted]
+        evict_slots = self.directory.slot_of[evict]
+        if (evict_slots < 0).any():
+            raise PlanViolation(f"iteration {t}: the plan evicts id {int(evict[evict_slots < 0][0])}, which is "
+                                "not cached")
+        self.directory.remove(evict)
+        self.worker.post_done(Done(t, evict, evict_slots, None, writers))
+
+    def _write_back_all(self) -> None:
+        """Every cached row home, each by trainer ``id % W`` (all trainers hold the same rows)."""
+        ids = self.directory.cached_ids()
+        share = ids[ids % self.group.size == self.group.rank]
+        self._exchange_slots(share, self.directory.slot_of[share], EMPTY_IDS, EMPTY_IDS)
+        self.directory.remove(ids)
+
+    def finish(self) -> None:
+        self._apply_later()
+        OracleRows.finish(self)

@@ -1,0 +1,93 @@
+"""What every trainer process uses, one trainer or several (:mod:`.trainer`, :mod:`.data_parallel`):
+deterministic kernels, the dense optimizer, a batch's tensors, and the per-iteration log."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrmflow.engine.batches import Batch
+from dlrmflow.engine.train_config import TrainConfig
+
+
+@contextlib.contextmanager
+def deterministic_torch(device: torch.device):
+    """Deterministic kernels for the duration of a run (restores the previous setting)."""
+    if device.type == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace (must be set before its first use).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def make_dense_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if config.dense_optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=config.lr)
+    return torch.optim.SGD(model.parameters(), lr=config.lr)
+
+
+def batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same
+    # code path whatever NumPy's buffer alignment was.
+    return torch.tensor(batch.dense, device=device), torch.tensor(batch.labels, device=device)
+
+
+@dataclass
+class TrainLog:
+    """What the loop records per iteration. A checkpoint carries it (:meth:`snapshot`), so a resumed
+    run reports every iteration's loss, not only those after the resume."""
+
+    losses: list  # 0-d loss tensors (None: not trained yet)
+    iteration_seconds: np.ndarray
+    stall_seconds: np.ndarray
+    metrics: list[dict[str, Any]]
+    start: int = 0  # the first iteration this process trains (a resume: the checkpoint's)
+    done: int = 0  # iterations reported (progress, metrics): a replay does not report them again
+    seconds_before: float = 0.0  # training time before the resume
+    begin: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, n: int) -> TrainLog:
+        return cls([None] * n, np.zeros(n), np.zeros(n), [])
+
+    def record(self, t: int, loss: torch.Tensor, seconds: float, stall: float) -> None:
+        self.losses[t], self.iteration_seconds[t], self.stall_seconds[t] = loss, seconds, stall
+
+    def snapshot(self, t: int) -> dict[str, Any]:
+        """The log of iterations ``0..t-1`` (what a checkpoint before iteration ``t`` holds)."""
+        return {"losses": torch.stack(self.losses[:t]).cpu() if t else torch.zeros(0),
+                "iteration_seconds": torch.from_numpy(self.iteration_seconds[:t].copy()),
+                "stall_seconds": torch.from_numpy(self.stall_seconds[:t].copy()),
+                "metrics": [dict(m) for m in self.metrics if m["iteration"] <= t],
+                "seconds": self.seconds_before + time.perf_counter() - self.begin}
+
+    @classmethod
+    def restore(cls, n: int, snap: dict[str, Any], device: torch.device) -> TrainLog:
+        log = cls.empty(n)
+        t = len(snap["losses"])
+        log.losses[:t] = list(snap["losses"].to(device).unbind())
+        log.iteration_seconds[:t] = snap["iteration_seconds"].numpy()
+        log.stall_seconds[:t] = snap["stall_seconds"].numpy()
+        log.metrics = [dict(m) for m in snap["metrics"]]
+        log.start = log.done = t
+        log.seconds_before = float(snap["seconds"])
+        return log
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "losses": torch.stack(self.losses).cpu().numpy().astype(np.float64),
+            "iteration_seconds": self.iteration_seconds,
+            "stall_seconds": self.stall_seconds,
+            "train_seconds": self.seconds_before + time.perf_counter() - self.begin,
+            "metrics": self.metrics,
+        }

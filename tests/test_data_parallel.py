@@ -1,0 +1,272 @@
+"""Several data-parallel trainers (``--trainers W``): the specification.
+
+- The W-trainer reference is ``remote`` with the same W: each trainer fetches its slice's rows, a
+  row's gradient is the trainers' gradients summed in rank order over the trainers that used it,
+  divided by W, and the row is updated once. ``lru`` (independent per-trainer caches) and
+  ``oracle`` (Bagpipe's LRPP cache) end bit-identical to it, over random W, K, B, L, P, capacities
+  and both embedding optimizers.
+- LRPP fetches each prefetched row from its server once, whatever the number of trainers that
+  use it, and hands it to the others; it writes each evicted row home once.
+- The building blocks: the rank-order sum only adds the holders' rows; a row's update does not
+  depend on the block it sits in; the sync classes partition the batch's rows.
+- A trainer whose process dies fails the run in one line naming it, and the other trainers stop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client
+from test_trainers import _plan_with_capacity, make_dataset, small_config
+
+from dlrmflow.engine import planner
+from dlrmflow.engine.cluster import cluster_workers, local_cluster
+from dlrmflow.engine.collectives import sum_in_rank_order, sum_over_users
+from dlrmflow.engine.data_parallel import TrainerLostError
+from dlrmflow.engine.data_parallel_stores import BatchSplit, sync_classes
+from dlrmflow.engine.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.placement import NoWorkersError, place_trainers
+from dlrmflow.engine.run_state import load_state
+from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
+from dlrmflow.engine.trainer import train
+
+CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict
+
+# ---- building blocks ---------------------------------------------------------------------------------
+
+
+def test_the_sum_over_users_adds_only_holders_in_rank_order():
+    rng = np.random.default_rng(0)
+    size, ids = 3, np.arange(50)
+    parts = []
+    for _ in range(size):
+        held = np.sort(rng.choice(ids, 30, replace=False))
+        parts.append((held, torch.from_numpy(rng.standard_normal((30, 4)).astype(np.float32))))
+    parts[1][1][0] = -0.0  # a holder's -0.0 stays -0.0 when it is the only one
+    everyone = np.unique(np.concatenate([p[0] for p in parts]))
+    got = sum_over_users(everyone, parts, size)
+    for i, x in enumerate(everyone):
+        total = None
+        for held, rows in parts:
+            if x in held:
+                row = rows[int(np.searchsorted(held, x))]
+                total = row.clone() if total is None else total + row
+        assert torch.equal(got[i], total / size), x
+        assert torch.equal(torch.signbit(got[i]), torch.signbit(total / size))
+    with pytest.raises(ValueError, match="no holder"):
+        sum_over_users(np.array([1000]), parts, size)
+
+
+def test_the_dense_mean_is_the_rank_order_sum_divided():
+    parts = [torch.tensor([1e8, 1.0]), torch.tensor([1.0, 1e8]), torch.tensor([-1e8, -1e8])]
+    assert torch.equal(sum_in_rank_order(parts), ((parts[0] + parts[1]) + parts[2]) / 3)
+    assert torch.equal(sum_in_rank_order(parts[:1]), parts[0])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_a_rows_update_does_not_depend_on_the_block_it_sits_in(optimizer):
+    """Vectorised kernels round a fused multiply-add in their body, not in their tail: the row-wise
+    update must give a row the same bits at any position, in a block of any size."""
+    spec = RowSpec(dim=13, optimizer=optimizer, seed=0, table_offsets=(0,), cardinalities=(1000,), lr=0.037)
+    rng = np.random.default_rng(1)
+    rows = torch.from_numpy(rng.standard_normal((97, spec.width)).astype(np.float32)).abs()
+    grads = torch.from_numpy(rng.standard_normal((97, spec.dim)).astype(np.float32))
+    whole = apply_update_rowwise(spec, rows.clone(), grads)
+    for _ in range(20):
+        pick = rng.permutation(97)[: int(rng.integers(1, 97))]
+        index = torch.from_numpy(pick)
+        part = apply_update_rowwise(spec, rows[index].clone(), grads[index])
+        assert torch.equal(part, whole[index])
+
+
+def test_a_batch_split_gives_each_trainer_its_slice():
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 60, size=(12, 4))
+    for size in (1, 2, 3, 4):
+        for rank in range(size):
+            split = BatchSplit.of(5, ids, size, rank)
+            rows = 12 // size
+            assert np.array_equal(split.mine[split.inverse].reshape(rows, 4), ids[rank * rows:(rank + 1) * rows])
+            assert np.array_equal(split.union, np.unique(ids))
+            for w in range(size):
+                assert np.array_equal(split.union[split.users[w]], np.unique(ids[w * rows:(w + 1) * rows]))
+            assert np.array_equal(split.first_user(), np.argmax(split.users, axis=0))
+
+
+def test_the_sync_classes_partition_the_rows_and_keep_later_ones_out_of_the_next_iteration():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        ids = rng.integers(0, 40, size=(8, 3))
+        split = BatchSplit.of(0, ids, int(rng.choice([2, 4])), 0)
+        evict = np.sort(rng.choice(split.union, int(rng.integers(0, len(split.union) + 1)), replace=False))
+        next_union = np.unique(rng.integers(0, 40, size=10))
+        no_sync, now, later = sync_classes(split, next_union, evict)
+        assert np.array_equal(no_sync.astype(int) + now + later, np.ones(len(split.union), dtype=int))
+        evicted = np.isin(split.union, evict)
+        assert not (later & evicted).any()  # a row goes home with every trainer's gradient in it
+        assert not (later & np.isin(split.union, next_union)).any()
+        assert (split.users[:, no_sync].sum(axis=0) == 1).all() and evicted[no_sync].all()
+    with pytest.raises(Exception, match="does not use"):
+        sync_classes(split, next_union, np.array([10_000]))
+
+
+def test_trainers_go_to_distinct_trainer_workers_away_from_the_servers():
+    info = {f"tcp://h{h}:{p}": {"host": f"h{h}", "resources": {}} for h in range(2) for p in range(3)}
+    assert place_trainers(info, 2, servers=["tcp://h0:0", "tcp://h1:0"]) == ["tcp://h0:1", "tcp://h1:1"]
+    info["tcp://h1:2"]["resources"] = {"trainer": 1}
+    info["tcp://h0:2"]["resources"] = {"trainer": 1}
+    assert place_trainers(info, 2) == ["tcp://h0:2", "tcp://h1:2"]
+    with pytest.raises(NoWorkersError, match="--trainers 3 needs 3 Dask worker processes.*trainer=1"):
+        place_trainers(info, 3)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(batch_size=10, trainers=3), "trainers: --batch-size 10 does not split into 3"),
+    (dict(mode="local", trainers=2), "trainers: --trainers 2 needs embedding servers"),
+    (dict(trainers=2, parity=1), "trainers: --parity is not supported with --trainers 2"),
+    (dict(trainers=2, device="cuda"), "trainers: --trainers 2 trains on the CPU"),
+    (dict(trainers=0), "trainers: --trainers must be >= 1"),
+])
+def test_bad_trainer_settings_name_the_field(tmp_path, change, message):
+    values = dict(dataset_dir=str(tmp_path), mode="remote", output_dir=str(tmp_path / "out"), batch_size=12)
+    with pytest.raises(TrainConfigError, match=message):
+        TrainConfig(**{**values, **change})
+
+
+def test_one_trainer_is_not_recorded_so_old_runs_keep_their_fingerprint(tmp_path):
+    config = TrainConfig(dataset_dir=str(tmp_path), mode="remote", output_dir=str(tmp_path / "out"))
+    assert "trainers" not in config.model_dump()
+    assert TrainConfig(**{**config.model_dump(), "trainers": 2}).model_dump()["trainers"] == 2
+
+
+# ---- trainers on a cluster ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client():
+    """Two plain workers (the servers) and three trainer workers."""
+    with local_cluster(2, trainers=3) as cluster, Client(cluster, direct_to_workers=True) as c:
+        yield c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_lru_and_lrpp_are_bit_identical_to_the_w_trainer_reference(client, tmp_path, seed):
+    rng = np.random.default_rng(500 + seed)
+    size = [2, 3, 2, 3][seed]
+    dataset = make_dataset(tmp_path / "data", 40 + seed, rows=600, cards=CARDS)
+    batch_size = size * int(rng.integers(3, 9))
+    lookahead = int(rng.integers(1, 8))
+    distance = int(rng.integers(1, lookahead + 1))
+    _plan_with_capacity(planner, dataset, tmp_path / "plan",
+                        dict(batch_size=batch_size, lookahead=lookahead, prefetch_distance=distance), rng)
+    whole = seed % 2 == 0
+    iterations = None if whole else int(rng.integers(3, min(540 // batch_size, 24) + 1))
+    common = dict(batch_size=batch_size, iterations=iterations, eval_fraction=0.0 if whole else 0.1, seed=seed,
+                  embedding_optimizer=["adagrad", "sgd"][seed % 2], dense_optimizer=["adam", "sgd"][seed // 2],
+                  embedding_lr=0.05, trainers=size, num_shards=int(rng.integers(1, 4)))
+    capacity = int(rng.integers(4 * batch_size, 8 * batch_size))
+    runs = {mode: train(small_config(dataset, tmp_path / mode, mode, **kw, **common), client=client)
+            for mode, kw in (("remote", {}), ("lru", {"capacity": capacity}),
+                             ("oracle", {"plan_dir": str(tmp_path / "plan")}))}
+    label = f"seed {seed}: W={size} B={batch_size} L={lookahead} P={distance} K={common['num_shards']}"
+    reference = load_state(tmp_path / "remote")
+    for mode in ("lru", "oracle"):
+        assert runs[mode]["state_sha256"] == runs["remote"]["state_sha256"], f"{mode} vs remote, {label}"
+        state = load_state(tmp_path / mode)
+        assert torch.equal(state["embedding"]["rows"], reference["embedding"]["rows"]), f"{mode} rows, {label}"
+    # LRPP: each prefetched row fetched from its server once, then sent to the W-1 others; written home once.
+    plan = planner.load_plan(tmp_path / "plan")
+    row_bytes = 4 * (4 + (1 if common["embedding_optimizer"] == "adagrad" else 0))
+    prefetched = sum(len(s.prefetch_ids) for s in plan.iterations() if s.t < runs["oracle"]["iterations"])
+    oracle = runs["oracle"]
+    assert oracle["bytes_fetched"] == prefetched * row_bytes == oracle["bytes_written_back"], label
+    between = oracle["trainers"]["bytes_between_trainers"]
+    assert between["prefetched rows"] == prefetched * row_bytes * (size - 1), label
+    assert set(between) <= {"prefetched rows", "dense gradients", "sync_now", "sync_later"}
+    # Write-through LRU caches write what the reference writes; they read less.
+    assert runs["lru"]["bytes_written_back"] == runs["remote"]["bytes_written_back"]
+    assert runs["lru"]["bytes_fetched"] <= runs["remote"]["bytes_fetched"]
+    assert [t["rank"] for t in oracle["trainers"]["per_trainer"]] == list(range(size))
+    assert len({t["worker"] for t in oracle["trainers"]["per_trainer"]}) == size
+
+
+@pytest.mark.slow
+def test_w_trainers_follow_the_mean_gradient_of_the_whole_batch(client, tmp_path):
+    """Up to rounding, W trainers averaging their slices' gradients train as one trainer on the whole
+    batch (the same learning rates): this is what the division by W is for."""
+    dataset = make_dataset(tmp_path / "data", 7, rows=400, cards=CARDS)
+    common = dict(batch_size=24, iterations=10, embedding_optimizer="sgd", dense_optimizer="sgd", lr=0.05)
+    train(small_config(dataset, tmp_path / "one", "local", **common))
+    train(small_config(dataset, tmp_path / "two", "remote", trainers=2, **common), client=client)
+    one, two = load_state(tmp_path / "one"), load_state(tmp_path / "two")
+    assert not torch.equal(one["embedding"]["rows"], two["embedding"]["rows"])  # other sums, other roundings
+    torch.testing.assert_close(two["embedding"]["rows"], one["embedding"]["rows"], rtol=0, atol=1e-5)
+    for name, value in one["dense"].items():
+        torch.testing.assert_close(two["dense"][name], value, rtol=0, atol=1e-5)
+
+
+def _trainer_pids(client) -> dict[str, int]:
+    workers = [a for a, info in cluster_workers(client).items() if (info.get("resources") or {}).get("trainer")]
+    return client.run(os.getpid, workers=workers)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_fails_the_run_in_one_line_and_the_others_stop(client, tmp_path):
+    dataset = make_dataset(tmp_path / "data", 8, rows=600, cards=CARDS)
+    config = small_config(dataset, tmp_path / "run", "remote", batch_size=12, iterations=45, trainers=2)
+    servers = [a for a, info in cluster_workers(client).items() if not (info.get("resources") or {}).get("trainer")]
+    victim = place_trainers(cluster_workers(client), 2, servers=servers)[1]
+    pid = _trainer_pids(client)[victim]
+
+    def kill_at_five(done: int, total: int) -> None:
+        if done == 5:
+            os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(TrainerLostError) as error:
+        train(config, client=client, progress=kill_at_five)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"trainer 1 of 2 (Dask worker {victim}) died after iteration" in message
+    assert "run it again" in message
+    assert not (tmp_path / "run").exists()  # a failed run leaves no directory it created
+    # The surviving trainer's collectives fail as its peer's sockets close: its worker is free again.
+    deadline = time.monotonic() + 60
+    while any(client.processing().values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(client.processing().values()), client.processing()
+    client.wait_for_workers(5, timeout=60)  # the nanny restarted the killed worker
+
+
+@pytest.mark.slow
+def test_the_cli_trains_with_several_trainers(tmp_path):
+    dataset = make_dataset(tmp_path / "data", 9, rows=300, cards=CARDS)
+    out = subprocess.run(
+        [sys.executable, "-m", "dlrmflow.cli", "train", str(dataset), "--mode", "remote", "--batch-size", "16",
+         "--iterations", "6", "--trainers", "2", "--output", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "remote training with 2 trainers: 6 iterations of batch 16" in out.stdout
+    assert "  trainers           2: " in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "dlrmflow.cli", "train", str(dataset), "--mode", "remote", "--batch-size", "15",
+         "--trainers", "2", "--output", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "dlrmflow train: error: trainers: --batch-size 15 does not split into 2 equal slices (--trainers 2); "
+        "use a multiple of 2"]
+
+
+@pytest.mark.slow
+def test_a_w_trainer_run_needs_a_cluster_with_enough_workers(tmp_path):
+    dataset = make_dataset(tmp_path / "data", 10, rows=200, cards=CARDS)
+    with local_cluster(1) as cluster, Client(cluster) as c, pytest.raises(NoWorkersError, match="--trainers 2"):
+        train(small_config(dataset, tmp_path / "run", "remote", trainers=2, iterations=4), client=c)
+    assert not (tmp_path / "run").exists()
