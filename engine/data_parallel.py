@@ -27,20 +27,35 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dlrmflow.engine.batches import global_ids
+from dlrmflow.engine.checkpoint import (
+    CHECKPOINT_FILE,
+    Checkpointer,
+    config_sha256,
+    load_resume_point,
+    restore_dense,
+    resume_command,
+    start_placed_shards,
+)
 from dlrmflow.engine.cluster import cluster_workers
+from dlrmflow.engine.coded_shards import CodedShardGroup, parity_report, start_coded_shards
 from dlrmflow.engine.collectives import TrainerGroup, sum_in_rank_order
 from dlrmflow.engine.dask_internals import bind_actor
 from dlrmflow.engine.data_parallel_stores import BatchSplit, LrppRows, LruRowsW, RemoteRowsW
-from dlrmflow.engine.embedding_server import ShardGroup
+from dlrmflow.engine.embedding_server import ShardGroup, start_shards
+from dlrmflow.engine.erasure import TooManyErasuresError
+from dlrmflow.engine.faults import FaultInjector, kills_since
 from dlrmflow.engine.models import bce_loss, build_model
 from dlrmflow.engine.placement import place_trainers
-from dlrmflow.engine.training import TrainLog, deterministic_torch, make_dense_optimizer
+from dlrmflow.engine.prefetch import PrefetchError
+from dlrmflow.engine.training import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
 from dlrmflow.errors import UserInputError
 
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
@@ -64,13 +79,46 @@ def _worker_threads() -> int:
     return max(1, get_worker().state.nthreads)
 
 
-def make_trainer_store(setup: Any, device: torch.device, shards: ShardGroup, group: TrainerGroup):
+def start_servers(setup: Any, client, rows: np.ndarray | None):
+    """Trainer 0's embedding servers, as one trainer's are (:func:`~dlrmflow.engine.trainer.make_store`):
+    coded with parity, placed for checkpoints, plain otherwise; from ``rows`` when resuming."""
     config = setup.config
+    if config.parity:
+        return start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
+                                  rebuild_chunk=config.rebuild_chunk, parity_batches=config.parity_batches,
+                                  rebuild_rate=config.rebuild_rate * 1e6)
+    if config.checkpoint_every:
+        return start_placed_shards(client, setup.spec, config.num_shards, rows)
+    return start_shards(client, setup.spec, config.num_shards)
+
+
+def share_servers(group: TrainerGroup, shards: ShardGroup | None, spec) -> ShardGroup:
+    """Every trainer's handle on trainer 0's servers (a plain group of the same actors). With parity the
+    coded group has one client, trainer 0: the others get a group of no actors (they never call one)."""
+    handle = [None]
+    if group.rank == 0:
+        handle = [None if isinstance(shards, CodedShardGroup) else
+                  ShardGroup(spec, list(shards.actors), worker_of=list(shards.worker_of))]
+    dist.broadcast_object_list(handle, src=0)
+    if group.rank == 0:
+        return shards
+    if handle[0] is None:
+        return ShardGroup(spec, [])
+    for actor in handle[0].actors:
+        bind_actor(actor)  # here, in the task's thread: the prefetch thread cannot
+    return handle[0]
+
+
+def make_trainer_store(setup: Any, device: torch.device, shards: ShardGroup, group: TrainerGroup, *,
+                       start: int = 0, rows: np.ndarray | None = None):
+    config = setup.config
+    gateway = bool(config.parity)
     if config.mode == "remote":
-        return RemoteRowsW(setup.spec, device, shards, group)
+        return RemoteRowsW(setup.spec, device, shards, group, gateway=gateway)
     if config.mode == "lru":
         return LruRowsW(setup.spec, device, shards, group, config.capacity)
-    return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations)
+    return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations, gateway=gateway, start=start,
+                    rows=rows)
 
 
 def trainer_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: torch.nn.Module,
@@ -98,65 +146,113 @@ def trainer_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model
     return mean[-1]
 
 
-def train_rank(setup: Any, rank: int, size: int, init_method: str, shards: ShardGroup,
-               progress_topic: str | None = None) -> dict[str, Any]:
-    """One trainer process's whole run (a Dask task); rank 0's result carries the dense state and sends
-    its progress as events on ``progress_topic``."""
-    from distributed import get_worker
+def train_rank(setup: Any, rank: int, size: int, init_method: str, progress_topic: str | None = None
+               ) -> dict[str, Any]:
+    """One trainer process's whole run (a Dask task). Trainer 0 also owns what one trainer owns: the
+    servers (started here, through this worker's client), the kills, the checkpoints, the evaluation and
+    the final state, which its result carries; it sends its progress as events on ``progress_topic``."""
+    from distributed import get_client, get_worker
 
     torch.set_num_threads(_worker_threads())
-    for actor in shards.actors:
-        bind_actor(actor)  # here, in the task's thread: the prefetch thread cannot
-    config, n = setup.config, setup.iterations
+    config, n, lead = setup.config, setup.iterations, rank == 0
     device = torch.device(config.device)
-    group = TrainerGroup(rank, size, init_method)
-    store = None
+    output = Path(config.output_dir)
     worker = get_worker()
-    reports = progress_topic if progress_topic and rank == 0 else None
+    group = TrainerGroup(rank, size, init_method)
+    store = shards = None
     try:
+        resumed = load_resume_point(output, config.model_dump(), setup.spec, n) if config.resume else None
+        rows = None if resumed is None else resumed.pop("rows").numpy()
+        start_at = 0 if resumed is None else int(resumed["iteration"])
+        shards = share_servers(group, start_servers(setup, get_client(), rows) if lead else None, setup.spec)
         with deterministic_torch(device):
             model = build_model(setup.model_config, seed=config.seed).to(device)
             optimizer = make_dense_optimizer(config, model)
-            params = list(model.parameters())
-            store = make_trainer_store(setup, device, shards, group)
             log = TrainLog.empty(n)
-            sync_seconds = np.zeros(n)  # per iteration: in the row gradients' collectives and barriers
-            offsets = setup.stream.offsets
-            batches = setup.stream.iter_range(0, n)
-            batch = next(batches)
-            split = BatchSplit.of(0, global_ids(batch.sparse, offsets), size, rank)
-            last_report = 0.0
-            for t in range(n):
-                following = next(batches) if t + 1 < n else None
-                next_split = None if following is None else BatchSplit.of(
-                    t + 1, global_ids(following.sparse, offsets), size, rank)
-                start, stall, sync = time.perf_counter(), store.stall_seconds, store.sync_seconds
-                loss = trainer_step(t, batch, split, EMPTY_IDS if next_split is None else next_split.union, model,
-                                    params, optimizer, setup.spec, store, group, device)
-                log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall)
-                sync_seconds[t] = store.sync_seconds - sync
-                row = _metrics_row(log, t + 1, config.metrics_every, n)
-                if reports is not None and (row or time.perf_counter() - last_report > REPORT_SECONDS):
-                    worker.log_event(reports, {"done": t + 1, "metrics": row})
-                    last_report = time.perf_counter()
-                batch, split = following, next_split
+            if resumed is not None:
+                restore_dense(resumed, model, optimizer)
+                log = TrainLog.restore(n, resumed["log"], device)
+            store = make_trainer_store(setup, device, shards, group, start=start_at, rows=rows)
+            del rows
+            injector = FaultInjector(setup.kills, get_client(), lambda s: shards.worker_of[s], config.num_shards) \
+                if setup.kills and lead else None
+            checkpoints = None
+            if config.checkpoint_every:
+                checkpoints = Checkpointer(output, config.checkpoint_every, None, reload_on_loss=False,
+                                           config_sha256=config_sha256(config.model_dump()),
+                                           resumed_at=None if resumed is None else start_at)
+            sync_seconds = _train_loop(setup, group, model, optimizer, store, device, log, injector, checkpoints,
+                                       worker, progress_topic if lead else None)
             start = time.perf_counter()
-            store.finish()
-            group.barrier()  # every trainer's rows are home before the driver reads them
-            flush = time.perf_counter() - start
-        result = {**log.result(), "flush_seconds": flush}  # train_seconds already counts the flush
-        return {
-            "rank": rank, "worker": worker.address, "threads": torch.get_num_threads(),
-            "log": result, "sync_seconds": sync_seconds,
-            "bytes_fetched": int(store.bytes_fetched), "bytes_written": int(store.bytes_written),
-            "bytes_to_trainers": dict(group.bytes_sent),
-            "dense": {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank == 0 else None,
-            "dense_optimizer": optimizer.state_dict() if rank == 0 else None,
-        }
+            try:
+                store.finish()
+            except PrefetchError as exc:  # the oracle's worker met the fatal loss first: name the loss
+                if isinstance(exc.__cause__, TooManyErasuresError):
+                    raise exc.__cause__ from None
+                raise
+            group.barrier()  # every trainer's rows are home before trainer 0 reads them
+            result = {**log.result(), "flush_seconds": time.perf_counter() - start}  # train_seconds counts it
+            outcome: dict[str, Any] = {
+                "rank": rank, "worker": worker.address, "threads": torch.get_num_threads(), "log": result,
+                "sync_seconds": sync_seconds, "bytes_fetched": int(store.bytes_fetched),
+                "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent)}
+            if lead:
+                outcome["metrics"] = evaluate(setup, model, store, device)
+                outcome["state"] = collect_state(setup, model, optimizer, store)
+                kills = injector.log if injector else []
+                if config.parity:
+                    report = parity_report(shards, output if config.save_state else None)
+                    outcome["parity"] = {**report, "kills": kills_since(kills, shards.started_at)}
+                if checkpoints is not None:
+                    outcome["checkpoint"] = {**checkpoints.report, "kills": kills_since(kills, checkpoints.begin)}
+                    if resumed is not None:
+                        outcome["checkpoint"]["resumed_from"] = start_at
+            group.barrier()  # the servers stay up until trainer 0 has read them
+        return outcome
     finally:
         if store is not None:
             store.close()
+        elif shards is not None:
+            shards.close()
         group.close()
+
+
+def _train_loop(setup, group, model, optimizer, store, device, log: TrainLog, injector, checkpoints, worker,
+                topic: str | None) -> np.ndarray:
+    """Iterations ``log.start .. n-1`` of one trainer; per iteration, the seconds spent syncing rows."""
+    config, n, offsets = setup.config, setup.iterations, setup.stream.offsets
+    params = list(model.parameters())
+    sync_seconds = np.zeros(n)
+    log.begin = time.perf_counter()
+    batches = setup.stream.iter_range(log.start, n)
+    batch = next(batches)
+    split = BatchSplit.of(log.start, global_ids(batch.sparse, offsets), group.size, group.rank)
+    last_report = 0.0
+    for t in range(log.start, n):
+        if checkpoints is not None and t % config.checkpoint_every == 0 and t != checkpoints.saved_at:
+            store.quiesce()
+            group.barrier()  # every trainer's writes home and gradients applied: trainer 0 reads one state
+            if group.rank == 0:
+                checkpoints.before_iteration(t, store, model, optimizer, log)
+            else:
+                checkpoints.saved_at = t
+            group.barrier()  # nobody writes before trainer 0 has read
+        if injector is not None:
+            injector.before_iteration(t)
+        following = next(batches) if t + 1 < n else None
+        next_split = None if following is None else BatchSplit.of(
+            t + 1, global_ids(following.sparse, offsets), group.size, group.rank)
+        start, stall, sync = time.perf_counter(), store.stall_seconds, store.sync_seconds
+        loss = trainer_step(t, batch, split, EMPTY_IDS if next_split is None else next_split.union, model,
+                            params, optimizer, setup.spec, store, group, device)
+        log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall)
+        sync_seconds[t] = store.sync_seconds - sync
+        row = _metrics_row(log, t + 1, config.metrics_every, n)
+        if topic is not None and (row or time.perf_counter() - last_report > REPORT_SECONDS):
+            worker.log_event(topic, {"done": t + 1, "metrics": row})
+            last_report = time.perf_counter()
+        batch, split = following, next_split
+    return sync_seconds
 
 
 def _metrics_row(log: TrainLog, t: int, every: int, n: int) -> dict[str, Any] | None:
@@ -171,12 +267,12 @@ def _metrics_row(log: TrainLog, t: int, every: int, n: int) -> dict[str, Any] | 
     return row
 
 
-def run_trainers(setup: Any, client, shards: ShardGroup, *, progress: Callable[[int, int], None] | None = None,
+def run_trainers(setup: Any, client, *, progress: Callable[[int, int], None] | None = None,
                  on_metrics: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run ``setup.config.trainers`` trainers on the cluster of ``client`` against ``shards``; every
-    trainer's result, in rank order (module docstring)."""
+    """Run ``setup.config.trainers`` trainers on the cluster of ``client``; every trainer's result, in
+    rank order (module docstring)."""
     size = setup.config.trainers
-    workers = place_trainers(cluster_workers(client), size, servers=shards.worker_of)
+    workers = place_trainers(cluster_workers(client), size)
     port = client.submit(_free_port, workers=[workers[0]], pure=False).result()
     host = workers[0].split("://", 1)[-1].rsplit(":", 1)[0]
     init_method = f"tcp://{host}:{port}"
@@ -184,7 +280,7 @@ def run_trainers(setup: Any, client, shards: ShardGroup, *, progress: Callable[[
     topic = f"dlrmflow-trainers-{run_id}"
     reports: queue.Queue = queue.Queue()
     client.subscribe_topic(topic, lambda event: reports.put(event[1]))  # (time, message), on the client's loop
-    futures = [client.submit(train_rank, setup, rank, size, init_method, shards, topic,
+    futures = [client.submit(train_rank, setup, rank, size, init_method, topic,
                              workers=[worker], allow_other_workers=False, pure=False, retries=0,
                              key=f"dlrmflow-trainer-{rank}-{run_id}")
                for rank, worker in enumerate(workers)]
@@ -237,5 +333,8 @@ def _watch(client, futures, workers, reports: queue.Queue, setup, progress, on_m
 
 def _lost_message(setup: Any, rank: int, worker: str, done: int) -> str:
     config = setup.config
-    return (f"trainer {rank} of {config.trainers} (Dask worker {worker}) died after iteration {done} of "
-            f"{setup.iterations}; the run stopped and {config.output_dir} holds no result: run it again")
+    what = (f"trainer {rank} of {config.trainers} (Dask worker {worker}) died after iteration {done} of "
+            f"{setup.iterations}")
+    if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
+        return f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}`"
+    return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"

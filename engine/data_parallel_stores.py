@@ -134,43 +134,92 @@ class RowsForTrainers:
 
 
 class RemoteRowsW(RowsForTrainers):
-    """The W-trainer reference: fetch the slice's rows, write each updated row home once, barrier."""
+    """The W-trainer reference: fetch the slice's rows, write each updated row home once, barrier.
 
-    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup) -> None:
+    ``gateway`` (a run with parity, whose coded group has one client): trainer 0 alone talks to the
+    servers. It fetches the rows of the whole batch and hands each trainer its own; after the step it
+    updates and writes every row of the batch (it has every trainer's gradients). The other trainers
+    update nothing: their rows are fetched again next time."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup | None, group: TrainerGroup, *,
+                 gateway: bool = False) -> None:
         super().__init__(spec, group)
-        self.spec, self.device, self.shards = spec, device, shards
+        self.spec, self.device, self.shards, self.gateway = spec, device, shards, gateway
         self.bytes_fetched = self.bytes_written = 0
         self.stall_seconds = 0.0
+        self._batch_rows: torch.Tensor | None = None  # gateway, trainer 0: the whole batch's rows
 
     def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
         start = time.perf_counter()
-        host = host_buffer(len(split.mine), self.spec.width, self.device)
-        self.shards.fetch(split.mine, out=host.numpy())
-        self.bytes_fetched += len(split.mine) * self.spec.row_bytes
+        if not self.gateway:
+            block = self._fetch(split.mine)
+        else:
+            lead = self.group.rank == 0
+            rows = self._fetch(split.union) if lead else torch.zeros((0, self.spec.width))
+            counts = [len(split.union)] + [0] * (split.size - 1)
+            rows = self.group.all_gather_rows(rows, counts, "fetched rows")[0]
+            self._batch_rows = rows if lead else None
+            block = rows[torch.from_numpy(split.where[split.rank])]
         self.stall_seconds += time.perf_counter() - start
-        return host.to(self.device)
+        return block.to(self.device)
+
+    def _fetch(self, ids: np.ndarray) -> torch.Tensor:
+        host = host_buffer(len(ids), self.spec.width, self.device)
+        self.shards.fetch(ids, out=host.numpy())
+        self.bytes_fetched += len(ids) * self.spec.row_bytes
+        return host
 
     def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
                grad: torch.Tensor) -> None:
         start = time.perf_counter()
         ids, parts = self._gather_gradients(split, np.ones(len(split.union), dtype=bool), grad, "row gradients")
         self.sync_seconds += time.perf_counter() - start
-        write = split.union[split.first_user() == split.rank]
-        rows = block[torch.from_numpy(np.searchsorted(split.mine, write))]
+        if self.gateway:
+            if self.group.rank == 0:  # every row of the batch, by its one writer
+                write, rows = split.union, self._batch_rows
+            else:
+                return
+        else:
+            write = split.union[split.first_user() == split.rank]
+            rows = block[torch.from_numpy(np.searchsorted(split.mine, write))]
         apply_update_rowwise(self.spec, rows, sum_over_users(write, list(zip(ids, parts, strict=True)), split.size))
         start = time.perf_counter()
         self.shards.write_back(write, rows.numpy())
         self.bytes_written += len(write) * self.spec.row_bytes
         self.stall_seconds += time.perf_counter() - start
-        start = time.perf_counter()
-        self.group.barrier()  # every write of t is home before any trainer fetches for t + 1
-        self.sync_seconds += time.perf_counter() - start
+        if not self.gateway:
+            start = time.perf_counter()
+            self.group.barrier()  # every write of t is home before any trainer fetches for t + 1
+            self.sync_seconds += time.perf_counter() - start
+
+    def quiesce(self) -> None:
+        """Nothing is held: every write went home in its iteration."""
 
     def finish(self) -> None:
         """Every write went home in its iteration."""
 
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        return self._fetch_uncounted(ids)
+
+    def _fetch_uncounted(self, ids: np.ndarray) -> torch.Tensor:
+        host = host_buffer(len(ids), self.spec.width, self.device)
+        self.shards.fetch(ids, out=host.numpy())
+        return host.to(self.device)
+
+    def all_rows(self) -> np.ndarray:
+        return self.shards.all_rows()
+
+    logical_rows = all_rows
+
+    def traffic(self) -> dict[str, int]:
+        return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
+
+    def cache_state(self) -> None:
+        return None
+
     def close(self) -> None:
-        self.shards.close()
+        if self.shards is not None:
+            self.shards.close()
 
 
 class _CleanLruRows(LruRows):
@@ -230,8 +279,27 @@ class LruRowsW(RowsForTrainers):
         self.group.barrier()  # every write of t is home before any trainer misses on the row at t + 1
         self.sync_seconds += time.perf_counter() - start
 
+    def quiesce(self) -> None:
+        """Nothing is newer than the servers (write-through)."""
+
     def finish(self) -> None:
         """The servers hold every row: each update was written through."""
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        return self.lru.read(ids)
+
+    def all_rows(self) -> np.ndarray:
+        return self.shards.all_rows()
+
+    logical_rows = all_rows
+
+    def traffic(self) -> dict[str, int]:
+        return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
+
+    def cache_state(self) -> None:
+        """Not carried: a resumed trainer starts with an empty cache (every copy equals its server's, so the
+        bits do not change; the misses do)."""
+        return None
 
     def close(self) -> None:
         self.lru.close()
@@ -242,15 +310,18 @@ class PartitionedPrefetchWorker(PrefetchWorker):
     the evicted rows it is the writer of, fetches the prefetched rows it is the fetcher of, and gathers
     the others' fetches over the trainer group's prefetch process group (module docstring)."""
 
-    def __init__(self, *args, group: TrainerGroup, **kwargs) -> None:
+    def __init__(self, *args, group: TrainerGroup, gateway: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.cuda:
             raise ValueError("several trainers train on the CPU")
-        self.group = group
+        self.group, self.gateway = group, gateway
         self.last_writer = np.full(len(self.slot_of), -1, dtype=np.int16)
 
     def fetchers(self, ids: np.ndarray) -> np.ndarray:
-        """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``."""
+        """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
+        (``gateway``: trainer 0, always)."""
+        if self.gateway:
+            return np.zeros(len(ids), dtype=np.int64)
         last = self.last_writer[ids]
         return np.where(last >= 0, last, ids % self.group.size)
 
@@ -290,19 +361,30 @@ class PartitionedPrefetchWorker(PrefetchWorker):
 
 
 class LrppRows(OracleRows, RowsForTrainers):
-    """Bagpipe's LRPP cache for one of W trainers (module docstring)."""
+    """Bagpipe's LRPP cache for one of W trainers (module docstring).
 
-    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup, plan,
-                 iterations: int) -> None:
+    ``gateway`` (a run with parity, whose coded group has one client): trainer 0 fetches and writes
+    every row, so no row is ``no_sync`` (trainer 0's copy of every row must be current).
+    ``start``/``rows``: a resumed run, as :class:`~dlrmflow.engine.row_stores.OracleRows`."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup | None, group: TrainerGroup, plan,
+                 iterations: int, *, gateway: bool = False, start: int = 0, rows: np.ndarray | None = None) -> None:
         RowsForTrainers.__init__(self, spec, group)
+        self.gateway = gateway
         self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
         self._later: tuple[np.ndarray, list[np.ndarray], PendingGather] | None = None
-        OracleRows.__init__(self, spec, device, shards, plan, iterations)
+        OracleRows.__init__(self, spec, device, shards, plan, iterations, start=start, rows=rows)
 
     def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         return PartitionedPrefetchWorker(
             self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
-            self.spec.total_rows, start=t, cached=(ids, slots), group=self.group)
+            self.spec.total_rows, start=t, cached=(ids, slots), group=self.group, gateway=self.gateway)
+
+    def quiesce(self) -> None:
+        """Before a checkpoint (every trainer calls it, then a barrier): the gradients in flight applied,
+        every posted eviction home and no round trip in flight."""
+        self._apply_later()
+        self.worker.wait_idle()
 
     def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
         stale = self.in_flight[split.union]
@@ -336,6 +418,8 @@ class LrppRows(OracleRows, RowsForTrainers):
         union, size = split.union, split.size
         evict = np.asarray(self._step.evict_ids, dtype=np.int64)
         no_sync, now, later = sync_classes(split, next_union, evict)
+        if self.gateway:  # trainer 0 writes every row home: it needs every gradient
+            now, no_sync = now | no_sync, no_sync & False
 
         start = time.perf_counter()
         ids, parts = self._gather_gradients(split, now, grad, "sync_now")
@@ -351,7 +435,8 @@ class LrppRows(OracleRows, RowsForTrainers):
 
         evicted = np.isin(union, evict, assume_unique=True)
         single = split.users.sum(axis=0) == 1
-        writers = np.where(single, split.first_user(), union % size)[evicted]
+        writers = np.zeros(len(evict), dtype=np.int64) if self.gateway else \
+            np.where(single, split.first_user(), union % size)[evicted]
         evict_slots = self.directory.slot_of[evict]
         if (evict_slots < 0).any():
             raise PlanViolation(f"iteration {t}: the plan evicts id {int(evict[evict_slots < 0][0])}, which is "
@@ -360,9 +445,11 @@ class LrppRows(OracleRows, RowsForTrainers):
         self.worker.post_done(Done(t, evict, evict_slots, None, writers))
 
     def _write_back_all(self) -> None:
-        """Every cached row home, each by trainer ``id % W`` (all trainers hold the same rows)."""
+        """Every cached row home, each by trainer ``id % W`` (all trainers hold the same rows; ``gateway``:
+        trainer 0)."""
         ids = self.directory.cached_ids()
-        share = ids[ids % self.group.size == self.group.rank]
+        owner = np.zeros(len(ids), dtype=np.int64) if self.gateway else ids % self.group.size
+        share = ids[owner == self.group.rank]
         self._exchange_slots(share, self.directory.slot_of[share], EMPTY_IDS, EMPTY_IDS)
         self.directory.remove(ids)
 

@@ -109,3 +109,9 @@ class FaultInjector:
         self.log.append({"kill": str(kill), "worker": address, "pid": pid, "at": time.perf_counter()})
         EVENTS.info("killed %s: SIGKILL to its Dask worker %s (pid %d) at the start of iteration %d",
                     kill.target, address, pid, kill.iteration)
+
+
+def kills_since(log: list[dict[str, Any]], origin: float) -> list[dict[str, Any]]:
+    """The kills done (:attr:`FaultInjector.log`), each with ``at_s`` on the clock of its report
+    (``clock_origin``), so that a recovery's ``detected_s`` minus it is how long the loss went unnoticed."""
+    return [{**{k: v for k, v in kill.items() if k != "at"}, "at_s": kill["at"] - origin} for kill in log]

@@ -177,11 +177,12 @@ class TrainConfig(BaseModel):
         if not self.device.startswith("cpu"):
             raise TrainConfigError(f"trainers: --trainers {w} trains on the CPU (gloo); --device {self.device} "
                                    "is for one trainer")
-        for name, flag in (("parity", "--parity"), ("checkpoint_every", "--checkpoint-every"),
-                           ("kills", "--kill"), ("resume", "resume")):
-            if getattr(self, name):
-                raise TrainConfigError(f"trainers: {flag} is not supported with --trainers {w} yet; "
-                                       "use one trainer")
+        if self.mode == "lru" and self.parity:
+            raise TrainConfigError(f"trainers: --mode lru with --parity is not supported with --trainers {w} "
+                                   "(with parity one trainer talks to the servers: use --mode oracle or remote)")
+        if self.kills and not self.parity:
+            raise TrainConfigError(f"kills: --kill with --trainers {w} needs --parity R >= 1 (several trainers "
+                                   "do not replay a lost shard from a checkpoint)")
 
     def _check_model_settings(self) -> None:
         """Each architecture setting is for the models that read it; layer sizes are positive."""

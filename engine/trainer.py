@@ -36,8 +36,9 @@ import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -63,15 +64,21 @@ from dlrmflow.engine.data_parallel import run_trainers
 from dlrmflow.engine.embedding_rows import RowSpec, apply_update
 from dlrmflow.engine.embedding_server import start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
-from dlrmflow.engine.faults import FaultInjector, Kill, check_kills
-from dlrmflow.engine.metrics import log_loss, roc_auc
+from dlrmflow.engine.faults import FaultInjector, Kill, check_kills, kills_since
 from dlrmflow.engine.models import architecture, bce_loss, build_model, model_config, row_width
 from dlrmflow.engine.planner import CapacityError, load_plan
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
-from dlrmflow.engine.run_state import FORMAT_VERSION, ITERATIONS_FILE, save_state, state_hash, write_summary
+from dlrmflow.engine.run_state import ITERATIONS_FILE, save_state, state_hash, write_summary
 from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
-from dlrmflow.engine.training import TrainLog, batch_tensors, deterministic_torch, make_dense_optimizer
+from dlrmflow.engine.training import (
+    TrainLog,
+    batch_tensors,
+    collect_state,
+    deterministic_torch,
+    evaluate,
+    make_dense_optimizer,
+)
 from dlrmflow.run_lock import output_lock
 
 Progress = Callable[[int, int], None]
@@ -243,63 +250,6 @@ def train_step(
     return loss.detach()
 
 
-@torch.no_grad()
-def evaluate(setup: RunSetup, model: torch.nn.Module, store: RowStore, device: torch.device) -> dict[str, Any]:
-    """AUC and log loss on the held-out rows (after training; rows read from their home)."""
-    config, meta = setup.config, setup.meta
-    if setup.eval_start >= meta.rows:
-        return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
-    stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
-    labels, probs = [], []
-    for batch in stream:
-        ids = global_ids(batch.sparse, stream.offsets)
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        weights = store.read(uniq)[:, : setup.spec.dim]
-        embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
-        dense, _ = batch_tensors(batch, device)
-        logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
-        probs.append(torch.sigmoid(logits).cpu().numpy())
-        labels.append(batch.labels)
-    y, p = np.concatenate(labels), np.concatenate(probs)
-    auc = roc_auc(y, p)
-    return {
-        "eval_rows": int(len(y)),
-        "eval_auc": None if np.isnan(auc) else auc,
-        "eval_log_loss": log_loss(y, p),
-    }
-
-
-def collect_state(setup: RunSetup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
-    """The final state in the layout documented in :mod:`dlrmflow.engine.run_state`."""
-    spec = setup.spec
-    return {
-        "format_version": FORMAT_VERSION,
-        "mode": setup.config.mode,
-        "model": setup.model_config.name,
-        "model_config": asdict(setup.model_config),
-        "dense": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "dense_optimizer": _to_cpu(optimizer.state_dict()),
-        "embedding": {
-            "rows": torch.from_numpy(np.ascontiguousarray(store.all_rows())),
-            "dim": spec.dim,
-            "optimizer": spec.optimizer,
-            "state_width": spec.state_width,
-            "table_offsets": list(spec.table_offsets),
-            "cardinalities": list(spec.cardinalities),
-        },
-    }
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
-
-
 def train(
     config: TrainConfig,
     *,
@@ -409,11 +359,11 @@ def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_
                        dense_parameters=sum(value.numel() for value in state["dense"].values()))
     kills = injector.log if injector else []
     if checkpoints is not None:
-        summary["checkpoint"] = {**checkpoints.report, "kills": _kills_since(kills, checkpoints.begin)}
+        summary["checkpoint"] = {**checkpoints.report, "kills": kills_since(kills, checkpoints.begin)}
         if resumed is not None:
             summary["checkpoint"]["resumed_from"] = int(resumed["iteration"])
     if parity is not None:
-        summary["parity"] = {**parity, "kills": _kills_since(kills, group.started_at)}
+        summary["parity"] = {**parity, "kills": kills_since(kills, group.started_at)}
     write_summary(output, summary)
     if config.checkpoint_every:
         finish_run_dir(output)  # after summary.json: a crash in between leaves a resumable run
@@ -422,38 +372,33 @@ def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_
 
 def _train_with_trainers(setup: RunSetup, output: Path, client, progress: Progress | None,
                          on_metrics: MetricsCallback | None) -> dict[str, Any]:
-    """``--trainers W``: the trainers train on Dask workers (:mod:`dlrmflow.engine.data_parallel`); this
-    process starts the servers, then evaluates and records the result from rank 0's dense state and the
-    rows the servers hold at the end."""
+    """``--trainers W``: the trainers train on Dask workers (:mod:`dlrmflow.engine.data_parallel`); trainer 0
+    starts the servers and returns the final state and the evaluation, which this process records."""
     config = setup.config
     if client is None:
         raise ValueError(f"--trainers {config.trainers} needs a Dask client to run the trainers on")
-    device = torch.device(config.device)
-    shards = start_shards(client, setup.spec, config.num_shards)
-    store = RemoteRows(setup.spec, device, shards)  # this process's view of the servers: final rows, evaluation
-    try:
-        results = run_trainers(setup, client, shards, progress=progress, on_metrics=on_metrics)
-        lead = results[0]
-        with deterministic_torch(device):
-            model = build_model(setup.model_config, seed=config.seed).to(device)
-            model.load_state_dict(lead["dense"])
-            optimizer = make_dense_optimizer(config, model)
-            optimizer.load_state_dict(lead["dense_optimizer"])
-            metrics = evaluate(setup, model, store, device)
-            state = collect_state(setup, model, optimizer, store)
-    finally:
-        store.close()
+    if config.checkpoint_every and not config.resume:
+        start_run_dir(output, config.model_dump(), dataset_fingerprint=setup.meta.fingerprint,
+                      plan_fingerprint=setup.plan_fingerprint, iterations=setup.iterations)
+    results = run_trainers(setup, client, progress=progress, on_metrics=on_metrics)
+    lead = results[0]
+    state = lead["state"]
     digest = state_hash(state)
     if config.save_state:
         save_state(output, state)
     log = lead["log"]
     _write_iterations(output / ITERATIONS_FILE, log)
-    store.bytes_fetched = sum(r["bytes_fetched"] for r in results)
-    store.bytes_written = sum(r["bytes_written"] for r in results)
-    summary = _summary(setup, store, log, metrics, digest,
+    traffic = SimpleNamespace(bytes_fetched=sum(r["bytes_fetched"] for r in results),
+                              bytes_written=sum(r["bytes_written"] for r in results))
+    summary = _summary(setup, traffic, log, lead["metrics"], digest,
                        dense_parameters=sum(value.numel() for value in state["dense"].values()))
     summary["trainers"] = trainers_report(results, log)
+    for section in ("parity", "checkpoint"):
+        if section in lead:
+            summary[section] = lead[section]
     write_summary(output, summary)
+    if config.checkpoint_every:
+        finish_run_dir(output)  # after summary.json: a crash in between leaves a resumable run
     return summary
 
 
@@ -473,12 +418,6 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
                          "stall_seconds": float(np.sum(r["log"]["stall_seconds"])),
                          "sync_seconds": float(np.sum(r["sync_seconds"]))} for r in results],
     }
-
-
-def _kills_since(log: list[dict], origin: float) -> list[dict]:
-    """The kills done, each with ``at_s`` on the clock of its report (``clock_origin``), so that a
-    recovery's ``detected_s`` minus it is how long the loss went unnoticed."""
-    return [{**{k: v for k, v in kill.items() if k != "at"}, "at_s": kill["at"] - origin} for kill in log]
 
 
 def _train_loop(setup, model, optimizer, store, device, progress, on_metrics, injector=None,

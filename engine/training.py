@@ -1,18 +1,22 @@
 """What every trainer process uses, one trainer or several (:mod:`.trainer`, :mod:`.data_parallel`):
-deterministic kernels, the dense optimizer, a batch's tensors, and the per-iteration log."""
+deterministic kernels, the dense optimizer, a batch's tensors, the per-iteration log, the evaluation
+on the held-out rows and the final state's layout."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from dlrmflow.engine.batches import Batch
+from dlrmflow.engine.batches import Batch, BatchStream, global_ids
+from dlrmflow.engine.metrics import log_loss, roc_auc
+from dlrmflow.engine.row_stores import RowStore
+from dlrmflow.engine.run_state import FORMAT_VERSION
 from dlrmflow.engine.train_config import TrainConfig
 
 
@@ -91,3 +95,60 @@ class TrainLog:
             "train_seconds": self.seconds_before + time.perf_counter() - self.begin,
             "metrics": self.metrics,
         }
+
+
+@torch.no_grad()
+def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.device) -> dict[str, Any]:
+    """AUC and log loss on the held-out rows (after training; rows read from their home)."""
+    config, meta = setup.config, setup.meta
+    if setup.eval_start >= meta.rows:
+        return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
+    stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
+    labels, probs = [], []
+    for batch in stream:
+        ids = global_ids(batch.sparse, stream.offsets)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        weights = store.read(uniq)[:, : setup.spec.dim]
+        embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
+        dense, _ = batch_tensors(batch, device)
+        logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
+        probs.append(torch.sigmoid(logits).cpu().numpy())
+        labels.append(batch.labels)
+    y, p = np.concatenate(labels), np.concatenate(probs)
+    auc = roc_auc(y, p)
+    return {
+        "eval_rows": int(len(y)),
+        "eval_auc": None if np.isnan(auc) else auc,
+        "eval_log_loss": log_loss(y, p),
+    }
+
+
+def collect_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
+    """The final state in the layout documented in :mod:`dlrmflow.engine.run_state`."""
+    spec = setup.spec
+    return {
+        "format_version": FORMAT_VERSION,
+        "mode": setup.config.mode,
+        "model": setup.model_config.name,
+        "model_config": asdict(setup.model_config),
+        "dense": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "dense_optimizer": to_cpu(optimizer.state_dict()),
+        "embedding": {
+            "rows": torch.from_numpy(np.ascontiguousarray(store.all_rows())),
+            "dim": spec.dim,
+            "optimizer": spec.optimizer,
+            "state_width": spec.state_width,
+            "table_offsets": list(spec.table_offsets),
+            "cardinalities": list(spec.cardinalities),
+        },
+    }
+
+
+def to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    return obj

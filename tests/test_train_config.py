@@ -106,7 +106,7 @@ BOUNDED = [(name, value) for name, info in TrainConfig.model_fields.items() for 
 
 def test_every_bounded_field_is_tested():
     assert {name for name, _ in BOUNDED} == {
-        "batch_size", "iterations", "num_shards", "capacity", "embedding_dim", "lr", "embedding_lr",
+        "batch_size", "iterations", "num_shards", "trainers", "capacity", "embedding_dim", "lr", "embedding_lr",
         "eval_fraction", "eval_batch_size", "metrics_every", "parity", "rebuild_chunk", "parity_batches",
         "rebuild_rate", "checkpoint_every", "cross_layers"}
 
