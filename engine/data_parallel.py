@@ -53,7 +53,7 @@ from dlrmflow.engine.embedding_server import ShardGroup, start_shards
 from dlrmflow.engine.erasure import TooManyErasuresError
 from dlrmflow.engine.faults import FaultInjector, kills_since
 from dlrmflow.engine.models import bce_loss, build_model
-from dlrmflow.engine.placement import place_trainers
+from dlrmflow.engine.placement import WORKER_LOG, place_trainers
 from dlrmflow.engine.prefetch import PrefetchError
 from dlrmflow.engine.training import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
 from dlrmflow.errors import UserInputError
@@ -158,6 +158,9 @@ def train_rank(setup: Any, rank: int, size: int, init_method: str, progress_topi
     device = torch.device(config.device)
     output = Path(config.output_dir)
     worker = get_worker()
+    WORKER_LOG.info("dlrmflow trainer %d of %d: rows %d..%d of every batch of %d, %d threads", rank, size,
+                    rank * config.batch_size // size, (rank + 1) * config.batch_size // size - 1, config.batch_size,
+                    torch.get_num_threads())
     group = TrainerGroup(rank, size, init_method)
     store = shards = None
     try:

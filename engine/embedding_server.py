@@ -24,7 +24,7 @@ from distributed import Actor, Client
 from dlrmflow.engine.cluster import cluster_workers
 from dlrmflow.engine.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
 from dlrmflow.engine.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
-from dlrmflow.engine.placement import place
+from dlrmflow.engine.placement import WORKER_LOG, place
 
 
 class EmbeddingShard:
@@ -45,6 +45,7 @@ class EmbeddingShard:
             self.rows[lo:hi] = init_rows(spec, ids)
         self.rows_fetched = 0
         self.rows_written = 0
+        WORKER_LOG.info("dlrmflow %s %d of %d: %d rows", type(self).__name__, shard, num_shards, n_local)
 
     def local_index(self, ids: np.ndarray) -> np.ndarray:
         """Local indices of ``ids`` on this shard (ValueError for an id it does not hold)."""

@@ -20,6 +20,7 @@ unschedulable on a cluster where no worker advertises it.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ from distributed.comm import get_address_host
 from dlrmflow.errors import UserInputError
 
 RESOURCE = "embedding_server"
+# What a worker hosts says so in the worker's own log: under distributed's logger, a `dask worker` process
+# prints these lines with its own (a LocalCluster dlrmflow starts keeps its workers quiet).
+WORKER_LOG = logging.getLogger("distributed.dlrmflow")
 TRAINER_RESOURCE = "trainer"  # workers that may run a trainer process (``--trainers W``)
 ROLES = (RESOURCE, TRAINER_RESOURCE)
 

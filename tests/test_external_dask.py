@@ -1,9 +1,10 @@
-"""dlrmflow on an existing Dask cluster: a scheduler and three workers started as separate processes.
+"""dlrmflow on an existing Dask cluster: a scheduler and five workers started as separate processes.
 
 A user points dlrmflow at a running cluster with ``--dask-address`` or ``DLRMFLOW_DASK_ADDRESS``. The
 work must run on that cluster's workers (not on a LocalCluster started on the side) and give exactly
 the bytes a LocalCluster run gives. Two of the workers advertise the ``embedding_server`` resource:
-embedding-server and parity actors go there and nowhere else; data work goes everywhere.
+embedding-server and parity actors go there and nowhere else; two advertise ``trainer``: the trainers
+of ``--trainers 2`` run there, one each; data work goes everywhere.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from test_trainers import make_dataset
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.placement import RESOURCE
+from dlrmflow.engine.placement import RESOURCE, TRAINER_RESOURCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
 DASK = Path(sys.executable).parent / "dask"
 START_TIMEOUT_S = 120
-WORKERS = {"w0": [], "w1": ["--resources", f"{RESOURCE}=1"], "w2": ["--resources", f"{RESOURCE}=1"]}
+WORKERS = {"w0": [], "w1": ["--resources", f"{RESOURCE}=1"], "w2": ["--resources", f"{RESOURCE}=1"],
+           "t0": ["--resources", f"{TRAINER_RESOURCE}=1"], "t1": ["--resources", f"{TRAINER_RESOURCE}=1"]}
 SERVER_WORKERS = {"w1", "w2"}
+TRAINER_WORKERS = {"t0", "t1"}
 ACTOR_CLASSES = {"EmbeddingShard", "CodedShard", "ParityShard"}
 
 
@@ -40,10 +43,16 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-def external_cluster(tmp_path_factory):
-    """``dask scheduler`` + 3 x ``dask worker --nthreads 1`` (two with the embedding_server resource),
-    each its own OS process on loopback."""
-    home = tmp_path_factory.mktemp("dask-cluster")
+def cluster_home(tmp_path_factory) -> Path:
+    """Where the cluster's processes run and write their logs (``NAME.log``)."""
+    return tmp_path_factory.mktemp("dask-cluster")
+
+
+@pytest.fixture(scope="module")
+def external_cluster(cluster_home):
+    """``dask scheduler`` + 5 x ``dask worker --nthreads 1`` (two with the embedding_server resource, two
+    with the trainer resource), each its own OS process on loopback."""
+    home = cluster_home
     scheduler_file = home / "scheduler.json"
     env = {k: v for k, v in os.environ.items() if k != "DLRMFLOW_DASK_ADDRESS"}
     # The tests read which tasks each worker executed from its transition log (1000 entries by default).
@@ -175,14 +184,51 @@ def test_embedding_servers_and_parity_run_only_on_the_workers_with_the_resource(
     external_cluster.run(lambda dask_worker: dask_worker.state.log.clear())
     run_json(capsys, [*common, "--shards", "2", "--output", str(tmp_path / "plain")])
     placed = actors_by_worker()
-    assert placed == {"w0": set(), "w1": {"EmbeddingShard"}, "w2": {"EmbeddingShard"}}, placed
+    assert placed == {"w0": set(), "w1": {"EmbeddingShard"}, "w2": {"EmbeddingShard"}, "t0": set(), "t1": set()}, \
+        placed
 
     # Two data shards + one parity shard: three members on the two resource workers (so they share one).
     external_cluster.run(lambda dask_worker: dask_worker.state.log.clear())
     summary = run_json(capsys, [*common, "--shards", "2", "--parity", "1", "--output", str(tmp_path / "parity")])
     placed = actors_by_worker()
-    assert not placed["w0"] and placed["w1"] | placed["w2"] == {"CodedShard", "ParityShard"}, placed
+    assert not placed["w0"] | placed["t0"] | placed["t1"], placed
+    assert placed["w1"] | placed["w2"] == {"CodedShard", "ParityShard"}, placed
     members = summary["parity"]["member_workers"]
     assert len(members) == 3 and set(members.values()) == {address_of[n] for n in SERVER_WORKERS}, members
     assert summary["parity"]["members_share_workers"] is True
     assert summary["parity"]["verify"]["ok"] is True
+
+
+def test_trainers_run_on_the_trainer_workers_and_their_logs_say_so(external_cluster, cluster_home, tmp_path, capsys,
+                                                                    monkeypatch):
+    """``--trainers 2``: trainer 0 and trainer 1 each on its own worker advertising ``trainer``, the shards on
+    the embedding_server workers, as each worker's own log (its output) says; LRPP ends in the reference's
+    bits."""
+    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+    dataset = make_dataset(tmp_path / "data", 3)
+    on_cluster = ["--dask-address", external_cluster.scheduler.address]
+    run_json(capsys, ["plan", str(dataset), "--batch-size", "16", "--lookahead", "4", "--prefetch-distance", "2",
+                      "--output", str(tmp_path / "plan"), *on_cluster])
+    logs = {name: (cluster_home / f"{name}.log").read_text(errors="replace") for name in WORKERS}
+    common = ["train", str(dataset), "--batch-size", "16", "--iterations", "8", "--embedding-dim", "4",
+              "--bottom-mlp", "8-4", "--top-mlp", "8-1", "--shards", "2", "--trainers", "2", *on_cluster]
+    reference = run_json(capsys, [*common, "--mode", "remote", "--output", str(tmp_path / "remote")])
+    lrpp = run_json(capsys, [*common, "--mode", "oracle", "--plan", str(tmp_path / "plan"),
+                             "--output", str(tmp_path / "oracle")])
+    assert lrpp["state_sha256"] == reference["state_sha256"]
+
+    def new_lines(name: str) -> str:
+        return (cluster_home / f"{name}.log").read_text(errors="replace")[len(logs[name]):]
+
+    since = {name: new_lines(name) for name in WORKERS}
+    names = {a: w["name"] for a, w in cluster_workers(external_cluster).items()}
+    ran = [names[t["worker"]] for t in lrpp["trainers"]["per_trainer"]]
+    assert sorted(ran) == sorted(TRAINER_WORKERS), ran
+    assert ran == [names[t["worker"]] for t in reference["trainers"]["per_trainer"]]
+    for rank, name in enumerate(ran):  # each worker's log: its trainer, in both runs
+        line = f"dlrmflow trainer {rank} of 2: rows {8 * rank}..{8 * rank + 7} of every batch"
+        assert since[name].count(line) == 2 and "dlrmflow trainer" not in since[name].replace(line, ""), \
+            (name, since[name][-2000:])
+    assert "dlrmflow trainer" not in since["w0"] + since["w1"] + since["w2"]
+    shards = {name: since[name].count("dlrmflow EmbeddingShard") for name in WORKERS}
+    assert shards == {"w0": 0, "w1": 2, "w2": 2, "t0": 0, "t1": 0}, shards  # one shard each, in both runs
