@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -26,6 +24,7 @@ import torch
 from distributed import Client
 from test_trainers import _plan_with_capacity, make_dataset, small_config
 
+from dlrmflow.cli import main
 from dlrmflow.engine import planner
 from dlrmflow.engine.cluster import cluster_workers, local_cluster
 from dlrmflow.engine.collectives import sum_in_rank_order, sum_over_users
@@ -248,23 +247,16 @@ def test_a_killed_trainer_fails_the_run_in_one_line_and_the_others_stop(client, 
     client.wait_for_workers(7, timeout=60)  # the nanny restarted the killed worker
 
 
-@pytest.mark.slow
-def test_the_cli_trains_with_several_trainers(tmp_path):
+def test_the_cli_refuses_a_batch_that_does_not_split_in_one_line(tmp_path, capsys):
+    """(The README's `--trainers 2` example runs the CLI end to end: tests/test_readme.py.)"""
     dataset = make_dataset(tmp_path / "data", 9, rows=300, cards=CARDS)
-    out = subprocess.run(
-        [sys.executable, "-m", "dlrmflow.cli", "train", str(dataset), "--mode", "remote", "--batch-size", "16",
-         "--iterations", "6", "--trainers", "2", "--output", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "remote training with 2 trainers: 6 iterations of batch 16" in out.stdout
-    assert "  trainers           2: " in out.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "dlrmflow.cli", "train", str(dataset), "--mode", "remote", "--batch-size", "15",
-         "--trainers", "2", "--output", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [
+    code = main(["train", str(dataset), "--mode", "remote", "--batch-size", "15", "--trainers", "2",
+                 "--output", str(tmp_path / "bad")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         "dlrmflow train: error: trainers: --batch-size 15 does not split into 2 equal slices (--trainers 2); "
         "use a multiple of 2"]
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.slow
