@@ -129,7 +129,8 @@ def test_trainers_go_to_distinct_trainer_workers_away_from_the_servers():
 @pytest.mark.parametrize(("change", "message"), [
     (dict(batch_size=10, trainers=3), "trainers: --batch-size 10 does not split into 3"),
     (dict(mode="local", trainers=2), "trainers: --trainers 2 needs embedding servers"),
-    (dict(trainers=2, parity=1), "trainers: --parity is not supported with --trainers 2"),
+    (dict(mode="lru", capacity=100, trainers=2, parity=1), "trainers: --mode lru with --parity is not supported"),
+    (dict(trainers=2, checkpoint_every=5, kills=("shard:0@3",)), "kills: --kill with --trainers 2 needs --parity"),
     (dict(trainers=2, device="cuda"), "trainers: --trainers 2 trains on the CPU"),
     (dict(trainers=0), "trainers: --trainers must be >= 1"),
 ])
