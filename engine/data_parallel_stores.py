@@ -69,22 +69,22 @@ class BatchSplit:
 
     @classmethod
     def of(cls, t: int, ids: np.ndarray, size: int, rank: int) -> BatchSplit:
-        """``ids``: the global batch's ids ``[B, T]``; trainer w takes rows ``w*B/W .. (w+1)*B/W - 1``."""
+        """``ids``: the global batch's ids ``[B, T]``; trainer w takes rows ``w*B/W .. (w+1)*B/W - 1``.
+
+        One sort of the whole batch: each slice's distinct ids are the union's ids its rows point at."""
         rows = ids.shape[0] // size
-        union = np.unique(ids)
-        uniq, where, inverse = [], [], None
+        union, inverse = np.unique(ids, return_inverse=True)
+        inverse = inverse.reshape(ids.shape)
         users = np.zeros((size, len(union)), dtype=bool)
+        uniq, where = [], []
         for w in range(size):
-            part = ids[w * rows:(w + 1) * rows]
-            if w == rank:
-                ids_w, inverse = np.unique(part, return_inverse=True)
-                inverse = inverse.reshape(-1)
-            else:
-                ids_w = np.unique(part)
-            uniq.append(ids_w)
-            where.append(np.searchsorted(union, ids_w))
-            users[w, where[-1]] = True
-        return cls(t, rank, union, uniq, where, users, inverse)
+            users[w, inverse[w * rows:(w + 1) * rows]] = True
+            where.append(np.flatnonzero(users[w]))
+            uniq.append(union[where[-1]])
+        # This trainer's slice: positions in the union -> positions among its own distinct ids.
+        rank_of = np.cumsum(users[rank]) - 1
+        mine = rank_of[inverse[rank * rows:(rank + 1) * rows].reshape(-1)]
+        return cls(t, rank, union, uniq, where, users, mine)
 
     @property
     def size(self) -> int:
