@@ -151,11 +151,25 @@ def train_point(data: dict[str, Any], trainers: int, mode: str, cluster: ShapedC
                    iteration_ms=per_it[:, 2].tolist(), stall_ms=per_it[:, 3].tolist(),
                    bytes_between_trainers=between, sync_fraction=group["sync_fraction"] if group else 0.0,
                    per_trainer=group["per_trainer"] if group else [],
+                   phases_ms=_phases_ms(group, iterations),
                    link_bytes=link_bytes.get("inside", 0) + link_bytes.get("root", 0))
     log(f"[{data['key']}] {rate_label(mbit):>14} W={trainers} {mode:<7} "
         f"median {summary['median_iteration_ms']:8.1f} ms, stall {100 * summary['stall_fraction']:5.1f}%, "
         f"sync {100 * summary['sync_fraction']:5.1f}%, run {wall:.1f} s")
     return summary
+
+
+PHASES = ("compute", "dense_sync", "sync", "stall", "batches")
+
+
+def _phases_ms(group: dict | None, iterations: int) -> dict[str, float]:
+    """Rank 0's ms per iteration in each phase (W > 1): forward and backward, the dense gradients' gather
+    (waiting for the slowest trainer included), the row gradients' sync, the stall, reading and splitting
+    the global batch."""
+    if not group:
+        return {}
+    lead = group["per_trainer"][0]
+    return {phase: 1e3 * lead[f"{phase}_seconds"] / iterations for phase in PHASES}
 
 
 def combine_point(key: str, mode: str, runs: list[dict]) -> dict:
@@ -166,7 +180,8 @@ def combine_point(key: str, mode: str, runs: list[dict]) -> dict:
     sync = float(np.median([r["sync_fraction"] for r in runs]))
     link_bytes = [r["link_bytes"] for r in runs]
     row = combine(key, mode, runs)
-    row.update(sync_fraction=sync, link_bytes_each_round=link_bytes)
+    phases = {p: float(np.median([r["phases_ms"][p] for r in runs])) for p in PHASES} if runs[0]["phases_ms"] else {}
+    row.update(sync_fraction=sync, link_bytes_each_round=link_bytes, phases_ms=phases)
     return row
 
 
@@ -277,6 +292,16 @@ def print_tables(rows: list[dict], skipped: list[dict], mismatches: list[str], l
               + "".join(f"{r['between_per_iteration'].get(k, 0) / 1e3:22.1f}" for k in BETWEEN_KINDS))
     print("bytes the trainers send each other per iteration (each trainer's sends to the W - 1 others, summed);\n"
           "the same at every rate")
+    header = f"{'cfg':<4}{'link':>13}{'W':>3} {'mode':<7}{'median ms':>10}"
+    header += "".join(f"{p + ' ms':>14}" for p in PHASES)
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in sorted(rows, key=_sort_key):
+        if r["phases_ms"]:
+            print(f"{r['config']:<4}{rate_label(r['rate_mbit']):>13}{r['trainers']:>3} {r['mode']:<7}"
+                  f"{r['pooled_median_ms']:10.1f}" + "".join(f"{r['phases_ms'][p]:14.1f}" for p in PHASES))
+    print("where trainer 0's iteration goes (W > 1; ms per iteration, medians over rounds): forward and backward,\n"
+          "the dense gradients' gather (its wait for the slowest trainer included), the row gradients' sync, the\n"
+          "stall, and reading and splitting the global batch (between iterations)")
     for s in skipped:
         print(f"[{s['config']}] {rate_label(s['rate_mbit'])} W={s['trainers']}: skipped: {s['reason']}")
     for line in goals(rows):

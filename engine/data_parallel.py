@@ -123,20 +123,26 @@ def make_trainer_store(setup: Any, device: torch.device, shards: ShardGroup, gro
 
 def trainer_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: torch.nn.Module,
                  params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, spec, store,
-                 group: TrainerGroup, device: torch.device) -> torch.Tensor:
-    """One iteration of one trainer (module docstring); returns the trainers' mean loss."""
+                 group: TrainerGroup, device: torch.device, clock: dict[str, float]) -> torch.Tensor:
+    """One iteration of one trainer (module docstring); returns the trainers' mean loss. Adds to ``clock``
+    the seconds of forward and backward (``compute``) and of the dense gradients' gather (``dense_sync``)."""
     rows = batch.labels.shape[0] // group.size
     lo, hi = group.rank * rows, (group.rank + 1) * rows
     dense = torch.tensor(batch.dense[lo:hi], device=device)
     labels = torch.tensor(batch.labels[lo:hi], device=device)
     block = store.gather(t, split)
+    start = time.perf_counter()
     weights = block[:, : spec.dim].clone().requires_grad_(True)
     embeddings = weights.index_select(0, torch.from_numpy(split.inverse).to(device))
     loss = bce_loss(model(dense, embeddings.view(rows, -1, spec.dim)), labels)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
-    mean = sum_in_rank_order(group.all_gather_equal(flat, "dense gradients"))
+    gathered = time.perf_counter()
+    parts = group.all_gather_equal(flat, "dense gradients")
+    clock["compute"] += gathered - start
+    clock["dense_sync"] += time.perf_counter() - gathered
+    mean = sum_in_rank_order(parts)
     offset = 0
     for p in params:
         p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
@@ -184,8 +190,8 @@ def train_rank(setup: Any, rank: int, size: int, init_method: str, progress_topi
                 checkpoints = Checkpointer(output, config.checkpoint_every, None, reload_on_loss=False,
                                            config_sha256=config_sha256(config.model_dump()),
                                            resumed_at=None if resumed is None else start_at)
-            sync_seconds = _train_loop(setup, group, model, optimizer, store, device, log, injector, checkpoints,
-                                       worker, progress_topic if lead else None)
+            clock = _train_loop(setup, group, model, optimizer, store, device, log, injector, checkpoints,
+                                worker, progress_topic if lead else None)
             start = time.perf_counter()
             try:
                 store.finish()
@@ -197,7 +203,7 @@ def train_rank(setup: Any, rank: int, size: int, init_method: str, progress_topi
             result = {**log.result(), "flush_seconds": time.perf_counter() - start}  # train_seconds counts it
             outcome: dict[str, Any] = {
                 "rank": rank, "worker": worker.address, "threads": torch.get_num_threads(), "log": result,
-                "sync_seconds": sync_seconds, "bytes_fetched": int(store.bytes_fetched),
+                "sync_seconds": clock.pop("row_sync"), "seconds": clock, "bytes_fetched": int(store.bytes_fetched),
                 "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent)}
             if lead:
                 outcome["metrics"] = evaluate(setup, model, store, device)
@@ -221,11 +227,15 @@ def train_rank(setup: Any, rank: int, size: int, init_method: str, progress_topi
 
 
 def _train_loop(setup, group, model, optimizer, store, device, log: TrainLog, injector, checkpoints, worker,
-                topic: str | None) -> np.ndarray:
-    """Iterations ``log.start .. n-1`` of one trainer; per iteration, the seconds spent syncing rows."""
+                topic: str | None) -> dict[str, Any]:
+    """Iterations ``log.start .. n-1`` of one trainer. Where its time went: ``row_sync`` per iteration (the
+    row gradients' collectives and barriers), and in all: ``compute`` (forward, backward), ``dense_sync``
+    (the dense gradients' gather, waiting for the slowest trainer included) and ``batches`` (reading the
+    global batch and splitting it)."""
     config, n, offsets = setup.config, setup.iterations, setup.stream.offsets
     params = list(model.parameters())
     sync_seconds = np.zeros(n)
+    clock = {"compute": 0.0, "dense_sync": 0.0, "batches": 0.0}
     log.begin = time.perf_counter()
     batches = setup.stream.iter_range(log.start, n)
     batch = next(batches)
@@ -242,12 +252,14 @@ def _train_loop(setup, group, model, optimizer, store, device, log: TrainLog, in
             group.barrier()  # nobody writes before trainer 0 has read
         if injector is not None:
             injector.before_iteration(t)
+        reading = time.perf_counter()
         following = next(batches) if t + 1 < n else None
         next_split = None if following is None else BatchSplit.of(
             t + 1, global_ids(following.sparse, offsets), group.size, group.rank)
+        clock["batches"] += time.perf_counter() - reading
         start, stall, sync = time.perf_counter(), store.stall_seconds, store.sync_seconds
         loss = trainer_step(t, batch, split, EMPTY_IDS if next_split is None else next_split.union, model,
-                            params, optimizer, setup.spec, store, group, device)
+                            params, optimizer, setup.spec, store, group, device, clock)
         log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall)
         sync_seconds[t] = store.sync_seconds - sync
         row = _metrics_row(log, t + 1, config.metrics_every, n)
@@ -255,7 +267,7 @@ def _train_loop(setup, group, model, optimizer, store, device, log: TrainLog, in
             worker.log_event(topic, {"done": t + 1, "metrics": row})
             last_report = time.perf_counter()
         batch, split = following, next_split
-    return sync_seconds
+    return {**clock, "row_sync": sync_seconds}
 
 
 def _metrics_row(log: TrainLog, t: int, every: int, n: int) -> dict[str, Any] | None:

@@ -416,7 +416,9 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
         "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "threads": r["threads"],
                          "bytes_fetched": r["bytes_fetched"], "bytes_written_back": r["bytes_written"],
                          "stall_seconds": float(np.sum(r["log"]["stall_seconds"])),
-                         "sync_seconds": float(np.sum(r["sync_seconds"]))} for r in results],
+                         "sync_seconds": float(np.sum(r["sync_seconds"])),
+                         **{f"{phase}_seconds": seconds for phase, seconds in r["seconds"].items()}}
+                        for r in results],
     }
 
 
