@@ -262,24 +262,12 @@ def _train_loop(setup, group, model, optimizer, store, device, log: TrainLog, in
                             params, optimizer, setup.spec, store, group, device, clock)
         log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall)
         sync_seconds[t] = store.sync_seconds - sync
-        row = _metrics_row(log, t + 1, config.metrics_every, n)
+        row = log.metrics_row(t + 1, config.metrics_every, n)
         if topic is not None and (row or time.perf_counter() - last_report > REPORT_SECONDS):
             worker.log_event(topic, {"done": t + 1, "metrics": row})
             last_report = time.perf_counter()
         batch, split = following, next_split
     return {**clock, "row_sync": sync_seconds}
-
-
-def _metrics_row(log: TrainLog, t: int, every: int, n: int) -> dict[str, Any] | None:
-    """The metrics row due after ``t`` iterations (every ``every`` and at the end), appended to the log."""
-    if t % every and t != n:
-        return None
-    lo = log.metrics[-1]["iteration"] if log.metrics else 0
-    row = {"iteration": t, "loss": float(torch.stack(log.losses[lo:t]).mean()),
-           "iteration_ms": 1e3 * float(log.iteration_seconds[lo:t].mean()),
-           "stall_ms": 1e3 * float(log.stall_seconds[lo:t].mean())}
-    log.metrics.append(row)
-    return row
 
 
 def run_trainers(setup: Any, client, *, progress: Callable[[int, int], None] | None = None,

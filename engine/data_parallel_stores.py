@@ -133,7 +133,50 @@ class RowsForTrainers:
         return ids, gathered
 
 
-class RemoteRowsW(RowsForTrainers):
+class ServersCurrentRows(RowsForTrainers):
+    """A W-trainer store whose servers hold every row's value after each iteration (nothing it keeps is newer):
+    its checkpoint view and its reads are the servers'."""
+
+    spec: RowSpec
+    device: torch.device
+    shards: ShardGroup
+
+    def quiesce(self) -> None:
+        """Nothing to wait for: every write went home in its iteration."""
+
+    def finish(self) -> None:
+        """Nothing to write: every write went home in its iteration."""
+
+    def read(self, ids: np.ndarray) -> torch.Tensor:
+        host = host_buffer(len(ids), self.spec.width, self.device)
+        self.shards.fetch(ids, out=host.numpy())
+        return host.to(self.device)
+
+    def all_rows(self) -> np.ndarray:
+        return self.shards.all_rows()
+
+    logical_rows = all_rows
+
+    def traffic(self) -> dict[str, int]:
+        return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
+
+    def cache_state(self) -> None:
+        """None: a resumed trainer starts with nothing cached (a cached copy equals its server's, so the bits
+        do not change; an LRU cache's misses do)."""
+        return None
+
+    def _write_through(self, ids: np.ndarray, rows: torch.Tensor) -> float:
+        """Write ``rows`` home, then wait until every trainer's writes of this iteration are home, so that no
+        trainer reads a server before them; returns the seconds spent writing (the barrier counts as sync)."""
+        start = time.perf_counter()
+        self.shards.write_back(ids, rows.numpy())
+        written = time.perf_counter()
+        self.group.barrier()
+        self.sync_seconds += time.perf_counter() - written
+        return written - start
+
+
+class RemoteRowsW(ServersCurrentRows):
     """The W-trainer reference: fetch the slice's rows, write each updated row home once, barrier.
 
     ``gateway`` (a run with parity, whose coded group has one client): trainer 0 alone talks to the
@@ -183,39 +226,13 @@ class RemoteRowsW(RowsForTrainers):
             write = split.union[split.first_user() == split.rank]
             rows = block[torch.from_numpy(np.searchsorted(split.mine, write))]
         apply_update_rowwise(self.spec, rows, sum_over_users(write, list(zip(ids, parts, strict=True)), split.size))
-        start = time.perf_counter()
-        self.shards.write_back(write, rows.numpy())
         self.bytes_written += len(write) * self.spec.row_bytes
-        self.stall_seconds += time.perf_counter() - start
-        if not self.gateway:
+        if self.gateway:  # one writer, which also makes every fetch: its calls are in order, no barrier needed
             start = time.perf_counter()
-            self.group.barrier()  # every write of t is home before any trainer fetches for t + 1
-            self.sync_seconds += time.perf_counter() - start
-
-    def quiesce(self) -> None:
-        """Nothing is held: every write went home in its iteration."""
-
-    def finish(self) -> None:
-        """Every write went home in its iteration."""
-
-    def read(self, ids: np.ndarray) -> torch.Tensor:
-        return self._fetch_uncounted(ids)
-
-    def _fetch_uncounted(self, ids: np.ndarray) -> torch.Tensor:
-        host = host_buffer(len(ids), self.spec.width, self.device)
-        self.shards.fetch(ids, out=host.numpy())
-        return host.to(self.device)
-
-    def all_rows(self) -> np.ndarray:
-        return self.shards.all_rows()
-
-    logical_rows = all_rows
-
-    def traffic(self) -> dict[str, int]:
-        return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
-
-    def cache_state(self) -> None:
-        return None
+            self.shards.write_back(write, rows.numpy())
+            self.stall_seconds += time.perf_counter() - start
+        else:
+            self.stall_seconds += self._write_through(write, rows)  # home before any fetch for t + 1
 
     def close(self) -> None:
         if self.shards is not None:
@@ -233,7 +250,7 @@ class _CleanLruRows(LruRows):
         """Nothing cached is newer than its server."""
 
 
-class LruRowsW(RowsForTrainers):
+class LruRowsW(ServersCurrentRows):
     """Independent per-trainer LRU caches kept coherent by update and write-through (module docstring)."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup,
@@ -271,35 +288,9 @@ class LruRowsW(RowsForTrainers):
         apply_update_rowwise(self.spec, rows, sum_over_users(held, list(zip(ids, parts, strict=True)), split.size))
         self.lru.cache.index_copy_(0, slots, rows)
         write = split.union[split.first_user() == split.rank]
-        start = time.perf_counter()
-        self.shards.write_back(write, rows[torch.from_numpy(np.searchsorted(held, write))].numpy())
         self._written += len(write) * self.spec.row_bytes
-        self._write_stall += time.perf_counter() - start
-        start = time.perf_counter()
-        self.group.barrier()  # every write of t is home before any trainer misses on the row at t + 1
-        self.sync_seconds += time.perf_counter() - start
-
-    def quiesce(self) -> None:
-        """Nothing is newer than the servers (write-through)."""
-
-    def finish(self) -> None:
-        """The servers hold every row: each update was written through."""
-
-    def read(self, ids: np.ndarray) -> torch.Tensor:
-        return self.lru.read(ids)
-
-    def all_rows(self) -> np.ndarray:
-        return self.shards.all_rows()
-
-    logical_rows = all_rows
-
-    def traffic(self) -> dict[str, int]:
-        return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}
-
-    def cache_state(self) -> None:
-        """Not carried: a resumed trainer starts with an empty cache (every copy equals its server's, so the
-        bits do not change; the misses do)."""
-        return None
+        # Home before any trainer misses on the row at t + 1.
+        self._write_stall += self._write_through(write, rows[torch.from_numpy(np.searchsorted(held, write))])
 
     def close(self) -> None:
         self.lru.close()

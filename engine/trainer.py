@@ -462,14 +462,9 @@ def _train_loop(setup, model, optimizer, store, device, progress, on_metrics, in
             log.done = t
             if progress is not None:
                 progress(t, n)
-            if t % config.metrics_every == 0 or t == n:
-                lo = log.metrics[-1]["iteration"] if log.metrics else 0
-                row = {"iteration": t, "loss": float(torch.stack(log.losses[lo:t]).mean()),
-                       "iteration_ms": 1e3 * float(log.iteration_seconds[lo:t].mean()),
-                       "stall_ms": 1e3 * float(log.stall_seconds[lo:t].mean())}
-                log.metrics.append(row)
-                if on_metrics is not None:
-                    on_metrics(row)
+            row = log.metrics_row(t, config.metrics_every, n)
+            if row is not None and on_metrics is not None:
+                on_metrics(row)
     return log.result()
 
 

@@ -87,6 +87,18 @@ class TrainLog:
         log.seconds_before = float(snap["seconds"])
         return log
 
+    def metrics_row(self, t: int, every: int, n: int) -> dict[str, Any] | None:
+        """After ``t`` of ``n`` iterations, the metrics row due then (every ``every`` and at the end), appended
+        to :attr:`metrics`: the mean loss, ms per iteration and stall since the previous row; else None."""
+        if t % every and t != n:
+            return None
+        lo = self.metrics[-1]["iteration"] if self.metrics else 0
+        row = {"iteration": t, "loss": float(torch.stack(self.losses[lo:t]).mean()),
+               "iteration_ms": 1e3 * float(self.iteration_seconds[lo:t].mean()),
+               "stall_ms": 1e3 * float(self.stall_seconds[lo:t].mean())}
+        self.metrics.append(row)
+        return row
+
     def result(self) -> dict[str, Any]:
         return {
             "losses": torch.stack(self.losses).cpu().numpy().astype(np.float64),
