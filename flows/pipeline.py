@@ -44,14 +44,15 @@ def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerpri
               "model": cfg.model}
     earlier = None if kills else saved_result(out / "summary.json", expect)
     if earlier is not None and bool(earlier.get("parity")) == bool(parity) and \
-            (earlier.get("trainers") or {}).get("count", 1) == _trainers(cfg, mode, parity):
+            (earlier.get("trainers") or {}).get("count", 1) == _trainers(cfg, mode):
         return {**earlier, "skipped": True}
     return None
 
 
-def _trainers(cfg: PipelineConfig, mode: str, parity: int) -> int:
-    """The pipeline's ``trainers`` train its remote and oracle runs; local and parity runs have one."""
-    return cfg.trainers if mode in ("remote", "oracle") and not parity else 1
+def _trainers(cfg: PipelineConfig, mode: str) -> int:
+    """The pipeline's ``trainers`` train every remote and oracle run, parity's included, so that the runs it
+    compares bit for bit train the same way; a local run has one."""
+    return cfg.trainers if mode in ("remote", "oracle") else 1
 
 
 def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
@@ -65,7 +66,7 @@ def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, p
         return earlier
     config = TrainConfig(dataset_dir=dataset, mode=mode, output_dir=str(out), batch_size=cfg.batch_size,
                          iterations=cfg.train_iterations, num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed,
-                         parity=parity, kills=kills, model=cfg.model, trainers=_trainers(cfg, mode, parity))
+                         parity=parity, kills=kills, model=cfg.model, trainers=_trainers(cfg, mode))
     return train_flow(config, dask_address or cfg.dask_address)
 
 

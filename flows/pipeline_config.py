@@ -63,7 +63,7 @@ class PipelineConfig(BaseModel):
     train_iterations: int = training_field("iterations", default=100, description="iterations of each training run")
     shards: int = training_field("num_shards")
     trainers: int = training_field("trainers", description="data-parallel trainers of the remote and oracle runs "
-                                   "(oracle: Bagpipe's LRPP cache); the local and parity runs have one")
+                                   "(oracle: Bagpipe's LRPP cache), parity's included")
     parity: int = training_field("parity", default=1, description="parity shards of the oracle-parity run "
                                  "(0: no fault tolerance, and no such run)")
     kills: list[str] = Field(default_factory=list, description="failure injection in the oracle-parity run, "
