@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.erasure import ErasureCode, xor_bits
+from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
 
 
 def _sync(xp: Any) -> None:

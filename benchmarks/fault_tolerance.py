@@ -70,12 +70,12 @@ import torch
 from bench_data import synthetic_dataset
 from distributed import Client
 
-from dlrmflow.engine.cluster import local_cluster
-from dlrmflow.engine.coded_shards import REBUILD_CHUNK
-from dlrmflow.engine.coded_shards import rebuild as recovery
-from dlrmflow.engine.planner import PlanConfig, make_plan
-from dlrmflow.engine.train_config import TrainConfig
-from dlrmflow.engine.trainer import prepare_run, train
+from dlrmflow.engine.coding import REBUILD_CHUNK
+from dlrmflow.engine.coding import rebuild as recovery
+from dlrmflow.engine.planning.planner import PlanConfig, make_plan
+from dlrmflow.engine.serving.cluster import local_cluster
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import prepare_run, train
 
 MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each N, parity R=1, R=2, R=1 rate-limited
 

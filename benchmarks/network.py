@@ -1,7 +1,7 @@
 """Training speed of the four modes with the embedding servers behind an emulated network link, by link rate.
 
 The servers are Dask workers inside a network namespace joined to this one by a veth pair shaped
-with tbf at each rate (:func:`dlrmflow.engine.cluster.shaped_cluster`); the trainer runs here, so
+with tbf at each rate (:func:`dlrmflow.engine.serving.cluster.shaped_cluster`); the trainer runs here, so
 every fetch and write-back crosses the link. One link serves every run of a configuration, its rate
 set before each run. Configurations, data and the plan are benchmarks/train.py's (``--configs a,b``:
 the Criteo architecture, the embedding-bound one).
@@ -49,10 +49,10 @@ import torch
 from distributed import Client
 from train import CONFIGS, EVAL_BATCHES, MODES, combine, config_data
 
-from dlrmflow.engine.cluster import shaped_cluster
-from dlrmflow.engine.shaped_link import LinkUnavailableError, ShapedLink
-from dlrmflow.engine.train_config import TrainConfig
-from dlrmflow.engine.trainer import train
+from dlrmflow.engine.serving.cluster import shaped_cluster
+from dlrmflow.engine.serving.shaped_link import LinkUnavailableError, ShapedLink
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import train
 
 RATES = "unshaped,1000,200,100,50,20,10"
 UNSHAPED = "unshaped"

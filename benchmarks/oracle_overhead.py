@@ -24,9 +24,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from dlrmflow.engine import trainer
-from dlrmflow.engine.cluster import dask_client
-from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.serving.cluster import dask_client
+from dlrmflow.engine.training import run as trainer
+from dlrmflow.engine.training.config import TrainConfig
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -41,10 +41,10 @@ from distributed import Client
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.batches import BatchStream
-from dlrmflow.engine.cache_policies import compare_dataset
-from dlrmflow.engine.cluster import local_cluster
-from dlrmflow.engine.lookahead import decide_range, iter_id_batches
-from dlrmflow.engine.planner import PlanConfig, plan_chunked, plan_sequential, write_plan
+from dlrmflow.engine.planning.cache_policies import compare_dataset
+from dlrmflow.engine.planning.lookahead import decide_range, iter_id_batches
+from dlrmflow.engine.planning.planner import PlanConfig, plan_chunked, plan_sequential, write_plan
+from dlrmflow.engine.serving.cluster import local_cluster
 
 CRITEO_KAGGLE_CARDINALITIES = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,

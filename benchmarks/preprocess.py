@@ -27,7 +27,7 @@ import pandas as pd
 from dlrmflow.datasets.formats import CRITEO_DENSE, CRITEO_SPARSE
 from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.datasets.synthetic import generate
-from dlrmflow.engine.cluster import local_cluster
+from dlrmflow.engine.serving.cluster import local_cluster
 
 
 def pandas_preprocess(src: Path, out: Path, seed: int = 0) -> int:

@@ -48,10 +48,10 @@ from distributed import Client
 from dlrmflow.datasets import synthetic
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine.cluster import local_cluster
-from dlrmflow.engine.planner import PlanConfig, load_plan, make_plan
-from dlrmflow.engine.train_config import TrainConfig
-from dlrmflow.engine.trainer import train
+from dlrmflow.engine.planning.planner import PlanConfig, load_plan, make_plan
+from dlrmflow.engine.serving.cluster import local_cluster
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import train
 
 CONFIGS = {
     "a": dict(name="criteo-arch", scale=0.05, batch=4096, dim=16, bottom=(512, 256, 64, 16), top=(512, 256, 1),

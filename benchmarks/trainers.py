@@ -1,6 +1,6 @@
 """W data-parallel trainers (``--trainers W``) in the server modes, behind the emulated link and unshaped.
 
-For each W of ``--trainers`` one :func:`dlrmflow.engine.cluster.shaped_cluster` runs for the whole
+For each W of ``--trainers`` one :func:`dlrmflow.engine.serving.cluster.shaped_cluster` runs for the whole
 benchmark: its embedding servers inside the link's namespace and, for W > 1, W trainer workers beside
 the scheduler (the ``trainer`` resource; each gets cores / W threads), so every fetch and write-back
 between a trainer and a server crosses that cluster's link while the trainers' own collectives
@@ -56,10 +56,10 @@ from distributed import Client
 from network import UNSHAPED, log, parse_rates, rate_label, rotated, transfer_seconds
 from train import CONFIGS, EVAL_BATCHES, combine, config_data
 
-from dlrmflow.engine.cluster import ShapedCluster, local_cluster, shaped_cluster
-from dlrmflow.engine.shaped_link import LinkUnavailableError
-from dlrmflow.engine.train_config import TrainConfig
-from dlrmflow.engine.trainer import train
+from dlrmflow.engine.serving.cluster import ShapedCluster, local_cluster, shaped_cluster
+from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import train
 
 SERVER_MODES = ("remote", "lru", "oracle")
 BETWEEN_KINDS = ("dense gradients", "row gradients", "sync_now", "sync_later", "prefetched rows")

@@ -68,7 +68,7 @@ FORMATS: dict[str, RawFormat] = {
 
 
 def get_format(name: str) -> RawFormat:
-    from dlrmflow.errors import UserInputError
+    from dlrmflow.engine.errors import UserInputError
 
     try:
         return FORMATS[name]

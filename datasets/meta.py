@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"

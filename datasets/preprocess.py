@@ -17,7 +17,7 @@ The job runs in three parallel stages over a Dask cluster (or in-process without
 Everything is written under a hidden ``.NAME.partial`` directory next to the output and
 renamed into place at the end, so an interrupted run never leaves a dataset that looks
 complete. Rerunning with unchanged inputs (path, size, mtime) and parameters finds the same
-fingerprint in ``meta.json`` and skips the work (:mod:`dlrmflow.up_to_date`).
+fingerprint in ``meta.json`` and skips the work (:mod:`dlrmflow.engine.up_to_date`).
 
 The result depends only on the inputs and parameters (including ``block_bytes``, which fixes
 the pieces), never on the number of workers.
@@ -46,9 +46,9 @@ import pyarrow.parquet as pq
 
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
 from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, read_meta, write_meta
-from dlrmflow.errors import UserInputError
-from dlrmflow.run_lock import output_lock
-from dlrmflow.up_to_date import file_identity, fingerprint, saved_result
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.run_lock import output_lock
+from dlrmflow.engine.up_to_date import file_identity, fingerprint, saved_result
 
 DEFAULT_BLOCK_BYTES = 64 << 20
 GZIP_EXPANSION_ESTIMATE = 4  # compressed Criteo text expands about 4x; only sizes the shuffle

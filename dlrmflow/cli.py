@@ -17,7 +17,7 @@ import sys
 from types import ModuleType
 
 from dlrmflow import __version__
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 # How long a command waits for its temporary local Prefect API to answer. A cold start imports the
 # server and migrates its database: seconds on an idle machine, a minute or more on busy cores.

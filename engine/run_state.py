@@ -12,7 +12,7 @@
     embedding            {"rows": float32 [total_rows, dim + state_width] in global id order,
                           "dim", "optimizer", "state_width", "table_offsets", "cardinalities"}
 
-Each embedding row is the row layout of :mod:`dlrmflow.engine.embedding_rows`: ``dim``
+Each embedding row is the row layout of :mod:`dlrmflow.engine.serving.embedding_rows`: ``dim``
 weights, then the optimizer state (row-wise Adagrad: one accumulator; SGD: nothing). ``dim`` is
 the model's row width: every per-id parameter of the model (``embedding_dim`` values, plus the
 first-order weight of Wide & Deep and DeepFM in the last weight column; docs/models.md).

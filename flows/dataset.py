@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from dlrmflow.datasets.preprocess import DEFAULT_BLOCK_BYTES
-from dlrmflow.engine.cluster import dask_scheduler
+from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.flows.run_names import generate_run_name, preprocess_run_name, profile_run_name
 from dlrmflow.tasks.dataset import generate_task, preprocess_task, profile_task, publish_profile_task
 

@@ -21,10 +21,11 @@ from typing import Any
 from prefect import flow, get_run_logger, tags
 
 from dlrmflow.datasets.meta import read_meta
-from dlrmflow.engine.cache_policies import capacity_sweep
-from dlrmflow.engine.cluster import dask_scheduler, shaped_scheduler
-from dlrmflow.engine.shaped_link import LinkUnavailableError
-from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.planning.cache_policies import capacity_sweep
+from dlrmflow.engine.serving.cluster import dask_scheduler, shaped_scheduler
+from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.up_to_date import saved_result
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
@@ -32,7 +33,6 @@ from dlrmflow.flows.run_names import pipeline_run_name
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.pipeline_report import publish_pipeline_summary_task
 from dlrmflow.tasks.reporting import Column, artifact_key, format_table
-from dlrmflow.up_to_date import saved_result
 
 
 def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerprint: str,
@@ -76,7 +76,7 @@ LINK_MODES = ("remote", "oracle")
 def _train_behind_link(cfg: PipelineConfig, dataset: str, plan_dir: str, fingerprint: str
                        ) -> tuple[dict[str, dict[str, Any]], str | None]:
     """remote and oracle again, their embedding servers behind a ``link_rate`` Mbit/s emulated link
-    (:func:`~dlrmflow.engine.cluster.shaped_scheduler`): ``({"remote_link": ..., "oracle_link": ...}, None)``,
+    (:func:`~dlrmflow.engine.serving.cluster.shaped_scheduler`): ``({"remote_link": ..., "oracle_link": ...}, None)``,
     or ``({}, why)`` when the link cannot be built here or the runs use the user's own cluster. The link is
     built only when a run is not up to date."""
     if cfg.dask_address:

@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from dlrmflow.engine.batches import batches_ending_by
-from dlrmflow.engine.faults import KILL_SYNTAX, FaultSpecError, check_kills, parse_kill
-from dlrmflow.engine.train_config import MODELS, TrainConfig
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.training.config import MODELS, TrainConfig
+from dlrmflow.engine.training.faults import KILL_SYNTAX, FaultSpecError, check_kills, parse_kill
 
 # The share of a dataset's rows every training run of the pipeline holds out for evaluation.
 EVAL_FRACTION: float = TrainConfig.model_fields["eval_fraction"].default
@@ -33,7 +33,7 @@ class PipelineConfigError(UserInputError):
 def training_batches(rows: int, batch_size: int, eval_fraction: float = EVAL_FRACTION) -> int:
     """Whole batches a training run of a ``rows``-row dataset has before its held-out rows.
 
-    The rule of ``engine/trainer.py``'s ``prepare_run``: the last ``round(eval_fraction * rows)`` rows
+    The rule of ``engine/training/run.py``'s ``prepare_run``: the last ``round(eval_fraction * rows)`` rows
     are held out, and a batch counts when it ends at or before them (:func:`batches_ending_by`)."""
     return batches_ending_by(rows, batch_size, rows - int(round(eval_fraction * rows)))
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from prefect import flow
 
-from dlrmflow.engine.cluster import dask_scheduler
-from dlrmflow.engine.planner import PlanConfig
+from dlrmflow.engine.planning.planner import PlanConfig
+from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.flows.run_names import compare_caches_run_name, plan_run_name
 from dlrmflow.tasks.plan import compare_task, plan_task, publish_comparison_task, publish_plan_task
 

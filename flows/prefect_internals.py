@@ -3,7 +3,7 @@
 Each function names what it relies on. ``tests/test_prefect_internals.py`` exercises each one against
 the installed Prefect, so an upgrade that changes them fails there, loudly, instead of as a recovery
 flow run that silently loses its parent or its logs. (The engine's Dask counterpart is
-:mod:`dlrmflow.engine.dask_internals`; the engine never imports Prefect, hence two modules.)
+:mod:`dlrmflow.engine.serving.dask_internals`; the engine never imports Prefect, hence two modules.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from prefect.context import TaskRunContext
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 T = TypeVar("T")
 

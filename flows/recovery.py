@@ -1,7 +1,7 @@
 """The recover-shard subflow: one flow run per shard recovery, started by the train flow.
 
 The engine rebuilds lost shards in a background thread of the trainer
-(:mod:`dlrmflow.engine.coded_shards.rebuild`). The train flow makes ``recovery_runner()`` (below) and
+(:mod:`dlrmflow.engine.coding.rebuild`). The train flow makes ``recovery_runner()`` (below) and
 the train task hands it to the engine, so each rebuild is reported by its own Prefect flow run (a
 child of the training run) with its logs, progress artifact and a table of what was rebuilt. The
 rebuild starts at once and does not wait for that flow run to start (which can take longer than the
@@ -99,7 +99,7 @@ def run_recovery_subflow(rebuild: Callable[..., dict[str, Any]], info: dict[str,
 @flow(name="verify-parity", flow_run_name=verify_run_name)
 def verify_flow(run_dir: str) -> dict[str, Any]:
     """Re-encode a finished run's data shards and compare with the parity shards it saved."""
-    from dlrmflow.engine.coded_shards import verify_run_dir
+    from dlrmflow.engine.coding.verify import verify_run_dir
 
     result = verify_run_dir(run_dir)
     status = "OK" if result["ok"] else f"MISMATCH {result['mismatched_stripes']}"

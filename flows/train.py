@@ -1,7 +1,7 @@
 """The train flow: check the configuration, train (with embedding servers unless local), report.
 
-Its parameter is one validated :class:`~dlrmflow.engine.train_config.TrainConfig`. The check
-(:func:`~dlrmflow.engine.trainer.prepare_run`) runs once per run: in the flow's check task, or,
+Its parameter is one validated :class:`~dlrmflow.engine.training.config.TrainConfig`. The check
+(:func:`~dlrmflow.engine.training.run.prepare_run`) runs once per run: in the flow's check task, or,
 when the CLI has already made it before starting Prefect, not again (:func:`train_checked`).
 
 A run with ``checkpoint_every`` that fails or crashes leaves a checkpoint; the flow's hooks then
@@ -17,10 +17,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
 
-from dlrmflow.engine.checkpoint import unfinished_run_message
-from dlrmflow.engine.cluster import dask_scheduler
-from dlrmflow.engine.train_config import TrainConfig
-from dlrmflow.engine.trainer import RunSetup
+from dlrmflow.engine.serving.cluster import dask_scheduler
+from dlrmflow.engine.training.checkpoint import unfinished_run_message
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import RunSetup
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
 from dlrmflow.tasks.reporting import artifact_key, dataset_label

@@ -10,8 +10,9 @@ from prefect import get_run_logger, task
 
 from dlrmflow.datasets import synthetic
 from dlrmflow.datasets.preprocess import preprocess
-from dlrmflow.engine import profile as skew
-from dlrmflow.engine.cluster import dask_client
+from dlrmflow.engine.planning import profile as skew
+from dlrmflow.engine.serving.cluster import dask_client
+from dlrmflow.engine.up_to_date import saved_result
 from dlrmflow.tasks.reporting import (
     Column,
     FlowProgress,
@@ -21,7 +22,6 @@ from dlrmflow.tasks.reporting import (
     publish_plot,
     publish_table,
 )
-from dlrmflow.up_to_date import saved_result
 
 SKEW_COLUMNS = [Column("Table", "table"), Column("Rows", "rows", "count"),
                 Column("Touched rows", "touched_rows", "count"), Column("Accesses", "accesses", "count"),

@@ -9,9 +9,9 @@ from typing import Any
 
 from prefect import task
 
-from dlrmflow.engine import cache_policies
-from dlrmflow.engine.cluster import cluster_workers, dask_client
-from dlrmflow.engine.planner import PlanConfig, make_plan
+from dlrmflow.engine.planning import cache_policies
+from dlrmflow.engine.planning.planner import PlanConfig, make_plan
+from dlrmflow.engine.serving.cluster import cluster_workers, dask_client
 from dlrmflow.tasks.reporting import (
     Column,
     FlowProgress,

@@ -1,4 +1,4 @@
-"""Prefect tasks of the train flow (thin wrappers over :mod:`dlrmflow.engine.trainer`) and its report."""
+"""Prefect tasks of the train flow (thin wrappers over :mod:`dlrmflow.engine.training.run`) and its report."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from dlrmflow.engine.cluster import dask_client
-from dlrmflow.engine.train_config import TrainConfig
-from dlrmflow.engine.trainer import RunSetup, prepare_run, train
+from dlrmflow.engine.serving.cluster import dask_client
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import RunSetup, prepare_run, train
 from dlrmflow.tasks import plots
 from dlrmflow.tasks.reporting import (
     Column,

@@ -5,7 +5,7 @@
 - no import cycle among engine modules;
 - no engine module reaches into another module's private names;
 - private attributes of other objects (``actor._address``, ``TaskRunContext.__var__``) and private
-  modules of other libraries are used only in ``engine/dask_internals.py`` and
+  modules of other libraries are used only in ``engine/serving/dask_internals.py`` and
   ``flows/prefect_internals.py``, each tested against the installed library.
 
 The static checks read every module's syntax tree, imports inside functions and under
@@ -31,7 +31,7 @@ ENGINE = "dlrmflow.engine"
 
 @dataclass(frozen=True)
 class Module:
-    name: str  # dotted, e.g. dlrmflow.engine.coded_shards.group
+    name: str  # dotted, e.g. dlrmflow.engine.coding.group
     path: Path
     is_package: bool
 
@@ -125,7 +125,7 @@ _IMPORT_WITHOUT_PREFECT = textwrap.dedent(
 
 def test_every_engine_module_imports_without_prefect():
     names = [m.name for m in engine_modules()]
-    assert "dlrmflow.engine.erasure" in names and "dlrmflow.engine.trainer" in names
+    assert "dlrmflow.engine.coding.erasure" in names and "dlrmflow.engine.training.run" in names
     done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_PREFECT, json.dumps(names)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -287,25 +287,26 @@ def test_the_private_access_check_finds_both_forms(tmp_path):
     source = tmp_path / "user.py"
     source.write_text(textwrap.dedent(
         """
-        from dlrmflow.engine.erasure import _check_rows, ErasureCode
-        from dlrmflow.engine import gf256
-        from dlrmflow.engine import gf256 as field
-        import dlrmflow.engine.erasure as code
-        import dlrmflow.engine.erasure
+        from dlrmflow.engine.coding.erasure import _check_rows, ErasureCode
+        from dlrmflow.engine.coding import gf256
+        from dlrmflow.engine.coding import gf256 as field
+        import dlrmflow.engine.coding.erasure as code
+        import dlrmflow.engine.coding.erasure
 
         def f():
             from . import gf256 as g
-            return gf256._flat, field.MUL, code._to_host, dlrmflow.engine.erasure._words, g._is_numpy, f._x
+            return gf256._flat, field.MUL, code._to_host, dlrmflow.engine.coding.erasure._words, g._is_numpy, f._x
         """
     ))
-    known = {f"{ENGINE}.erasure", f"{ENGINE}.gf256", f"{ENGINE}.user", ENGINE}
-    found = list(private_accesses(Module(f"{ENGINE}.user", source, False), known))
+    coding = f"{ENGINE}.coding"
+    known = {f"{coding}.erasure", f"{coding}.gf256", f"{coding}.user", coding, ENGINE}
+    found = list(private_accesses(Module(f"{coding}.user", source, False), known))
     assert found == [
-        f"line 2: from {ENGINE}.erasure import _check_rows",
-        f"line 10: {ENGINE}.erasure._to_host",
-        f"line 10: {ENGINE}.erasure._words",
-        f"line 10: {ENGINE}.gf256._flat",
-        f"line 10: {ENGINE}.gf256._is_numpy",
+        f"line 2: from {coding}.erasure import _check_rows",
+        f"line 10: {coding}.erasure._to_host",
+        f"line 10: {coding}.erasure._words",
+        f"line 10: {coding}.gf256._flat",
+        f"line 10: {coding}.gf256._is_numpy",
     ]
 
 
@@ -320,7 +321,7 @@ def test_no_engine_module_uses_another_modules_private_names():
 # (e) private attributes and private APIs of Dask and Prefect only in the internals modules
 
 # The one module per library allowed to use what it does not document (each with its own test).
-INTERNALS = {"dlrmflow.engine.dask_internals", "dlrmflow.flows.prefect_internals"}
+INTERNALS = {"dlrmflow.engine.serving.dask_internals", "dlrmflow.flows.prefect_internals"}
 # Dunder names that are a library's internals, not Python's data model.
 INTERNAL_DUNDERS = {"__var__"}
 
@@ -356,5 +357,5 @@ def test_private_attributes_and_apis_are_used_only_in_the_internals_modules():
                *modules_of("dlrmflow.datasets", Path(dlrmflow.datasets.__file__).parent)]
     assert INTERNALS <= {m.name for m in modules}
     found = [f"{m.path.name} {where}" for m in modules if m.name not in INTERNALS for where in foreign_private_uses(m)]
-    assert not found, ("private attributes or modules used outside engine/dask_internals.py and "
+    assert not found, ("private attributes or modules used outside engine/serving/dask_internals.py and "
                        "flows/prefect_internals.py (engine/, datasets/, flows/, tasks/):\n" + "\n".join(found))

@@ -8,7 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from dlrmflow.engine.cache_policies import POLICIES, PolicyResult, capacity_sweep, comparison_lines, plot_comparison
+from dlrmflow.engine.planning.cache_policies import (
+    POLICIES,
+    PolicyResult,
+    capacity_sweep,
+    comparison_lines,
+    plot_comparison,
+)
 from dlrmflow.tasks.recovery import recovery_table
 from dlrmflow.tasks.reporting import Column, artifact_key, dataset_label, format_table, format_value, metric_table
 from dlrmflow.tasks.train import summary_table

@@ -30,15 +30,14 @@ from test_trainers import make_dataset, small_config
 from dlrmflow.cli import main
 from dlrmflow.datasets.formats import FORMATS, parse_block
 from dlrmflow.datasets.preprocess import preprocess
-from dlrmflow.engine import trainer as trainer_module
-from dlrmflow.engine.checkpoint import refuse_to_overwrite
-from dlrmflow.engine.coded_shards import PARITY_FILE, verify_run_dir
-from dlrmflow.engine.coded_shards.verify import save_parity
-from dlrmflow.engine.erasure import ErasureCode
+from dlrmflow.engine.coding.erasure import ErasureCode
+from dlrmflow.engine.coding.verify import PARITY_FILE, save_parity, verify_run_dir
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.run_lock import OutputLockedError, lock_path, output_lock
 from dlrmflow.engine.run_state import save_state
-from dlrmflow.engine.trainer import prepare_run, train
-from dlrmflow.errors import UserInputError
-from dlrmflow.run_lock import OutputLockedError, lock_path, output_lock
+from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training.checkpoint import refuse_to_overwrite
+from dlrmflow.engine.training.run import prepare_run, train
 
 DATA = Path(__file__).parent / "data"
 

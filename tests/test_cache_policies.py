@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from test_planner import make_dataset, naive_plan
 
 from dlrmflow.engine.batches import BatchStream, global_ids
-from dlrmflow.engine.cache_policies import (
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.planning.cache_policies import (
     build_trace,
     compare_policies,
     parse_capacity,
@@ -24,7 +25,6 @@ from dlrmflow.engine.cache_policies import (
     simulate_static,
     trace_from_batches,
 )
-from dlrmflow.errors import UserInputError
 
 
 def trace(*batches, num_rows=10):

@@ -10,7 +10,7 @@ import sys
 import dask
 import pytest
 
-from dlrmflow.engine.cluster import HOUSEKEEPING, local_cluster
+from dlrmflow.engine.serving.cluster import HOUSEKEEPING, local_cluster
 
 
 def _policy_seen_by_a_fresh_process(env: dict[str, str]) -> str:

@@ -1,4 +1,4 @@
-"""Each Dask private API the engine relies on (engine/dask_internals.py), against a real cluster: a Dask
+"""Each Dask private API the engine relies on (engine/serving/dask_internals.py), against a real cluster: a Dask
 upgrade that changes one fails here, loudly, rather than as a slow or stuck kill run."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 from distributed import Client, LocalCluster
 
-from dlrmflow.engine import dask_internals
-from dlrmflow.engine.embedding_server import (
+from dlrmflow.engine.serving import dask_internals
+from dlrmflow.engine.serving.shards import (
     DeadCall,
     LostMembersError,
     ServerCall,

@@ -25,16 +25,16 @@ from distributed import Client
 from test_trainers import _plan_with_capacity, make_dataset, small_config
 
 from dlrmflow.cli import main
-from dlrmflow.engine import planner
-from dlrmflow.engine.cluster import cluster_workers, local_cluster
-from dlrmflow.engine.collectives import sum_in_rank_order, sum_over_users
-from dlrmflow.engine.data_parallel import TrainerLostError
-from dlrmflow.engine.data_parallel_stores import BatchSplit, sync_classes
-from dlrmflow.engine.embedding_rows import RowSpec, apply_update_rowwise
-from dlrmflow.engine.placement import NoWorkersError, place_trainers
+from dlrmflow.engine.planning import planner
 from dlrmflow.engine.run_state import load_state
-from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
-from dlrmflow.engine.trainer import train
+from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.serving.placement import NoWorkersError, place_trainers
+from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_users
+from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
+from dlrmflow.engine.training.run import train
+from dlrmflow.engine.training.stores_w import BatchSplit, sync_classes
+from dlrmflow.engine.training.trainers import TrainerLostError
 
 CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict
 

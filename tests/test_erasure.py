@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from dlrmflow.engine import gf256
-from dlrmflow.engine.erasure import (
+from dlrmflow.engine.coding import gf256
+from dlrmflow.engine.coding.erasure import (
     ErasureCode,
     StripeDelta,
     TooManyErasuresError,
@@ -29,7 +29,7 @@ from dlrmflow.engine.erasure import (
     stripe_chunks,
     xor_bits,
 )
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 # float32 bit patterns that value-based arithmetic would not carry through unchanged.
 SPECIAL_BITS = np.array(

@@ -15,8 +15,8 @@ except Exception:  # no driver, no runtime: no GPU to test on
 if _devices < 1:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from dlrmflow.engine import gf256  # noqa: E402
-from dlrmflow.engine.erasure import ErasureCode, gather_stripes, stripe_chunks, xor_bits  # noqa: E402
+from dlrmflow.engine.coding import gf256  # noqa: E402
+from dlrmflow.engine.coding.erasure import ErasureCode, gather_stripes, stripe_chunks, xor_bits  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

@@ -24,8 +24,8 @@ from process_helpers import stop_process_groups
 from test_trainers import make_dataset
 
 from dlrmflow.datasets.meta import read_meta
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.placement import RESOURCE, TRAINER_RESOURCE
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.placement import RESOURCE, TRAINER_RESOURCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 

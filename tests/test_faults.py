@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from dlrmflow.engine.faults import FaultInjector, parse_kill
+from dlrmflow.engine.training.faults import FaultInjector, parse_kill
 
 
 class Workers:

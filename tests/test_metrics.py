@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dlrmflow.engine.metrics import LOG_LOSS_EPS, log_loss, roc_auc
+from dlrmflow.engine.training.metrics import LOG_LOSS_EPS, log_loss, roc_auc
 
 
 def auc_by_pairs(labels, scores) -> float:

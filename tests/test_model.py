@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.models import bce_loss
 from dlrmflow.engine.models.dlrm import DLRM, DLRMConfig, criteo_config
 from dlrmflow.engine.run_state import bit_equal
-from dlrmflow.errors import UserInputError
 
 
 def _linear_shapes(seq: torch.nn.Sequential) -> list[tuple[int, int]]:

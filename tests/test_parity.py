@@ -14,25 +14,20 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
 
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.coded_shards import (
-    PARITY_FILE,
-    CheckedOutRows,
-    CodedShard,
-    CodedShardGroup,
-    ParityShard,
-    place_members,
-    start_coded_shards,
-    verify_run_dir,
-)
-from dlrmflow.engine.coded_shards import group as group_module
-from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard
-from dlrmflow.engine.erasure import ErasureCode, xor_bits
-from dlrmflow.engine.faults import FaultSpecError, parse_kill
+from dlrmflow.engine.coding import group as group_module
+from dlrmflow.engine.coding.checked_out import CheckedOutRows
+from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
+from dlrmflow.engine.coding.group import CodedShardGroup
+from dlrmflow.engine.coding.members import CodedShard, ParityShard
+from dlrmflow.engine.coding.start import place_members, start_coded_shards
+from dlrmflow.engine.coding.verify import PARITY_FILE, verify_run_dir
+from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.run_state import load_state, save_state
-from dlrmflow.engine.trainer import TrainConfigError, prepare_run, train
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.serving.shards import EmbeddingShard
+from dlrmflow.engine.training.faults import FaultSpecError, parse_kill
+from dlrmflow.engine.training.run import TrainConfigError, prepare_run, train
 
 
 @pytest.fixture(scope="module")

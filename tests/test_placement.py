@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrmflow.engine.placement import (
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.serving.placement import (
     RESOURCE,
     NoWorkersError,
     choose_rebuild_worker,
@@ -23,7 +24,6 @@ from dlrmflow.engine.placement import (
     least_loaded_worker,
     place,
 )
-from dlrmflow.errors import UserInputError
 
 
 @st.composite

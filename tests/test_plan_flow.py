@@ -11,8 +11,8 @@ from cli_helpers import run_json
 from test_planner import make_dataset
 
 from dlrmflow.cli import main
-from dlrmflow.engine.cache_policies import build_trace, compare_policies
-from dlrmflow.engine.planner import PlanConfig, load_plan, plan_sequential
+from dlrmflow.engine.planning.cache_policies import build_trace, compare_policies
+from dlrmflow.engine.planning.planner import PlanConfig, load_plan, plan_sequential
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

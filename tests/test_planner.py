@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine import lookahead
 from dlrmflow.engine.batches import BatchStream, global_ids
-from dlrmflow.engine.lookahead import PlanConsistencyError, assign_slots, farthest_first_drops, iter_id_batches
-from dlrmflow.engine.planner import (
+from dlrmflow.engine.planning import lookahead
+from dlrmflow.engine.planning.lookahead import PlanConsistencyError, assign_slots, farthest_first_drops, iter_id_batches
+from dlrmflow.engine.planning.planner import (
     CapacityError,
     PlanArrays,
     PlanConfig,
@@ -241,7 +241,7 @@ def test_chunked_plan_equals_sequential(tmp_path):
 
 
 def test_chunked_plan_on_dask_equals_sequential(tmp_path):
-    from dlrmflow.engine.cluster import dask_client
+    from dlrmflow.engine.serving.cluster import dask_client
 
     dataset = make_dataset(tmp_path / "ds", 3, 3000, [5, 900, 40, 2000, 13], rows_per_file=700)
     configs = [PlanConfig(32, 6, 2), PlanConfig(25, 10, 4, capacity=700, drop_last=True), PlanConfig(64, 3, 3)]
@@ -363,7 +363,7 @@ def test_slot_assignment_rejects_a_prefetch_before_the_write_back():
 
 
 def test_plan_directory_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setattr("dlrmflow.engine.planner.ITERATIONS_PER_FILE", 7)
+    monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", 7)
     dataset = make_dataset(tmp_path / "ds", 5, 900, [40, 300, 6], rows_per_file=250)
     config = PlanConfig(16, 8, 3, capacity=None)
     reference = plan_sequential(dataset, config)
@@ -419,7 +419,7 @@ def test_missing_or_incomplete_plan_directories_are_refused(tmp_path):
 def test_interrupted_write_leaves_no_plan_and_keeps_the_old_one(tmp_path, monkeypatch):
     dataset = make_dataset(tmp_path / "ds", 9, 600, [20, 90])
     old = make_plan(dataset, PlanConfig(10, 4, 2), tmp_path / "plan")
-    monkeypatch.setattr("dlrmflow.engine.planner.ITERATIONS_PER_FILE", 5)
+    monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", 5)
     real_write = pq.write_table
     for output in ("plan", "fresh"):
         calls = []
@@ -430,7 +430,7 @@ def test_interrupted_write_leaves_no_plan_and_keeps_the_old_one(tmp_path, monkey
                 raise KeyboardInterrupt
             return real_write(*args, **kwargs)
 
-        monkeypatch.setattr("dlrmflow.engine.planner.pq.write_table", failing_write)
+        monkeypatch.setattr("dlrmflow.engine.planning.planner.pq.write_table", failing_write)
         with pytest.raises(KeyboardInterrupt):
             make_plan(dataset, PlanConfig(10, 6, 2), tmp_path / output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "plan"]  # no temp dir, no "fresh"

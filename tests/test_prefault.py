@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from test_erasure import assert_bits_equal, random_rows
 
-from dlrmflow.engine import prefault as prefault_module
-from dlrmflow.engine.coded_shards import CodedShard, ParityShard
-from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.prefault import prefault
+from dlrmflow.engine.coding import prefault as prefault_module
+from dlrmflow.engine.coding.members import CodedShard, ParityShard
+from dlrmflow.engine.coding.prefault import prefault
+from dlrmflow.engine.serving.embedding_rows import RowSpec
 
 LINUX_5_14 = sys.platform.startswith("linux") and tuple(
     int(part) for part in platform.release().split("-")[0].split(".")[:2]) >= (5, 14)

@@ -324,7 +324,7 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
     from prefect import flow, get_client, task
     from prefect.context import FlowRunContext
 
-    from dlrmflow.engine.coded_shards import RecoveryRecord
+    from dlrmflow.engine.coding.record import RecoveryRecord
     from dlrmflow.flows.recovery import recovery_runner, run_recovery_subflow
 
     def rebuild(progress=None):  # what rebuild_lost returns (a record of a rebuild that took 0.01 s), and the run
@@ -335,7 +335,7 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
     def train_like(bound: bool):
         runner = recovery_runner() if bound else run_recovery_subflow
         results = []
-        # Like engine/prefetch.py's worker: a thread that does not copy its creator's context.
+        # Like engine/training/prefetch.py's worker: a thread that does not copy its creator's context.
         thread = threading.Thread(target=lambda: results.append(runner(rebuild, {"lost": ["data shard 0"],
                                                                                   "stripes": 8, "chunk": 8})))
         thread.start()

@@ -21,7 +21,7 @@ import pytest
 
 from dlrmflow.datasets.meta import DatasetError, read_meta
 from dlrmflow.datasets.preprocess import preprocess
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 
 def _read_dataset(path: Path) -> tuple[dict[str, np.ndarray], object]:

@@ -9,8 +9,8 @@ import pytest
 
 from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine.cluster import dask_client
-from dlrmflow.engine.profile import CountHistogram, plot_coverage, profile_dataset
+from dlrmflow.engine.planning.profile import CountHistogram, plot_coverage, profile_dataset
+from dlrmflow.engine.serving.cluster import dask_client
 
 
 def _random_dataset(path, seed: int, n: int = 3000):

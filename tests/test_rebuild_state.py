@@ -3,7 +3,7 @@
 A pure-NumPy model of the members (data shards, parity shards with pending deltas, replacements
 with fresh rows and a rebuild id) and of the rebuild thread and its copy tasks, as generators that
 take one atomic step at a time, drives :class:`RebuildState` through the same transitions as
-``engine/coded_shards/rebuild.py``. The tests enumerate every position of write-back batches among
+``engine/coding/rebuild.py``. The tests enumerate every position of write-back batches among
 those steps (before the log opens, between a copy's survivor reads, between a copy and its fix-up,
 after a fix-up, ...), further losses mid-rebuild, and random traces; after every step, every stripe
 the state declares rebuilt must hold, on every replacement, exactly what the lost member would hold.
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from dlrmflow.engine.coded_shards.rebuild_state import FixUp, RebuildState, StartRebuild
-from dlrmflow.engine.erasure import ErasureCode, TooManyErasuresError, xor_bits
+from dlrmflow.engine.coding.erasure import ErasureCode, TooManyErasuresError, xor_bits
+from dlrmflow.engine.coding.rebuild_state import FixUp, RebuildState, StartRebuild
 
 Blocked = Callable[[], bool] | None  # what a step yields: None (done a step) or "run me again once this is true"
 

@@ -19,19 +19,20 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
 
-from dlrmflow.engine import checkpoint as checkpoint_module
-from dlrmflow.engine import faults as faults_module
-from dlrmflow.engine import trainer as trainer_module
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.coded_shards import PARITY_FILE, CodedShard, shard_row_counts, verify_run_dir
-from dlrmflow.engine.coded_shards import group as group_module
-from dlrmflow.engine.coded_shards import rebuild as rebuild_module
-from dlrmflow.engine.coded_shards import start as start_module
-from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import EmbeddingShard, remote, wait_all
-from dlrmflow.engine.erasure import TooManyErasuresError
+from dlrmflow.engine.coding import group as group_module
+from dlrmflow.engine.coding import rebuild as rebuild_module
+from dlrmflow.engine.coding import start as start_module
+from dlrmflow.engine.coding.erasure import TooManyErasuresError
+from dlrmflow.engine.coding.members import CodedShard, shard_row_counts
+from dlrmflow.engine.coding.verify import PARITY_FILE, verify_run_dir
 from dlrmflow.engine.run_state import STATE_FILE, SUMMARY_FILE, load_state
-from dlrmflow.engine.trainer import prepare_run, train
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
+from dlrmflow.engine.training import checkpoint as checkpoint_module
+from dlrmflow.engine.training import faults as faults_module
+from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training.run import prepare_run, train
 
 ITERATIONS = 14
 WORKERS = 4  # K = 2 data shards + up to R = 2 parity shards, one worker each
@@ -364,7 +365,7 @@ def test_a_slow_call_asks_the_scheduler_early_then_sparsely_and_fails_once_its_w
     """The watch of a member call: the first look-up after WATCH_FIRST_S (a call that had to reconnect
     to a killed worker is noticed by it), later ones every WATCH_S (each is a round trip to the
     scheduler); a listed worker keeps the call waiting, an unlisted one fails it with OSError."""
-    from dlrmflow.engine import embedding_server
+    from dlrmflow.engine.serving import shards as embedding_server
 
     waits: list[float] = []
     listings = iter([{"w": {}}, {"w": {}}, {}])
@@ -390,7 +391,7 @@ def test_a_call_answered_as_its_wait_runs_out_gives_its_own_outcome(monkeypatch,
     """A wait that times out just as the answer lands must not pass for a lost worker: a TimeoutError
     is an OSError, which marks the member lost (a live member was, and with R = 1 a kill then lost
     two). The caller gets the call's own result or error, and the scheduler is not asked."""
-    from dlrmflow.engine import embedding_server
+    from dlrmflow.engine.serving import shards as embedding_server
 
     class AnsweredAsTheWaitEnded:
         def __init__(self) -> None:

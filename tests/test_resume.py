@@ -23,17 +23,17 @@ import pytest
 from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, make_dataset, small_config
 
-from dlrmflow.engine import trainer as trainer_module
-from dlrmflow.engine.checkpoint import (
+from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
+from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training.checkpoint import (
     CHECKPOINT_FILE,
     RUN_CONFIG_FILE,
     UNFINISHED_FILE,
     ResumeError,
     checkpoint_iteration,
 )
-from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
-from dlrmflow.engine.train_config import replace
-from dlrmflow.engine.trainer import prepare_run, train
+from dlrmflow.engine.training.config import replace
+from dlrmflow.engine.training.run import prepare_run, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_resumed_run_ends_bit_identical_to_an_uninterrupted_one(cluster, tmp_pat
 def test_oracle_resumes_at_its_plan_position_bit_identical(cluster, tmp_path, monkeypatch, seed):
     """Crash an oracle run after a checkpoint; the resume rebuilds the cache the plan implies there and
     ends bit-identical (state, every loss, traffic) to the uninterrupted oracle run and to local."""
-    from dlrmflow.engine import planner
+    from dlrmflow.engine.planning import planner
 
     rng = np.random.default_rng(900 + seed)
     dataset = make_dataset(tmp_path / "data", 80 + seed)
@@ -165,7 +165,7 @@ def test_oracle_resumes_at_its_plan_position_bit_identical(cluster, tmp_path, mo
 def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(tmp_path, seed):
     """Without parity, a shard's worker killed mid-run: the oracle store restarts its prefetch worker at
     the checkpoint's plan position on fresh shards, replays, and ends bit-identical to local."""
-    from dlrmflow.engine import planner
+    from dlrmflow.engine.planning import planner
 
     rng = np.random.default_rng(950 + seed)
     dataset = make_dataset(tmp_path / "data", 90 + seed)
@@ -308,7 +308,7 @@ def train_args(dataset: Path, out: Path, address: str) -> list[str]:
 # catch it mid-run; nothing else differs from the installed `dlrmflow` script.
 SLOW_TRAIN = """
 import sys, time
-from dlrmflow.engine import trainer
+from dlrmflow.engine.training import run as trainer
 step = trainer.train_step
 trainer.train_step = lambda *a, **k: (time.sleep(0.05), step(*a, **k))[1]
 from dlrmflow.cli import main

@@ -16,9 +16,14 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import EMPTY, FakePlanConfig, ListPlan, Step, _spec, lru_simulation
 
-from dlrmflow.engine.checkpoint import load_checkpoint, restore_checkpoint, save_checkpoint, start_placed_shards
-from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.training.checkpoint import (
+    load_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+    start_placed_shards,
+)
+from dlrmflow.engine.training.stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
 
 MODES = ("local", "remote", "lru", "oracle")
 SHARD_MODES = ("remote", "lru", "oracle")

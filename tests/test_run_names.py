@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.flows.run_names import train_name, train_tags
 
 
@@ -30,7 +30,7 @@ def test_flow_runs_are_named_and_tagged(tmp_path):
     from prefect.context import FlowRunContext
     from test_planner import make_dataset
 
-    from dlrmflow.engine.coded_shards import RecoveryRecord
+    from dlrmflow.engine.coding.record import RecoveryRecord
     from dlrmflow.flows.plan import compare_caches_flow
     from dlrmflow.flows.recovery import recovery_runner
 

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from test_trainers import make_dataset, small_config
 
-from dlrmflow.engine import shaped_link as link_module
-from dlrmflow.engine.shaped_link import LinkUnavailableError, namespaces, root_links, shaped_link
+from dlrmflow.engine.serving import shaped_link as link_module
+from dlrmflow.engine.serving.shaped_link import LinkUnavailableError, namespaces, root_links, shaped_link
 
 UNAVAILABLE = link_module.unavailable_reason()  # None where this machine can build a shaped link
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no shaped link here: {UNAVAILABLE}")
@@ -113,7 +113,7 @@ def test_a_link_is_removed_when_its_block_raises():
 
 BUILDER = """
 import subprocess, sys, time
-from dlrmflow.engine.shaped_link import shaped_link
+from dlrmflow.engine.serving.shaped_link import shaped_link
 with shaped_link(10_000_000) as link:
     inside = subprocess.Popen(link.command([sys.executable, "-c", "import time; time.sleep(300)"]))
     print(link.namespace, link.root_veth, inside.pid, flush=True)
@@ -190,9 +190,9 @@ def test_training_behind_the_link_ends_in_the_same_bits(tmp_path):
     processes end with the block, and the namespace is gone."""
     from distributed import Client
 
-    from dlrmflow.engine import planner
-    from dlrmflow.engine.cluster import shaped_cluster
-    from dlrmflow.engine.trainer import train
+    from dlrmflow.engine.planning import planner
+    from dlrmflow.engine.serving.cluster import shaped_cluster
+    from dlrmflow.engine.training.run import train
 
     dataset = make_dataset(tmp_path / "ds", seed=3)
     planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=4), tmp_path / "plan")
@@ -219,8 +219,8 @@ def test_training_behind_the_link_ends_in_the_same_bits(tmp_path):
 
 
 def test_server_workers_run_inside_the_namespace_under_exit_with_parent():
-    from dlrmflow.engine.cluster import server_worker_command
-    from dlrmflow.engine.shaped_link import ShapedLink
+    from dlrmflow.engine.serving.cluster import server_worker_command
+    from dlrmflow.engine.serving.shaped_link import ShapedLink
 
     link = ShapedLink("dlrmflow-1-0", "dlf1-0", "10.213.0.1", "10.213.0.2")
     argv = server_worker_command(link, "tcp://10.213.0.1:8786", "server-0", "/tmp/x")

@@ -11,12 +11,12 @@ from annotated_types import Ge, Gt, Le, Lt
 from test_trainers import make_dataset
 
 from dlrmflow.cli import build_parser, main
-from dlrmflow.engine import trainer as trainer_module
-from dlrmflow.engine.checkpoint import config_sha256, start_run_dir
-from dlrmflow.engine.embedding_rows import EMBEDDING_OPTIMIZERS
-from dlrmflow.engine.faults import FaultSpecError, check_kills
-from dlrmflow.engine.train_config import TrainConfig, TrainConfigError, cli_option, replace
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.serving.embedding_rows import EMBEDDING_OPTIMIZERS
+from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training.checkpoint import config_sha256, start_run_dir
+from dlrmflow.engine.training.config import TrainConfig, TrainConfigError, cli_option, replace
+from dlrmflow.engine.training.faults import FaultSpecError, check_kills
 
 REQUIRED = {"dataset_dir": "data", "mode": "remote", "output_dir": "run"}
 

@@ -12,7 +12,7 @@ from distributed import LocalCluster
 from dlrmflow.cli import main
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.run_state import load_state, read_summary, state_differences, state_hash
-from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.training.config import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -60,7 +60,7 @@ def test_cli_modes_agree_bit_for_bit(dataset, tmp_path, capsys):
 
 
 def test_cli_oracle_runs_a_plan_on_an_existing_cluster(dataset, tmp_path, capsys):
-    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner = pytest.importorskip("dlrmflow.engine.planning.planner")
     planner.make_plan(dataset, planner.PlanConfig(batch_size=32, lookahead=3, prefetch_distance=2), tmp_path / "plan")
     code, local, err = run_cli([*common(dataset, tmp_path / "local"), "--mode", "local"], capsys)
     assert code == 0, err
@@ -130,7 +130,7 @@ def test_bad_input_is_one_clear_line(dataset, tmp_path, capsys, extra, message):
 def test_missing_dataset_and_wrong_plan(dataset, tmp_path, capsys):
     code = main(["train", str(tmp_path / "nope"), "--mode", "local", "--output", str(tmp_path / "run")])
     assert code == 2 and "does not exist" in capsys.readouterr().err
-    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner = pytest.importorskip("dlrmflow.engine.planning.planner")
     planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=2), tmp_path / "plan16")
     code = main([*common(dataset, tmp_path / "run"), "--mode", "oracle", "--plan", str(tmp_path / "plan16")])
     assert code == 2 and "batch size 16, not 32" in capsys.readouterr().err
@@ -161,12 +161,12 @@ def test_engine_events_from_any_thread_land_in_the_run_log():
     @task
     def train_like():
         with engine_events_to_run_log():
-            logging.getLogger("dlrmflow.engine.faults").info("killed data shard 0 (from the training thread)")
-            thread = threading.Thread(target=logging.getLogger("dlrmflow.engine.coded_shards.group").warning,
+            logging.getLogger("dlrmflow.engine.training.faults").info("killed data shard 0 (from the training thread)")
+            thread = threading.Thread(target=logging.getLogger("dlrmflow.engine.coding.group").warning,
                                       args=("lost data shard 0 (from a bare thread)",))
             thread.start()
             thread.join()
-        logging.getLogger("dlrmflow.engine.faults").info("after the task: not routed")
+        logging.getLogger("dlrmflow.engine.training.faults").info("after the task: not routed")
 
     @flow
     def train_like_flow():

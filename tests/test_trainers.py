@@ -20,15 +20,15 @@ from distributed import Client, LocalCluster
 
 from dlrmflow.datasets.meta import DatasetError
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine import trainer as trainer_module
 from dlrmflow.engine.batches import BatchStream, global_ids
-from dlrmflow.engine.checkpoint import RestoredShard
-from dlrmflow.engine.embedding_rows import RowSpec, apply_update, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard, ShardGroup, answer, start_shards
-from dlrmflow.engine.planner import CapacityError
-from dlrmflow.engine.prefetch import PlanViolation, PrefetchError, PrefetchWorker
+from dlrmflow.engine.planning.planner import CapacityError
 from dlrmflow.engine.run_state import bit_equal, load_state, read_summary, state_differences
-from dlrmflow.engine.trainer import TrainConfig, TrainConfigError, prepare_run, train
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, init_rows
+from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup, answer, start_shards
+from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training.checkpoint import RestoredShard
+from dlrmflow.engine.training.prefetch import PlanViolation, PrefetchError, PrefetchWorker
+from dlrmflow.engine.training.run import TrainConfig, TrainConfigError, prepare_run, train
 
 DATA = Path(__file__).parent / "data"
 
@@ -331,7 +331,7 @@ def _plan_with_capacity(planner, dataset: Path, out: Path, config_kw: dict, rng)
 
 @pytest.mark.parametrize("seed", range(5))
 def test_oracle_with_real_plans_is_bit_identical_to_local(client, tmp_path, seed):
-    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner = pytest.importorskip("dlrmflow.engine.planning.planner")
     rng = np.random.default_rng(200 + seed)
     dataset = make_dataset(tmp_path / "data", 10 + seed, rows=500)
     batch_size = int(rng.integers(4, 32))
@@ -359,7 +359,7 @@ def test_oracle_with_real_plans_is_bit_identical_to_local(client, tmp_path, seed
 
 
 def test_a_plan_for_other_data_or_batch_size_is_refused(tmp_path):
-    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner = pytest.importorskip("dlrmflow.engine.planning.planner")
     dataset, other = make_dataset(tmp_path / "a", 0), make_dataset(tmp_path / "b", 1)
     planner.make_plan(other, planner.PlanConfig(batch_size=16, lookahead=4), tmp_path / "plan")
     with pytest.raises(planner.PlanMismatchError, match="another dataset"):

@@ -29,7 +29,7 @@ from test_trainers import (
 )
 
 from dlrmflow.engine.run_state import load_state
-from dlrmflow.engine.trainer import prepare_run, train
+from dlrmflow.engine.training.run import prepare_run, train
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -52,7 +52,7 @@ def _train(config, client=None, plan=None) -> dict:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_every_mode_on_the_gpu_is_bit_identical_to_local_on_the_gpu(cluster, tmp_path, seed):
-    planner = pytest.importorskip("dlrmflow.engine.planner")
+    planner = pytest.importorskip("dlrmflow.engine.planning.planner")
     client = cluster.get()
     rng = np.random.default_rng(700 + seed)
     dataset = make_dataset(tmp_path / "data", 40 + seed, rows=500)

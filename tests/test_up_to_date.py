@@ -1,4 +1,4 @@
-"""The one skip rule (:mod:`dlrmflow.up_to_date`): an unchanged input and parameters skip, any change reruns.
+"""The one skip rule (:mod:`dlrmflow.engine.up_to_date`): an unchanged input and parameters skip, any change reruns.
 
 Per step: generate (below), preprocess (``tests/test_preprocess.py``), profile, plan and training
 runs in the pipeline (``tests/test_pipeline.py``, which reruns with a changed parameter).
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from dlrmflow.up_to_date import file_identity, fingerprint, saved_result
+from dlrmflow.engine.up_to_date import file_identity, fingerprint, saved_result
 
 
 def test_fingerprint_depends_on_values_not_on_key_order():

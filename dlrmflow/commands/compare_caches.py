@@ -26,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.datasets.meta import read_meta
-    from dlrmflow.engine.cache_policies import parse_capacity
-    from dlrmflow.engine.planner import PlanConfig
+    from dlrmflow.engine.planning.cache_policies import parse_capacity
+    from dlrmflow.engine.planning.planner import PlanConfig
     from dlrmflow.flows.plan import compare_caches_flow
 
     meta = read_meta(args.dataset)  # clear errors before any work starts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 NAME = "generate"
 HELP = "write a synthetic Criteo-format TSV (power-law skew like the real data)"

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.datasets.meta import read_meta
-    from dlrmflow.engine.planner import PlanConfig
+    from dlrmflow.engine.planning.planner import PlanConfig
     from dlrmflow.flows.plan import plan_flow
 
     read_meta(args.dataset)  # clear errors before a cluster starts

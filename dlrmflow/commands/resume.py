@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resumed_config(run_dir: str):
     """The TrainConfig of the run in ``run_dir`` (its run_config.json), with ``resume=True``."""
-    from dlrmflow.engine.checkpoint import read_run_config
-    from dlrmflow.engine.train_config import TrainConfig
+    from dlrmflow.engine.training.checkpoint import read_run_config
+    from dlrmflow.engine.training.config import TrainConfig
 
     saved = read_run_config(run_dir)["config"]  # ResumeError if the directory holds no checkpointed run
     return TrainConfig(**{**saved, "output_dir": str(run_dir), "resume": True})

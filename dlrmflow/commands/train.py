@@ -8,7 +8,7 @@ from types import UnionType
 from typing import Any, Literal, get_args, get_origin
 
 from dlrmflow.commands.units import size
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 NAME = "train"
 HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, remote, lru or oracle; writes "
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per TrainConfig field that the CLI sets (its name: ``cli_option``), with the field's
     type, choices, default and description."""
     from dlrmflow.cli import add_dask_argument
-    from dlrmflow.engine.train_config import TrainConfig, cli_option
+    from dlrmflow.engine.training.config import TrainConfig, cli_option
 
     for name, info in TrainConfig.model_fields.items():
         option = cli_option(name)
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The TrainConfig the options say (TrainConfigError names a bad field)."""
-    from dlrmflow.engine.train_config import TrainConfig
+    from dlrmflow.engine.training.config import TrainConfig
 
     return TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields if hasattr(args, name)})
 
@@ -88,8 +88,8 @@ class TrainingStopped(UserInputError):
 def run_training(config, dask_address: str | None) -> dict[str, Any]:
     """Check ``config`` once, then run the train flow on the result. A failure that leaves a resumable run
     names `dlrmflow resume RUN_DIR`."""
-    from dlrmflow.engine.checkpoint import ResumeError, refuse_to_overwrite, unfinished_run_message
-    from dlrmflow.engine.trainer import prepare_run
+    from dlrmflow.engine.training.checkpoint import ResumeError, refuse_to_overwrite, unfinished_run_message
+    from dlrmflow.engine.training.run import prepare_run
     from dlrmflow.flows.train import train_checked
 
     if not config.resume:

@@ -17,50 +17,24 @@ parameters are a function of the config and the seed.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from types import ModuleType
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from dlrmflow.engine.models import dcn_v2, deepfm, dlrm, wide_deep
-from dlrmflow.engine.train_config import MODELS
-
-# The --model choices (declared in train_config, which the CLI imports without torch) and their modules.
-MODULES: dict[str, ModuleType] = {"dlrm": dlrm, "wide-deep": wide_deep, "deepfm": deepfm, "dcn-v2": dcn_v2}
+# The --model choices. Declared here, without torch, so that the training configuration (which the CLI
+# imports to build its options) can name them; the modules are in .registry.
+MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
+# The architecture settings each model reads; setting one that the chosen model does not read is an error.
+MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "deepfm": ("dnn",),
+                  "dcn-v2": ("dnn", "cross_layers")}
+_REGISTRY = ("MODULES", "architecture", "bce_loss", "build_model", "model_config", "row_width")
 
 
-def row_width(name: str, embedding_dim: int) -> int:
-    """float32 values per id that the model ``name`` reads from an embedding row (RowSpec.dim)."""
-    return MODULES[name].row_width(embedding_dim)
+def __getattr__(name: str) -> Any:
+    """The registry's names (torch and the model modules), imported on first use."""
+    if name in _REGISTRY:
+        from dlrmflow.engine.models import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def model_config(name: str, settings: Any, *, num_dense: int, num_tables: int) -> Any:
-    """The checked architecture of model ``name`` that ``settings`` (a TrainConfig: embedding_dim,
-    bottom_layers, top_mlp, dnn, cross_layers) asks for on data with these feature counts.
-    A UserInputError says what does not fit."""
-    return MODULES[name].config_from(settings, num_dense, num_tables)
-
-
-def build_model(config: Any, seed: int = 0) -> nn.Module:
-    """The model of ``config`` (from :func:`model_config`), initialised from ``seed``."""
-    return MODULES[config.name].MODEL(config, seed)
-
-
-def architecture(config: Any) -> dict[str, Any]:
-    """``config`` as plain values (layer sizes as lists), with the model's name: what a summary records."""
-    values = {name: list(v) if isinstance(v, tuple) else v for name, v in asdict(config).items()}
-    return {"model": config.name, **values}
-
-
-def bce_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean binary cross-entropy of sigmoid(logits) against 0/1 labels.
-
-    Computed from the logit (``binary_cross_entropy_with_logits``), which equals BCE of the sigmoid
-    output without its overflow at large logits."""
-    return F.binary_cross_entropy_with_logits(logits, labels)
-
-
-__all__ = ["MODELS", "MODULES", "architecture", "bce_loss", "build_model", "model_config", "row_width"]
+__all__ = ["MODELS", "MODEL_SETTINGS", *_REGISTRY]

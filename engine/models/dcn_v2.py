@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.models.layers import check_layers, linear, mlp
-from dlrmflow.errors import UserInputError
 
 DEFAULT_DNN = (500, 500, 500)  # BARS DCNv2_criteo_x1: parallel_dnn_hidden_units [500, 500, 500]
 DEFAULT_CROSS_LAYERS = 3  # BARS DCNv2_criteo_x1: num_cross_layers 3

@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dlrmflow.engine.models.layers import mlp
-from dlrmflow.engine.train_config import TrainConfigError
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.models.layers import ModelConfigError, mlp
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ def row_width(embedding_dim: int) -> int:
 def config_from(settings: Any, num_dense: int, num_tables: int) -> DLRMConfig:
     """The architecture ``settings`` (a TrainConfig) asks for, on data with these feature counts."""
     if not num_dense:
-        raise TrainConfigError("dataset_dir: the dataset has no dense features; DLRM's bottom MLP needs at least "
+        raise ModelConfigError("dataset_dir: the dataset has no dense features; DLRM's bottom MLP needs at least "
                                "one (--model wide-deep, deepfm and dcn-v2 train without)")
     return DLRMConfig(num_dense, num_tables, settings.embedding_dim, tuple(settings.bottom_layers),
                       tuple(settings.top_mlp))

@@ -12,7 +12,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
+
+
+class ModelConfigError(UserInputError):
+    """The architecture asked for does not fit the model or the data."""
+
 
 
 def linear(n_in: int, n_out: int, generator: torch.Generator) -> nn.Linear:

@@ -1,6 +1,6 @@
 """The training configuration, declared once: every field's type, default, bounds and help text.
 
-:class:`TrainConfig` is what :func:`dlrmflow.engine.trainer.train` runs, the train flow's
+:class:`TrainConfig` is what :func:`dlrmflow.engine.training.run.train` runs, the train flow's
 parameter, the source of the ``dlrmflow train`` options (:func:`cli_option` names them) and
 what ``RUN_DIR/run_config.json`` records for ``dlrmflow resume``. Constructing one validates it:
 a bad value raises :class:`TrainConfigError` (a ``UserInputError``: the CLI prints one line and
@@ -27,19 +27,17 @@ from pydantic import (
     model_validator,
 )
 
-from dlrmflow.engine.faults import KILL_SYNTAX, check_kills
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.models import MODEL_SETTINGS, MODELS
+from dlrmflow.engine.training.faults import KILL_SYNTAX, check_kills
 
 MODES = ("local", "remote", "lru", "oracle")
 SERVER_MODES = ("remote", "lru", "oracle")  # rows on embedding servers (what parity and checkpoints protect)
-EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.engine.embedding_rows
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.engine.serving.embedding_rows
 DENSE_OPTIMIZERS = ("sgd", "adam")
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
 DEFAULT_TOP_MLP = (512, 256, 1)
-MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")  # dlrmflow.engine.models: one module each
-# The architecture settings each model reads; setting one that the chosen model does not read is an error.
-MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "deepfm": ("dnn",),
-                  "dcn-v2": ("dnn", "cross_layers")}
 # Settings left out of a dump while at their defaults: a DLRM run's run_config.json and checkpoint
 # fingerprint stay what they were before these settings existed, so such runs still resume.
 OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers", "trainers")
@@ -115,11 +113,12 @@ class TrainConfig(BaseModel):
         (), description=f"failure injection ({KILL_SYNTAX}, repeatable): SIGKILL the worker of data shard I or "
                         "parity shard J when iteration ITER starts; needs --parity or --checkpoint-every")
     rebuild_chunk: int = Field(
-        262144, ge=1, description="stripes per recovery task (bounds a rebuild's memory per chunk)")
+        REBUILD_CHUNK, ge=1, description="stripes per recovery task (bounds a rebuild's memory per chunk)")
     parity_batches: int = Field(
-        8, ge=1, description="write-back batches whose parity deltas go to the parity shards in one message "
-                             "(1: a message per batch). Fewer messages cost the trainer less; pending deltas "
-                             "are sent before anything reads parity")
+        PARITY_BATCHES, ge=1,
+        description="write-back batches whose parity deltas go to the parity shards in one message "
+                    "(1: a message per batch). Fewer messages cost the trainer less; pending deltas "
+                    "are sent before anything reads parity")
     rebuild_rate: float = Field(
         0.0, ge=0, json_schema_extra={"unit": "MB/s"},
         description="cap a rebuild at MB/S of rebuilt rows (0: as fast as it goes). On machines the trainer "

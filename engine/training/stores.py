@@ -39,10 +39,10 @@ import time
 import numpy as np
 import torch
 
-from dlrmflow.engine.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
-from dlrmflow.engine.embedding_server import ShardGroup
-from dlrmflow.engine.planner import CapacityError
-from dlrmflow.engine.prefetch import Done, PlanViolation, PrefetchWorker
+from dlrmflow.engine.planning.planner import CapacityError
+from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
+from dlrmflow.engine.serving.shards import ShardGroup
+from dlrmflow.engine.training.prefetch import Done, PlanViolation, PrefetchWorker
 
 
 def host_buffer(rows: int, width: int, device: torch.device) -> torch.Tensor:

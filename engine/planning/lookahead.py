@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dlrmflow.engine.batches import BatchStream
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 INT32_MAX = 2**31 - 1
 

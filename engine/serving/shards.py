@@ -1,7 +1,7 @@
 """Embedding servers: K shards of the embedding rows, each a Dask actor on a worker.
 
 Row ``id`` lives on shard ``id % K`` at local index ``id // K``. A shard stores its rows as one
-``[n_local, width]`` float32 array in the layout of :mod:`dlrmflow.engine.embedding_rows`
+``[n_local, width]`` float32 array in the layout of :mod:`dlrmflow.engine.serving.embedding_rows`
 (weights then optimizer state), initialised from ``(seed, id)`` alone. The only traffic is
 batched: ``fetch(ids)`` returns the rows as one contiguous array, ``write_back(ids, rows)``
 stores them, and ``exchange`` does both in one round trip (write first); all move bytes, never
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 from distributed import Actor, Client
 
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
-from dlrmflow.engine.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
-from dlrmflow.engine.placement import WORKER_LOG, place
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
+from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
+from dlrmflow.engine.serving.placement import WORKER_LOG, place
 
 
 class EmbeddingShard:
@@ -225,7 +225,7 @@ def answer(call: Any, timeout: float | None = None) -> Any:
     """The result of an actor call (raising its error; TimeoutError after ``timeout`` seconds),
     without a trip through the client's event loop when the answer is already in: ``result()``
     hands every wait to the loop thread, even for a finished call, and a write-back waits on
-    K + R of them per batch (:func:`~dlrmflow.engine.dask_internals.finished_outcome`)."""
+    K + R of them per batch (:func:`~dlrmflow.engine.serving.dask_internals.finished_outcome`)."""
     if isinstance(call, ServerCall):
         return call.result()
     done, value = finished_outcome(call)
@@ -280,7 +280,7 @@ def _import(module: str) -> None:
     importlib.import_module(module)
 
 
-def warm_up_workers(client: Client, module: str = "dlrmflow.engine.embedding_server",
+def warm_up_workers(client: Client, module: str = "dlrmflow.engine.serving.shards",
                     workers: list[str] | None = None) -> None:
     """Import the server code (torch included) on every worker (or on ``workers``) now: a spare that
     later hosts a rebuilt or restored shard then starts it at once instead of importing while
@@ -289,7 +289,7 @@ def warm_up_workers(client: Client, module: str = "dlrmflow.engine.embedding_ser
 
 
 def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
-    """Start ``num_shards`` EmbeddingShard actors, spread by :func:`~dlrmflow.engine.placement.place`
+    """Start ``num_shards`` EmbeddingShard actors, spread by :func:`~dlrmflow.engine.serving.placement.place`
     (workers with the ``embedding_server`` resource when any has it; distinct hosts, then workers)."""
     if num_shards < 1:
         raise ValueError(f"need at least one shard, got {num_shards}")

@@ -13,7 +13,7 @@ stripes written since the dirty log opened are re-read, decoded and installed, a
 ``rebuilt``. When every chunk is in, the replacements take the lost members' places.
 
 Every change of the recovery state goes through the group's
-:class:`~dlrmflow.engine.coded_shards.rebuild_state.RebuildState` (under ``group.lock``); this module
+:class:`~dlrmflow.engine.coding.rebuild_state.RebuildState` (under ``group.lock``); this module
 only does the network and the waiting. Why a rebuilt stripe is one consistent version although the
 bulk copy runs while training writes, and why copying only the written stripes is enough:
 docs/rebuild.md. A further loss during a rebuild starts it over for everything lost, in a new
@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.coded_shards.group import CodedShardGroup
-from dlrmflow.engine.coded_shards.members import member_name, start_member
-from dlrmflow.engine.dask_internals import local_actor
-from dlrmflow.engine.embedding_server import LostMembersError, answer, call_server, remote, wait_all
-from dlrmflow.engine.erasure import ErasureCode, stripe_chunks
-from dlrmflow.engine.placement import choose_rebuild_worker, least_loaded_worker
+from dlrmflow.engine.coding.erasure import ErasureCode, stripe_chunks
+from dlrmflow.engine.coding.group import CodedShardGroup
+from dlrmflow.engine.coding.members import member_name, start_member
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.dask_internals import local_actor
+from dlrmflow.engine.serving.placement import choose_rebuild_worker, least_loaded_worker
+from dlrmflow.engine.serving.shards import LostMembersError, answer, call_server, remote, wait_all
 
 FRESH_WORKER_WAIT_S = 10.0  # how long a rebuild waits for a worker that hosts no live member
 # Copied chunks wait this long for their fix-up, which then covers all of them at once: a fix-up holds
@@ -259,7 +259,7 @@ def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: 
     task: depending on it keeps the tasks in chunk order. No lock is held: the rebuild thread fixes
     up the stripes written meanwhile (a read-ahead is inside the same window).
 
-    Every read and install watches its worker (:class:`~dlrmflow.engine.embedding_server.ServerCall`):
+    Every read and install watches its worker (:class:`~dlrmflow.engine.serving.shards.ServerCall`):
     a read from a killed survivor could otherwise wait for the survivor actor's future in this
     worker's client, which may never settle, and hold this worker's one thread for good.
 

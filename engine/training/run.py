@@ -46,7 +46,16 @@ import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import Batch, BatchStream, batches_ending_by, global_ids
-from dlrmflow.engine.checkpoint import (
+from dlrmflow.engine.coding.erasure import TooManyErasuresError
+from dlrmflow.engine.coding.start import start_coded_shards
+from dlrmflow.engine.coding.verify import parity_report
+from dlrmflow.engine.models import architecture, bce_loss, build_model, model_config, row_width
+from dlrmflow.engine.planning.planner import CapacityError, load_plan
+from dlrmflow.engine.run_lock import output_lock
+from dlrmflow.engine.run_state import ITERATIONS_FILE, save_state, state_hash, write_summary
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update
+from dlrmflow.engine.serving.shards import start_shards
+from dlrmflow.engine.training.checkpoint import (
     Checkpointer,
     cache_of,
     check_resumable,
@@ -59,19 +68,7 @@ from dlrmflow.engine.checkpoint import (
     start_run_dir,
     unfinished_run_message,
 )
-from dlrmflow.engine.coded_shards import parity_report, start_coded_shards
-from dlrmflow.engine.data_parallel import run_trainers
-from dlrmflow.engine.embedding_rows import RowSpec, apply_update
-from dlrmflow.engine.embedding_server import start_shards
-from dlrmflow.engine.erasure import TooManyErasuresError
-from dlrmflow.engine.faults import FaultInjector, Kill, check_kills, kills_since
-from dlrmflow.engine.models import architecture, bce_loss, build_model, model_config, row_width
-from dlrmflow.engine.planner import CapacityError, load_plan
-from dlrmflow.engine.prefetch import PrefetchError
-from dlrmflow.engine.row_stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
-from dlrmflow.engine.run_state import ITERATIONS_FILE, save_state, state_hash, write_summary
-from dlrmflow.engine.train_config import TrainConfig, TrainConfigError
-from dlrmflow.engine.training import (
+from dlrmflow.engine.training.common import (
     TrainLog,
     batch_tensors,
     collect_state,
@@ -79,7 +76,11 @@ from dlrmflow.engine.training import (
     evaluate,
     make_dense_optimizer,
 )
-from dlrmflow.run_lock import output_lock
+from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
+from dlrmflow.engine.training.faults import FaultInjector, Kill, check_kills, kills_since
+from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
+from dlrmflow.engine.training.trainers import run_trainers
 
 Progress = Callable[[int, int], None]
 MetricsCallback = Callable[[dict[str, Any]], None]
@@ -265,7 +266,7 @@ def train(
     a Prefect subflow); losing more shards than the parity covers raises TooManyErasuresError and
     writes nothing. With ``checkpoint_every``: the run directory records the configuration and that
     the run is unfinished before any work, and ``resume`` continues such a run from its checkpoint
-    (see :mod:`dlrmflow.engine.checkpoint`)."""
+    (see :mod:`dlrmflow.engine.training.checkpoint`)."""
     setup = setup or prepare_run(config)
     output = Path(setup.config.output_dir)
     with run_dir_for(output, f"train --mode {setup.config.mode}"):
@@ -276,7 +277,7 @@ def train(
 
 @contextlib.contextmanager
 def run_dir_for(output: Path, what: str):
-    """Hold the lock on the run directory ``output`` (:mod:`dlrmflow.run_lock`) while a run writes it,
+    """Hold the lock on the run directory ``output`` (:mod:`dlrmflow.engine.run_lock`) while a run writes it,
     creating it if missing. A run that fails leaves no directory it created, unless it holds an
     unfinished run that can be resumed (a checkpoint)."""
     made_parents = [p for p in output.parents if not p.exists()]
@@ -372,7 +373,7 @@ def _train(setup: RunSetup, output: Path, client, progress: Progress | None, on_
 
 def _train_with_trainers(setup: RunSetup, output: Path, client, progress: Progress | None,
                          on_metrics: MetricsCallback | None) -> dict[str, Any]:
-    """``--trainers W``: the trainers train on Dask workers (:mod:`dlrmflow.engine.data_parallel`); trainer 0
+    """``--trainers W``: the trainers train on Dask workers (:mod:`dlrmflow.engine.training.trainers`); trainer 0
     starts the servers and returns the final state and the evaluation, which this process records."""
     config = setup.config
     if client is None:

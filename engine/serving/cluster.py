@@ -14,7 +14,7 @@ actor call, and through the scheduler it would take two extra hops (and, with a 
 the trainer process's event loop) per call.
 
 :func:`shaped_cluster` puts the embedding servers behind an emulated network
-(:mod:`dlrmflow.engine.shaped_link`): a scheduler in this process on the link's root-side address,
+(:mod:`dlrmflow.engine.serving.shaped_link`): a scheduler in this process on the link's root-side address,
 and one worker process per server inside the link's namespace, so every fetch and write-back
 between the trainer (this process) and a server crosses the shaped link.
 """
@@ -36,9 +36,9 @@ from pathlib import Path
 import dask
 from distributed import Client, LocalCluster
 
-from dlrmflow.engine.placement import RESOURCE as SERVER_RESOURCE
-from dlrmflow.engine.placement import TRAINER_RESOURCE
-from dlrmflow.engine.shaped_link import ShapedLink, shaped_link
+from dlrmflow.engine.serving.placement import RESOURCE as SERVER_RESOURCE
+from dlrmflow.engine.serving.placement import TRAINER_RESOURCE
+from dlrmflow.engine.serving.shaped_link import ShapedLink, shaped_link
 
 ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
 
@@ -120,7 +120,7 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None, tra
     try:
         client = Client(address, timeout="20s", direct_to_workers=True)
     except OSError as exc:
-        from dlrmflow.errors import UserInputError
+        from dlrmflow.engine.errors import UserInputError
 
         raise UserInputError(f"cannot reach the Dask scheduler at {address!r}: {exc}") from exc
     with client:
@@ -220,7 +220,7 @@ def shaped_cluster(rate_bits_per_s: int | None, n_servers: int = 2, *, extra_wor
     run inside the link's namespace (:func:`server_worker_command`). A
     client of the scheduler in this process, talking to workers directly as :func:`dask_client`'s do,
     reaches a server only through the link. Everything is stopped and removed when the block ends;
-    :class:`~dlrmflow.engine.shaped_link.LinkUnavailableError` (one line) where the link cannot be built."""
+    :class:`~dlrmflow.engine.serving.shaped_link.LinkUnavailableError` (one line) where the link cannot be built."""
     if n_servers < 1:
         raise ValueError(f"need at least one embedding-server worker, got {n_servers}")
     with ExitStack() as stack:

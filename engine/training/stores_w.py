@@ -3,8 +3,8 @@
 All three modes end in the same bits (the reference is ``remote``), because in every one of them:
 
 - a row's gradient at iteration ``t`` is the sum, in rank order, of the gradients of the trainers
-  whose slice uses it, divided by W (:func:`~dlrmflow.engine.collectives.sum_over_users`);
-- a row is updated with :func:`~dlrmflow.engine.embedding_rows.apply_update_rowwise`, whose result
+  whose slice uses it, divided by W (:func:`~dlrmflow.engine.training.collectives.sum_over_users`);
+- a row is updated with :func:`~dlrmflow.engine.serving.embedding_rows.apply_update_rowwise`, whose result
   for a row does not depend on which other rows share its block;
 - every copy of a row that is read again holds every update before that read.
 
@@ -32,7 +32,7 @@ used at ``t`` is, by Bagpipe's classes:
   ``t + 1`` starts and every trainer updates its copy;
 - ``sync_later``: kept for a use at ``t + 2`` or later: its gradients are gathered while ``t + 1``
   computes and applied at the end of ``t + 1``. A read of a row whose gradient is still in flight
-  is refused (:class:`~dlrmflow.engine.prefetch.PlanViolation`), never served stale.
+  is refused (:class:`~dlrmflow.engine.training.prefetch.PlanViolation`), never served stale.
 
 Who fetches and who writes. A row's writer at eviction is its only user (``no_sync``), else trainer
 ``id % W``; its next fetch goes to the trainer that last wrote it home (``id % W`` before any
@@ -48,11 +48,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dlrmflow.engine.collectives import PendingGather, TrainerGroup, sum_over_users
-from dlrmflow.engine.embedding_rows import RowSpec, apply_update_rowwise
-from dlrmflow.engine.embedding_server import ShardGroup
-from dlrmflow.engine.prefetch import EMPTY_IDS, Done, PlanViolation, PrefetchWorker
-from dlrmflow.engine.row_stores import LruRows, OracleRows, host_buffer
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.serving.shards import ShardGroup
+from dlrmflow.engine.training.collectives import PendingGather, TrainerGroup, sum_over_users
+from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PlanViolation, PrefetchWorker
+from dlrmflow.engine.training.stores import LruRows, OracleRows, host_buffer
 
 
 @dataclass
@@ -356,7 +356,7 @@ class LrppRows(OracleRows, RowsForTrainers):
 
     ``gateway`` (a run with parity, whose coded group has one client): trainer 0 fetches and writes
     every row, so no row is ``no_sync`` (trainer 0's copy of every row must be current).
-    ``start``/``rows``: a resumed run, as :class:`~dlrmflow.engine.row_stores.OracleRows`."""
+    ``start``/``rows``: a resumed run, as :class:`~dlrmflow.engine.training.stores.OracleRows`."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup | None, group: TrainerGroup, plan,
                  iterations: int, *, gateway: bool = False, start: int = 0, rows: np.ndarray | None = None) -> None:

@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine import gf256
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.coding import gf256
+from dlrmflow.engine.errors import UserInputError
 
 MAX_PARITY = 4
 MAX_SHARDS = 255

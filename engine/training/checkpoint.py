@@ -56,10 +56,13 @@ import numpy as np
 import torch
 from distributed import Client
 
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.coded_shards.verify import PARITY_FILE
-from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import (
+from dlrmflow.engine.coding.verify import PARITY_FILE
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.run_state import ITERATIONS_FILE, STATE_FILE, SUMMARY_FILE
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.serving.placement import place
+from dlrmflow.engine.serving.shards import (
     EmbeddingShard,
     ShardGroup,
     answer,
@@ -68,11 +71,8 @@ from dlrmflow.engine.embedding_server import (
     wait_all,
     warm_up_workers,
 )
-from dlrmflow.engine.placement import place
-from dlrmflow.engine.prefetch import PrefetchError
-from dlrmflow.engine.row_stores import ShardRows
-from dlrmflow.engine.run_state import ITERATIONS_FILE, STATE_FILE, SUMMARY_FILE
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.stores import ShardRows
 
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_CONFIG_FILE = "run_config.json"
@@ -112,7 +112,7 @@ class RestoredShard(EmbeddingShard):
 
 def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None, *,
                         avoid: Collection[str] | None = None) -> ShardGroup:
-    """K shards placed like every group's (:func:`~dlrmflow.engine.placement.place`), remembering where
+    """K shards placed like every group's (:func:`~dlrmflow.engine.serving.placement.place`), remembering where
     each is (``worker_of``). At a run's start every worker is warmed up (spares included: a restore
     may use them); a restore passes ``avoid``.
 

@@ -1,7 +1,7 @@
 """The trainer's coded shard group: the write path (write-backs, parity deltas, degraded reads).
 
 Write-backs. The trainer is the only writer. Every fetch of a row leaves a copy of what was fetched
-in the group (:class:`~dlrmflow.engine.coded_shards.checked_out.CheckedOutRows`); when the row is
+in the group (:class:`~dlrmflow.engine.coding.checked_out.CheckedOutRows`); when the row is
 written back, the group takes that copy, and the parity change of the whole batch is
 ``combine_changes`` of its rows' ``old ^ new``: each touched stripe once, computed while the data
 shards work on the batch. A write-back batch gets a sequence number; data and parity shards record
@@ -17,9 +17,9 @@ since a crashed trainer resumes from its checkpoint and re-encodes parity; a par
 with deltas pending is rebuilt from the data shards, which hold those batches.
 
 Failures. A call to a member whose worker died raises ``OSError``: the group marks the member lost
-(:class:`~dlrmflow.engine.coded_shards.rebuild_state.RebuildState`, which alone changes the recovery
+(:class:`~dlrmflow.engine.coding.rebuild_state.RebuildState`, which alone changes the recovery
 state), resends the batch to the survivors (idempotent) and has a rebuild thread started
-(:mod:`dlrmflow.engine.coded_shards.rebuild`; docs/rebuild.md argues why it is exact). Until a stripe
+(:mod:`dlrmflow.engine.coding.rebuild`; docs/rebuild.md argues why it is exact). Until a stripe
 is rebuilt, reads of a lost data shard's rows are *degraded reads*: decoded from K survivors'
 stripes, which come back with the batch's own calls (a surviving data shard reads them after
 applying the batch, a surviving parity shard after applying every pending delta; earlier parity
@@ -40,17 +40,13 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from dlrmflow.engine.coded_shards.checked_out import CheckedOutRows
-from dlrmflow.engine.coded_shards.members import member_name, num_stripes, shard_row_counts
-from dlrmflow.engine.coded_shards.rebuild_state import RebuildState
-from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import LostMembersError, ShardGroup, remote, wait_all
-from dlrmflow.engine.erasure import ErasureCode, xor_bits
-from dlrmflow.engine.train_config import TrainConfig
-
-# The defaults of a run (declared, with their meaning, in TrainConfig), for a group started directly.
-PARITY_BATCHES: int = TrainConfig.model_fields["parity_batches"].default
-REBUILD_CHUNK: int = TrainConfig.model_fields["rebuild_chunk"].default
+from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
+from dlrmflow.engine.coding.checked_out import CheckedOutRows
+from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
+from dlrmflow.engine.coding.members import member_name, num_stripes, shard_row_counts
+from dlrmflow.engine.coding.rebuild_state import RebuildState
+from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.serving.shards import LostMembersError, ShardGroup, remote, wait_all
 
 RecoveryRunner = Callable[[Callable[..., dict], dict], Any]
 

@@ -1,7 +1,7 @@
 """W data-parallel trainers (``--trainers W``): processes on Dask workers, synchronised by torch.distributed.
 
 The driver (:func:`run_trainers`, in the process that holds the Dask client and started the embedding
-servers) places one trainer per worker process (:func:`~dlrmflow.engine.placement.place_trainers`),
+servers) places one trainer per worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`),
 picks a rendezvous port on rank 0's worker, submits :func:`train_rank` to each, relays rank 0's
 progress to its callbacks, and watches the trainers' workers: a trainer whose worker dies fails the
 run at once with :class:`TrainerLostError`, one line naming the trainer.
@@ -35,7 +35,17 @@ import torch
 import torch.distributed as dist
 
 from dlrmflow.engine.batches import global_ids
-from dlrmflow.engine.checkpoint import (
+from dlrmflow.engine.coding.erasure import TooManyErasuresError
+from dlrmflow.engine.coding.group import CodedShardGroup
+from dlrmflow.engine.coding.start import start_coded_shards
+from dlrmflow.engine.coding.verify import parity_report
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.models import bce_loss, build_model
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.dask_internals import bind_actor
+from dlrmflow.engine.serving.placement import WORKER_LOG, place_trainers
+from dlrmflow.engine.serving.shards import ShardGroup, start_shards
+from dlrmflow.engine.training.checkpoint import (
     CHECKPOINT_FILE,
     Checkpointer,
     config_sha256,
@@ -44,19 +54,11 @@ from dlrmflow.engine.checkpoint import (
     resume_command,
     start_placed_shards,
 )
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.coded_shards import CodedShardGroup, parity_report, start_coded_shards
-from dlrmflow.engine.collectives import TrainerGroup, sum_in_rank_order
-from dlrmflow.engine.dask_internals import bind_actor
-from dlrmflow.engine.data_parallel_stores import BatchSplit, LrppRows, LruRowsW, RemoteRowsW
-from dlrmflow.engine.embedding_server import ShardGroup, start_shards
-from dlrmflow.engine.erasure import TooManyErasuresError
-from dlrmflow.engine.faults import FaultInjector, kills_since
-from dlrmflow.engine.models import bce_loss, build_model
-from dlrmflow.engine.placement import WORKER_LOG, place_trainers
-from dlrmflow.engine.prefetch import PrefetchError
-from dlrmflow.engine.training import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.training.collectives import TrainerGroup, sum_in_rank_order
+from dlrmflow.engine.training.common import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
+from dlrmflow.engine.training.faults import FaultInjector, kills_since
+from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.stores_w import BatchSplit, LrppRows, LruRowsW, RemoteRowsW
 
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
@@ -80,7 +82,7 @@ def _worker_threads() -> int:
 
 
 def start_servers(setup: Any, client, rows: np.ndarray | None):
-    """Trainer 0's embedding servers, as one trainer's are (:func:`~dlrmflow.engine.trainer.make_store`):
+    """Trainer 0's embedding servers, as one trainer's are (:func:`~dlrmflow.engine.training.run.make_store`):
     coded with parity, placed for checkpoints, plain otherwise; from ``rows`` when resuming."""
     config = setup.config
     if config.parity:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 # Each kill, as it happens (a plain logger: the train flow routes it to the run's Prefect log).
 EVENTS = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 
 class OutputLockedError(UserInputError):

@@ -2,7 +2,7 @@
 
 For ``BatchStream(dataset_dir, batch_size, drop_last=...)`` and a window ``L`` the plan says, per
 iteration ``t``, which rows to prefetch for ``t`` (with the cache slot each goes to) and which to
-write back after ``t`` (see :mod:`dlrmflow.engine.lookahead` for the rules and the capacity bound).
+write back after ``t`` (see :mod:`dlrmflow.engine.planning.lookahead` for the rules and the capacity bound).
 
 Two implementations that must agree exactly (the tests check it):
 
@@ -35,8 +35,8 @@ import pyarrow.parquet as pq
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.batches import BatchStream
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.lookahead import (
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.planning.lookahead import (
     RangeDecisions,
     assign_slots,
     coverage,
@@ -45,7 +45,7 @@ from dlrmflow.engine.lookahead import (
     iter_id_batches,
     occupancy,
 )
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.serving.cluster import cluster_workers
 
 PLAN_FILE = "plan.json"
 PLAN_FORMAT_VERSION = 1

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.coded_shards.group import CodedShardGroup
-from dlrmflow.engine.erasure import ErasureCode
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.coding.erasure import ErasureCode
+from dlrmflow.engine.coding.group import CodedShardGroup
+from dlrmflow.engine.errors import UserInputError
 
 PARITY_FILE = "parity_shards.pt"
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrmflow.engine.embedding_server import ShardGroup
+from dlrmflow.engine.serving.shards import ShardGroup
 
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 WAIT_POLL_SECONDS = 1.0  # how often a waiting thread re-checks that the other side is alive

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from dlrmflow.engine.batches import Batch, BatchStream, global_ids
-from dlrmflow.engine.metrics import log_loss, roc_auc
-from dlrmflow.engine.row_stores import RowStore
 from dlrmflow.engine.run_state import FORMAT_VERSION
-from dlrmflow.engine.train_config import TrainConfig
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.metrics import log_loss, roc_auc
+from dlrmflow.engine.training.stores import RowStore
 
 
 @contextlib.contextmanager

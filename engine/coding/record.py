@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlrmflow.engine.coded_shards.members import member_name
+from dlrmflow.engine.coding.members import member_name
 
 
 @dataclass

@@ -4,7 +4,7 @@ Data shard ``i`` of ``K`` is a :class:`CodedShard` (an ``EmbeddingShard`` that a
 and applies sequenced writes); stripe ``j`` is local row ``j`` of every data shard, i.e. global ids
 ``j*K .. j*K + K-1``. Parity shard ``p`` of ``R`` is a :class:`ParityShard` holding
 ``ceil(total_rows / K)`` rows of the same width: ``parity_p[j] = XOR_i C[p, i] * data_i[j]`` over the
-bit patterns (:mod:`dlrmflow.engine.erasure`). Member index ``s`` names both kinds: ``0..K-1`` data,
+bit patterns (:mod:`dlrmflow.engine.coding.erasure`). Member index ``s`` names both kinds: ``0..K-1`` data,
 ``K..K+R-1`` parity.
 
 Each member owns its rows, the set of write-back batches it applied (so a resent batch is applied
@@ -21,11 +21,11 @@ import threading
 import numpy as np
 from distributed import Client, Future
 
-from dlrmflow.engine import gf256
-from dlrmflow.engine.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.embedding_server import EmbeddingShard
-from dlrmflow.engine.erasure import ErasureCode, gather_stripes
-from dlrmflow.engine.prefault import prefault_in_background
+from dlrmflow.engine.coding import gf256
+from dlrmflow.engine.coding.erasure import ErasureCode, gather_stripes
+from dlrmflow.engine.coding.prefault import prefault_in_background
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.serving.shards import EmbeddingShard
 
 ENCODE_CHUNK_STRIPES = 1 << 16  # stripes encoded per step (bounds the temporaries)
 
@@ -86,7 +86,7 @@ class SequencedMember:
     def reset(self, rebuild: str = "") -> int:
         """Back to the initial rows, all fresh, as the target of ``rebuild``: a rebuild that starts over
         installs everything else again. The first reset also faults the rows' pages in, in the
-        background, while the rebuild's reads are on their way (:mod:`~dlrmflow.engine.prefault`)."""
+        background, while the rebuild's reads are on their way (:mod:`~dlrmflow.engine.coding.prefault`)."""
         with self.installing:
             self.fresh = np.ones(len(self.rows), dtype=bool)
             self.rebuild = rebuild

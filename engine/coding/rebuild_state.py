@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.coded_shards.record import RecoveryRecord
-from dlrmflow.engine.erasure import ErasureCode
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.coding.erasure import ErasureCode
+from dlrmflow.engine.coding.record import RecoveryRecord
+from dlrmflow.engine.errors import UserInputError
 
 Standby = tuple[str, Any, Any]  # (worker, actor future, actor): a fresh replacement started in advance
 

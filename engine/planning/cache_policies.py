@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from dlrmflow.engine.batches import BatchStream
-from dlrmflow.engine.lookahead import coverage, decide_range, farthest_first_drops, iter_id_batches, occupancy
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.planning.lookahead import coverage, decide_range, farthest_first_drops, iter_id_batches, occupancy
 
 POLICIES = ("none", "lru", "static", "oracle", "belady")
 BYTES_PER_VALUE = 4  # float32 embedding rows
@@ -319,7 +319,7 @@ def compare_dataset(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Every policy on the batch stream of ``dataset_dir``: a JSON-able report (``rows`` is the table)."""
-    from dlrmflow.engine.planner import PlanConfig  # validates B, L, P like a plan would
+    from dlrmflow.engine.planning.planner import PlanConfig  # validates B, L, P like a plan would
 
     PlanConfig(batch_size, window, distance, drop_last=drop_last)
     if embedding_dim < 1:

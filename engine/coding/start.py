@@ -7,19 +7,19 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from dlrmflow.engine.cluster import cluster_workers
-from dlrmflow.engine.coded_shards.group import PARITY_BATCHES, REBUILD_CHUNK, CodedShardGroup, RecoveryRunner
-from dlrmflow.engine.coded_shards.members import start_member
-from dlrmflow.engine.coded_shards.rebuild import start_rebuild_thread
-from dlrmflow.engine.coded_shards.rebuild_state import Standby
-from dlrmflow.engine.embedding_rows import RowSpec
-from dlrmflow.engine.embedding_server import remote, wait_all, warm_up_workers
-from dlrmflow.engine.erasure import ErasureCode
-from dlrmflow.engine.placement import choose_rebuild_worker, place
+from dlrmflow.engine.coding.erasure import ErasureCode
+from dlrmflow.engine.coding.group import PARITY_BATCHES, REBUILD_CHUNK, CodedShardGroup, RecoveryRunner
+from dlrmflow.engine.coding.members import start_member
+from dlrmflow.engine.coding.rebuild import start_rebuild_thread
+from dlrmflow.engine.coding.rebuild_state import Standby
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.serving.placement import choose_rebuild_worker, place
+from dlrmflow.engine.serving.shards import remote, wait_all, warm_up_workers
 
 
 def place_members(client: Client, n: int) -> tuple[list[str], bool]:
-    """Workers for the ``n`` members by :func:`~dlrmflow.engine.placement.place`: those with the
+    """Workers for the ``n`` members by :func:`~dlrmflow.engine.serving.placement.place`: those with the
     ``embedding_server`` resource when any has it; distinct hosts, then distinct workers, then round robin.
 
     Returns the addresses and whether some members share a worker."""
@@ -36,7 +36,7 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
     code = ErasureCode(num_shards, parity)
     workers, shared = place_members(client, code.n_shards)
     # Every worker, spares included, imports the copy tasks' code now: a rebuild starts at once.
-    warm_up_workers(client, "dlrmflow.engine.coded_shards.rebuild")
+    warm_up_workers(client, "dlrmflow.engine.coding.rebuild")
     futures = [start_member(client, spec, code, s, w, initialise=rows is None) for s, w in enumerate(workers)]
     actors = [f.result() for f in futures]
     if rows is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from distributed.comm import get_address_host
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 RESOURCE = "embedding_server"
 # What a worker hosts says so in the worker's own log: under distributed's logger, a `dask worker` process
