@@ -51,7 +51,7 @@ import torch
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.collectives import PendingGather, TrainerGroup, sum_over_users
-from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PlanViolation, PrefetchWorker
+from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
 from dlrmflow.engine.training.stores import LruRows, OracleRows, host_buffer
 
 
@@ -294,61 +294,6 @@ class LruRowsW(ServersCurrentRows):
 
     def close(self) -> None:
         self.lru.close()
-
-
-class PartitionedPrefetchWorker(PrefetchWorker):
-    """The oracle's prefetch worker for one of W trainers holding the same cache slots: it writes home
-    the evicted rows it is the writer of, fetches the prefetched rows it is the fetcher of, and gathers
-    the others' fetches over the trainer group's prefetch process group (module docstring)."""
-
-    def __init__(self, *args, group: TrainerGroup, gateway: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self.cuda:
-            raise ValueError("several trainers train on the CPU")
-        self.group, self.gateway = group, gateway
-        self.last_writer = np.full(len(self.slot_of), -1, dtype=np.int16)
-
-    def fetchers(self, ids: np.ndarray) -> np.ndarray:
-        """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
-        (``gateway``: trainer 0, always)."""
-        if self.gateway:
-            return np.zeros(len(ids), dtype=np.int64)
-        last = self.last_writer[ids]
-        return np.where(last >= 0, last, ids % self.group.size)
-
-    def _take_evictions(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
-        ids, slots = done.evict_ids, done.evict_slots
-        if not np.array_equal(self.slot_of[ids], slots):
-            raise PlanViolation(f"iteration {done.t}: evicted rows are not where the worker put them")
-        mine = done.writers == self.group.rank
-        rows = self.cache_np[slots[mine]] if len(ids) else self._no_rows
-        self.last_writer[ids] = done.writers
-        self.slot_of[ids] = -1
-        self.owner[slots] = -1
-        return ids[mine], rows
-
-    def _exchange(self, t, write_ids, write_rows, ids, slots):
-        ids = np.asarray(ids, dtype=np.int64)
-        slots = np.asarray(slots, dtype=np.int64)
-        if t is not None:
-            self._check_prefetch(t, ids, slots)
-        start = time.perf_counter()
-        fetcher = self.fetchers(ids)
-        mine = ids[fetcher == self.group.rank]
-        fetched = np.empty((len(mine), self.cache.shape[1]), dtype=np.float32)
-        if len(mine) or len(write_ids):
-            self.shards.exchange(write_ids, write_rows, mine, out=fetched)
-        if len(ids):
-            counts = [int(np.count_nonzero(fetcher == w)) for w in range(self.group.size)]
-            parts = self.group.all_gather_rows(torch.from_numpy(fetched), counts, "prefetched rows", prefetch=True)
-            for w, part in enumerate(parts):
-                self.cache_np[slots[fetcher == w]] = part.numpy()
-            self.slot_of[ids] = slots
-            self.owner[slots] = ids
-        self.bytes_fetched += len(mine) * self.row_bytes
-        self.bytes_written += len(write_ids) * self.row_bytes
-        self.busy_seconds += time.perf_counter() - start
-        return None
 
 
 class LrppRows(OracleRows, RowsForTrainers):
