@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dlrmflow.engine.serving.cluster import dask_client
-from dlrmflow.engine.training import run as trainer
+from dlrmflow.engine.training import loop, run
 from dlrmflow.engine.training.config import TrainConfig
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -66,7 +66,7 @@ def main() -> None:
     modes = args.modes.split(",")
     medians, stalls, shas = defaultdict(list), defaultdict(list), set()
     cpu: dict[str, dict[str, list[float]]] = {m: defaultdict(list) for m in modes}
-    train_loop = trainer._train_loop  # noqa: SLF001 - wrapped to measure exactly the loop
+    train_loop = loop.train_iterations  # wrapped to measure exactly the loop
 
     with dask_client(n_workers=2) as client, tempfile.TemporaryDirectory() as scratch:
         def measured_loop(setup, *loop_args, **loop_kwargs):
@@ -82,7 +82,7 @@ def main() -> None:
                 cpu[setup.config.mode][group].append(ms)
             return result
 
-        trainer._train_loop = measured_loop  # noqa: SLF001
+        loop.train_iterations = measured_loop
         try:
             for r in range(args.rounds):
                 for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
@@ -90,13 +90,13 @@ def main() -> None:
                     config = TrainConfig(dataset_dir=args.dataset_dir, mode=mode, batch_size=args.batch_size,
                                          iterations=args.iterations, output_dir=str(output),
                                          plan_dir=args.plan_dir if mode == "oracle" else None, save_state=False)
-                    summary = trainer.train(config, client=client)
+                    summary = run.train(config, client=client)
                     medians[mode].append(summary["median_iteration_ms"])
                     stalls[mode].append(summary["stall_fraction"])
                     shas.add(summary["state_sha256"])
                     shutil.rmtree(output, ignore_errors=True)
         finally:
-            trainer._train_loop = train_loop  # noqa: SLF001
+            loop.train_iterations = train_loop
 
     print(f"{os.cpu_count()} CPUs, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}, "
           f"{args.rounds} rounds of {args.iterations} iterations; CPU ms per iteration:")

@@ -25,6 +25,7 @@ from dlrmflow.engine.planning.cache_policies import capacity_sweep
 from dlrmflow.engine.serving.cluster import dask_scheduler, shaped_scheduler
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.up_to_date import saved_result
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
@@ -40,7 +41,7 @@ def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerpri
     """The summary of training run ``name`` when it is up to date (same dataset and parameters), else None."""
     out = Path(cfg.work_dir) / "runs" / name
     expect = {"dataset_fingerprint": fingerprint, "mode": mode, "iterations": cfg.train_iterations,
-              "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if mode != "local" else 0,
+              "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if MODES[mode].servers else 0,
               "model": cfg.model}
     earlier = None if kills else saved_result(out / "summary.json", expect)
     if earlier is not None and bool(earlier.get("parity")) == bool(parity) and \
@@ -52,7 +53,7 @@ def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerpri
 def _trainers(cfg: PipelineConfig, mode: str) -> int:
     """The pipeline's ``trainers`` train every remote and oracle run, parity's included, so that the runs it
     compares bit for bit train the same way; a local run has one."""
-    return cfg.trainers if mode in ("remote", "oracle") else 1
+    return cfg.trainers if MODES[mode].several_trainers else 1
 
 
 def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,

@@ -16,6 +16,7 @@ from typing import Any
 from prefect import get_client
 from prefect.runtime import flow_run
 
+from dlrmflow.engine.training.modes import MODES
 from dlrmflow.tasks.reporting import artifact_key, dataset_label
 
 
@@ -33,7 +34,7 @@ def train_name(config: Any) -> str:
     """``train-<mode>`` for a local run, else ``train-<mode>-k<shards>-r<parity>``; then ``-w<W>`` with W > 1
     trainers, the model unless it is DLRM (``-deepfm``) and ``-resume`` when resuming."""
     mode = _field(config, "mode", "local")
-    name = f"train-{mode}" if mode == "local" else \
+    name = f"train-{mode}" if not MODES[mode].servers else \
         f"train-{mode}-k{_field(config, 'num_shards', 0)}-r{_field(config, 'parity', 0)}"
     model = _field(config, "model", "dlrm")
     trainers = _field(config, "trainers", 1)

@@ -20,7 +20,8 @@ from prefect.logging.loggers import flow_run_logger
 from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.engine.training.checkpoint import unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import RunSetup
+from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
 from dlrmflow.tasks.reporting import artifact_key, dataset_label
@@ -71,7 +72,7 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
     logger.info("%s training: %d iterations of batch %d on %s", config.mode, n, config.batch_size, config.device)
     if config.resume:
         logger.info("resuming %s from its checkpoint at iteration %d", config.output_dir, setup.resume_at)
-    if config.mode == "local":
+    if not MODES[config.mode].servers:
         summary = train_task(setup, None)
     else:
         # Each rebuild is a recover-shard child of this flow run, whatever thread notices the loss.

@@ -11,7 +11,9 @@ from prefect.cache_policies import NO_CACHE
 
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import RunSetup, prepare_run, train
+from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.run import train
+from dlrmflow.engine.training.setup import RunSetup, prepare_run
 from dlrmflow.tasks import plots
 from dlrmflow.tasks.reporting import (
     Column,
@@ -77,7 +79,7 @@ def train_task(setup: RunSetup, dask_address: str | None, recovery_runner: Calla
                     row["iteration"], row["loss"], row["iteration_ms"], row["stall_ms"])
 
     with engine_events_to_run_log(logger):
-        if config.mode == "local":
+        if not MODES[config.mode].servers:
             summary = train(config, setup=setup, progress=progress, on_metrics=on_metrics)
         else:
             with dask_client(dask_address) as client:

@@ -2,7 +2,11 @@
 
 - every module of the engine imports with Prefect unimportable (the engine is usable without it);
 - no module of ``tasks/`` imports ``flows/`` (flows call tasks, never the other way round);
-- no import cycle among engine modules;
+- no import cycle among engine modules, nor among the engine's packages (planning, serving, coding,
+  training, models and the top-level modules);
+- the engine imports nothing of the CLI package, the flows or the tasks (its errors are its own);
+- a training mode's name is compared as a string only in the mode registry (``engine/training/modes.py``):
+  everything else asks the mode's record;
 - no engine module reaches into another module's private names;
 - private attributes of other objects (``actor._address``, ``TaskRunContext.__var__``) and private
   modules of other libraries are used only in ``engine/serving/dask_internals.py`` and
@@ -238,6 +242,77 @@ def test_no_import_cycle_among_engine_modules():
     graph = engine_import_graph(modules)
     cycles = import_cycles(graph)
     assert not cycles, "import cycles among engine modules:\n" + "\n".join(describe(c, graph) for c in cycles)
+
+
+def package_of(module: str) -> str:
+    """``dlrmflow.engine.training.loop`` -> ``training``; a top-level module is its own package."""
+    return module.removeprefix(ENGINE + ".").split(".")[0]
+
+
+def test_no_import_cycle_among_engine_packages():
+    graph = engine_import_graph(engine_modules())
+    packages: dict[str, dict[str, int]] = {}
+    for module, targets in graph.items():
+        for target, line in targets.items():
+            a, b = package_of(module), package_of(target)
+            packages.setdefault(a, {})
+            packages.setdefault(b, {})
+            if a != b and module != ENGINE:
+                packages[a].setdefault(b, line)
+    assert {"planning", "serving", "coding", "training", "models"} <= set(packages)
+    cycles = import_cycles(packages)
+    assert not cycles, "import cycles among engine packages: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+FORBIDDEN_FOR_THE_ENGINE = ("dlrmflow.cli", "dlrmflow.commands", "dlrmflow.errors", "dlrmflow.flows", "dlrmflow.tasks",
+                            "prefect")
+
+
+def test_the_engine_imports_neither_the_cli_nor_flows_nor_tasks():
+    found = [f"{m.name} line {imp.line}: {imp.module}" for m in engine_modules() for imp in imports_of(m)
+             if any(imp.module == f or imp.module.startswith(f + ".") for f in FORBIDDEN_FOR_THE_ENGINE)
+             or (imp.module == "dlrmflow" and imp.name in ("cli", "commands", "errors", "flows", "tasks"))]
+    assert not found, "the engine imports the CLI package, a flow or a task:\n" + "\n".join(found)
+
+
+def mode_name_comparisons(path: Path, names: set[str]) -> Iterator[str]:
+    """``x.mode == "oracle"``, ``mode in ("local", "remote")``, ``"lru" != config.mode``: a comparison of a
+    ``mode`` name or attribute with a mode's name."""
+
+    def is_mode(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "mode") or \
+            (isinstance(node, ast.Attribute) and node.attr == "mode")
+
+    def strings(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        return set()
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_mode(x) for x in sides) and any(strings(x) & names for x in sides):
+                yield f"{path}:{node.lineno}"
+
+
+def test_the_mode_check_finds_each_form(tmp_path):
+    source = tmp_path / "user.py"
+    source.write_text('a = config.mode == "oracle"\nb = mode in ("local", "x")\nc = "lru" != s.mode\n'
+                      'd = config.mode == other\ne = policy == "lru"\n')
+    assert [w.split(":")[-1] for w in mode_name_comparisons(source, {"oracle", "local", "lru"})] == ["1", "2", "3"]
+
+
+def test_mode_names_are_compared_only_in_the_mode_registry():
+    from dlrmflow.engine.training.modes import MODES
+
+    root = Path(dlrmflow.engine.__file__).parent.parent
+    registry = root / "engine" / "training" / "modes.py"
+    found = [where for folder in ("engine", "flows", "tasks", "dlrmflow", "datasets")
+             for path in sorted((root / folder).rglob("*.py")) if path != registry
+             for where in mode_name_comparisons(path, set(MODES))]
+    assert not found, "a mode's name compared outside engine/training/modes.py:\n" + "\n".join(found)
 
 
 def describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:

@@ -35,7 +35,7 @@ from dlrmflow.engine.coding.verify import PARITY_FILE, save_parity, verify_run_d
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.run_lock import OutputLockedError, lock_path, output_lock
 from dlrmflow.engine.run_state import save_state
-from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint import refuse_to_overwrite
 from dlrmflow.engine.training.run import prepare_run, train
 
@@ -194,7 +194,7 @@ def test_a_failed_run_leaves_no_directory_it_created(tmp_path, monkeypatch):
     def failing_step(*args, **kw):
         raise RuntimeError("the step failed")
 
-    monkeypatch.setattr(trainer_module, "train_step", failing_step)
+    monkeypatch.setattr(loop_module, "train_step", failing_step)
     with pytest.raises(RuntimeError, match="the step failed"):
         train(small_config(dataset, tmp_path / "runs" / "a", "local"))
     assert not (tmp_path / "runs").exists() and not list(tmp_path.glob(".*.lock"))

@@ -26,8 +26,9 @@ from dlrmflow.engine.run_state import load_state, save_state
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard
+from dlrmflow.engine.training.config import TrainConfigError
 from dlrmflow.engine.training.faults import FaultSpecError, parse_kill
-from dlrmflow.engine.training.run import TrainConfigError, prepare_run, train
+from dlrmflow.engine.training.run import prepare_run, train
 
 
 @pytest.fixture(scope="module")

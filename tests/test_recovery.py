@@ -31,7 +31,8 @@ from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
 from dlrmflow.engine.training import checkpoint as checkpoint_module
 from dlrmflow.engine.training import faults as faults_module
-from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training import loop as loop_module
+from dlrmflow.engine.training import rank as rank_module
 from dlrmflow.engine.training.run import prepare_run, train
 
 ITERATIONS = 14
@@ -193,7 +194,7 @@ def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monk
     stripes (applied after it, they would count twice)."""
     monkeypatch.setattr(rebuild_module, "COPY_PAUSE_S", 0.3)
     copying = threading.Event()
-    submit_copies, step = rebuild_module.submit_copies, trainer_module.train_step
+    submit_copies, step = rebuild_module.submit_copies, loop_module.train_step
 
     def flagged_copy(*args, **kwargs):
         copying.set()
@@ -213,7 +214,7 @@ def test_stripes_written_during_a_bulk_copy_are_fixed_up(cluster, tmp_path, monk
 
     monkeypatch.setattr(start_module, "start_rebuild_thread", flagged_start)
     monkeypatch.setattr(rebuild_module, "submit_copies", flagged_copy)
-    monkeypatch.setattr(trainer_module, "train_step", step_during_copy)
+    monkeypatch.setattr(loop_module, "train_step", step_during_copy)
     dataset = make_dataset(tmp_path / "data", 30)
     _run(tmp_path, dataset, "local", "local")
     summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1, kills=(kill,),
@@ -284,7 +285,7 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
     dataset = make_dataset(tmp_path / "data", 21)
     _run(tmp_path, dataset, "local", "local")
     groups = []
-    start = trainer_module.start_coded_shards
+    start = rank_module.start_coded_shards
 
     def capture(*args, **kw):
         groups.append(start(*args, **kw))
@@ -304,7 +305,7 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
             state["killed"] = pid
         return original_wait_all(calls)
 
-    monkeypatch.setattr(trainer_module, "start_coded_shards", capture)
+    monkeypatch.setattr(rank_module, "start_coded_shards", capture)
     monkeypatch.setattr(group_module, "wait_all", kill_then_wait)
     summary = _run(tmp_path, dataset, "run", "remote", cluster, num_shards=2, parity=1)
     assert state["killed"] is not None

@@ -24,7 +24,7 @@ from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, make_dataset, small_config
 
 from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
-from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint import (
     CHECKPOINT_FILE,
     RUN_CONFIG_FILE,
@@ -50,14 +50,14 @@ class Crash(RuntimeError):
 
 
 def crash_at(monkeypatch, iteration: int) -> None:
-    step = trainer_module.train_step
+    step = loop_module.train_step
 
     def failing_step(t, *args, **kw):
         if t == iteration:
             raise Crash(f"the trainer died at iteration {iteration}")
         return step(t, *args, **kw)
 
-    monkeypatch.setattr(trainer_module, "train_step", failing_step)
+    monkeypatch.setattr(loop_module, "train_step", failing_step)
 
 
 def losses(run_dir: Path) -> list[str]:
@@ -308,9 +308,9 @@ def train_args(dataset: Path, out: Path, address: str) -> list[str]:
 # catch it mid-run; nothing else differs from the installed `dlrmflow` script.
 SLOW_TRAIN = """
 import sys, time
-from dlrmflow.engine.training import run as trainer
-step = trainer.train_step
-trainer.train_step = lambda *a, **k: (time.sleep(0.05), step(*a, **k))[1]
+from dlrmflow.engine.training import loop
+step = loop.train_step
+loop.train_step = lambda *a, **k: (time.sleep(0.05), step(*a, **k))[1]
 from dlrmflow.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -17,13 +17,18 @@ from distributed import Client, LocalCluster
 from test_trainers import EMPTY, FakePlanConfig, ListPlan, Step, _spec, lru_simulation
 
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.checkpoint import (
     load_checkpoint,
     restore_checkpoint,
     save_checkpoint,
     start_placed_shards,
 )
-from dlrmflow.engine.training.stores import LocalRows, LruRows, OracleRows, RemoteRows, RowStore
+from dlrmflow.engine.training.stores.base import RowStore
+from dlrmflow.engine.training.stores.local import LocalRows
+from dlrmflow.engine.training.stores.lru import LruRows
+from dlrmflow.engine.training.stores.oracle import OracleRows
+from dlrmflow.engine.training.stores.remote import RemoteRows
 
 MODES = ("local", "remote", "lru", "oracle")
 SHARD_MODES = ("remote", "lru", "oracle")
@@ -91,7 +96,7 @@ def drive(store: RowStore, uses: list[np.ndarray], first: int, stop: int) -> lis
     """Iterations ``first .. stop-1`` (gather, update, scatter); the blocks gathered."""
     seen = []
     for t in range(first, stop):
-        block = store.gather(t, uses[t])
+        block = store.gather(t, BatchSplit.of(t, uses[t].reshape(-1, 1), 1, 0))
         seen.append(block.numpy().copy())
         store.scatter(t, uses[t], update(block, t))
     return seen

@@ -21,14 +21,16 @@ from distributed import Client, LocalCluster
 from dlrmflow.datasets.meta import DatasetError
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.models import build_model
 from dlrmflow.engine.planning.planner import CapacityError
 from dlrmflow.engine.run_state import bit_equal, load_state, read_summary, state_differences
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup, answer, start_shards
-from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint import RestoredShard
+from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.prefetch import PlanViolation, PrefetchError, PrefetchWorker
-from dlrmflow.engine.training.run import TrainConfig, TrainConfigError, prepare_run, train
+from dlrmflow.engine.training.run import prepare_run, train
 
 DATA = Path(__file__).parent / "data"
 
@@ -379,9 +381,9 @@ def test_duplicate_ids_in_a_batch_sum_their_gradients(tmp_path):
     config = small_config(tmp_path / "d", tmp_path / "run", "local", batch_size=rows, iterations=1,
                           eval_fraction=0.0, embedding_optimizer="sgd", embedding_lr=0.5, dense_optimizer="sgd")
     setup = prepare_run(config)
-    model = trainer_module.build_model(setup.model_config, seed=0)
+    model = build_model(setup.model_config, seed=0)
     emb = torch.from_numpy(init_rows(setup.spec, np.array([0]))[:, :4]).repeat(rows, 1).requires_grad_(True)
-    loss = trainer_module.bce_loss(model(torch.from_numpy(dense), emb.view(rows, 1, 4)),
+    loss = loop_module.bce_loss(model(torch.from_numpy(dense), emb.view(rows, 1, 4)),
                                    torch.from_numpy(labels.astype(np.float32)))
     loss.backward()
     expected = emb.detach()[0] - 0.5 * emb.grad.sum(0)
@@ -443,7 +445,7 @@ def test_a_compute_error_stops_the_worker(client, tmp_path, monkeypatch):
     dataset = make_dataset(tmp_path / "data", 1)
     config = small_config(dataset, tmp_path / "run", "oracle", num_shards=2, iterations=8)
     calls = {"n": 0}
-    original = trainer_module.bce_loss
+    original = loop_module.bce_loss
 
     def failing(*args):
         calls["n"] += 1
@@ -451,7 +453,7 @@ def test_a_compute_error_stops_the_worker(client, tmp_path, monkeypatch):
             raise FloatingPointError("injected compute failure")
         return original(*args)
 
-    monkeypatch.setattr(trainer_module, "bce_loss", failing)
+    monkeypatch.setattr(loop_module, "bce_loss", failing)
     outcome = _train_in_thread(config, client, keep_all_plan(dataset, 16, 8, 2))
     assert isinstance(outcome.get("error"), FloatingPointError)
     assert not _prefetch_threads()

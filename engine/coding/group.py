@@ -14,7 +14,11 @@ Before anything reads parity (a degraded read, a rebuild, verify) the pending de
 acknowledged (:meth:`~CodedShardGroup.settle`). Once settled, data and parity are a consistent
 codeword. Deltas still pending live only in the trainer: losing them with the trainer loses nothing,
 since a crashed trainer resumes from its checkpoint and re-encodes parity; a parity shard that dies
-with deltas pending is rebuilt from the data shards, which hold those batches.
+with deltas pending is rebuilt from the data shards, which hold those batches. The batch numbers, the
+rows written, the pending deltas, the messages not yet acknowledged and when a message is due are
+:class:`~dlrmflow.engine.coding.parity_batches.ParityBatching`'s, a pure state object changed only by
+its events; this class is its driver: it holds the lock, makes the actor calls its actions name, and
+reports what happened.
 
 Failures. A call to a member whose worker died raises ``OSError``: the group marks the member lost
 (:class:`~dlrmflow.engine.coding.rebuild_state.RebuildState`, which alone changes the recovery
@@ -44,6 +48,7 @@ from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
 from dlrmflow.engine.coding.checked_out import CheckedOutRows
 from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
 from dlrmflow.engine.coding.members import member_name, num_stripes, shard_row_counts
+from dlrmflow.engine.coding.parity_batches import ParityBatching, SendParity
 from dlrmflow.engine.coding.rebuild_state import RebuildState
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import LostMembersError, ShardGroup, remote, wait_all
@@ -78,25 +83,16 @@ class CodedShardGroup(ShardGroup):
         self.n_stripes = num_stripes(spec, code.k)
         self.rows_of = shard_row_counts(spec, code.k) + [self.n_stripes] * code.r
         self.state = RebuildState(code, self.n_stripes, members, futures, workers)
+        # Batch numbers, rows written, pending deltas, unacknowledged parity messages, when one is due.
+        self.batching = ParityBatching(code, spec.total_rows, parity_batches)
         self.worker_of = list(workers)  # the ShardGroup view of the member table (see _member_table_changed)
         self.checked_out = CheckedOutRows(spec.total_rows, spec.width)
-        # Rows the trainer has written back (one byte per table row, like ``checked_out.pos``'s four):
-        # the only rows that may differ from their initial values, so the only ones a rebuild copies.
-        self.written = np.zeros(spec.total_rows, dtype=bool)
         self.lock = threading.RLock()
-        self.seq = 0
-        self.parity_bytes = 0
-        self.write_batches = 0
         self.degraded_rows = 0
-        self.parity_messages = 0
         self.rebuild_chunk = rebuild_chunk
-        self.parity_batches = parity_batches
         self.rebuild_rate = rebuild_rate  # bytes of rebuilt rows per second (0: as fast as it goes)
         self.recovery_runner = recovery_runner
         self.start_rebuild = start_rebuild
-        # (seq, (ids, row changes) or its StripeDelta once combined) of batches whose deltas are not sent yet
-        self.pending: list[tuple[int, Any]] = []
-        self.unsettled: list[tuple[int, Any]] = []  # parity messages sent but not yet acknowledged
         self.recovery_thread: threading.Thread | None = None
         self.shared_workers = False  # True when the cluster had fewer workers than members
         self.started_at = time.perf_counter()
@@ -105,6 +101,31 @@ class CodedShardGroup(ShardGroup):
     def members(self) -> list:
         """Member ``s``'s actor (a lost member's until its replacement takes its place)."""
         return self.state.members
+
+    # The write path's state, where callers have always read it (ParityBatching owns it).
+    @property
+    def seq(self) -> int:
+        """The last write-back batch's number."""
+        return self.batching.seq
+
+    @property
+    def pending(self) -> list[tuple[int, Any]]:
+        """Batches whose parity deltas are not sent yet."""
+        return self.batching.pending
+
+    @property
+    def written(self) -> np.ndarray:
+        """One flag per table row: written back (a group started from checkpoint rows sets them all)."""
+        return self.batching.written
+
+    @property
+    def parity_batches(self) -> int:
+        """Write-back batches whose parity deltas travel in one message per parity shard."""
+        return self.batching.parity_batches
+
+    @parity_batches.setter
+    def parity_batches(self, batches: int) -> None:
+        self.batching.parity_batches = batches
 
     def _member_table_changed(self) -> None:
         self.actors = self.state.members[: self.code.k]
@@ -122,20 +143,16 @@ class CodedShardGroup(ShardGroup):
             self.state.raise_if_fatal()
             seq = 0
             if len(write_ids):
-                self.seq += 1
-                seq = self.seq
                 changes = xor_bits(self.checked_out.take(write_ids), write_rows)
-                self.written[write_ids] = True
+                seq = self.batching.batch_written(write_ids, changes)  # resends carry the same number
                 self.state.write_logged(write_ids // self.code.k)  # a rebuild copying: it re-reads these
-                self.pending.append((seq, (write_ids.copy(), changes)))  # combined while the shards work
-                self.write_batches += 1
             while True:
                 try:
                     self._exchange_once(seq, write_ids, write_rows, fetch_ids, out)
                     break
                 except LostMembersError as exc:
                     self.on_lost(exc.members, exc)  # raises TooManyErasuresError past R; else resend
-            if len(self.pending) >= self.parity_batches:
+            if self.batching.parity_due():
                 try:
                     self.send_parity()
                 except LostMembersError as exc:
@@ -147,26 +164,9 @@ class CodedShardGroup(ShardGroup):
         return out
 
     def stripes_to_copy(self, lost: list[int]) -> np.ndarray:
-        """Stripes where a member of ``lost`` may hold anything but its initial rows: a lost data
-        shard only where the trainer wrote its row, a lost parity shard where it wrote any row of
-        the stripe (parity changes with every data row). Every other stripe a replacement generates."""
-        k = self.code.k
-        copy = np.zeros(self.n_stripes, dtype=bool)
-        for column in range(k) if any(s >= k for s in lost) else sorted(lost):
-            rows = self.written[column::k]  # data shard ``column``'s rows, one per stripe (a short shard: fewer)
-            copy[: len(rows)] |= rows
-        return np.flatnonzero(copy)
-
-    def _combine_pending(self) -> None:
-        """Turn each pending batch's row changes into its parity delta (each touched stripe once).
-        Called while the data shards work on a batch; idempotent."""
-        k = self.code.k
-        for n, (seq, batch) in enumerate(self.pending):
-            if isinstance(batch, tuple):
-                ids, changes = batch
-                delta = self.code.combine_changes(ids % k, ids // k, changes)
-                self.parity_bytes += self.code.r * delta.parity[0].nbytes
-                self.pending[n] = (seq, delta)
+        """Stripes where a member of ``lost`` may hold anything but its initial rows
+        (:meth:`ParityBatching.stripes_to_copy`): every other stripe a replacement generates."""
+        return self.batching.stripes_to_copy(lost)
 
     def _exchange_once(self, seq, write_ids, write_rows, fetch_ids, out) -> None:
         """One round trip: every data shard's write-back and fetch; with rows of a lost data shard to
@@ -201,12 +201,14 @@ class CodedShardGroup(ShardGroup):
                 rows = np.ascontiguousarray(write_rows[w])
                 calls.append((i, remote(target, "exchange_seq", seq, write_ids[w], rows, fetch_ids[f], gather), f))
         if stripes is not None:  # the other parity shards' acknowledgements are awaited later
+            later = []
             for s, call in self._send_pending(gather=stripes, to=survivors):
                 if s in survivors:
                     calls.append((s, call, None))
                 else:
-                    self.unsettled.append((s, call))
-        self._combine_pending()
+                    later.append((s, call))
+            self.batching.sent(later)
+        self.batching.combine_pending()
         results, error = wait_all([(s, c) for s, c, _ in calls])
         if error:
             raise error
@@ -230,32 +232,28 @@ class CodedShardGroup(ShardGroup):
         """Send the pending deltas, one message per parity shard, once the previous message is
         acknowledged (lock held; raises LostMembersError)."""
         self.await_acks()
-        self.unsettled += self._send_pending()
+        self.batching.sent(self._send_pending())
 
     def _send_pending(self, gather: np.ndarray | None = None, to: tuple[int, ...] = ()) -> list[tuple[int, Any]]:
-        """Calls that hand every parity shard the pending deltas; those in ``to`` also return their
-        rows of stripes ``gather`` once the deltas are applied. A parity shard that is lost, and not
-        yet replaced, gets nothing: its rebuild decodes these batches from the data shards."""
-        self._combine_pending()
-        batches, self.pending = self.pending, []
-        seqs, stripes = [seq for seq, _ in batches], [delta.stripes for _, delta in batches]
-        k, calls = self.code.k, []
-        for p in range(self.code.r):
-            target = self.state.target(k + p)
-            if target is None or not (batches or k + p in to):
-                continue
-            parity = [delta.parity[p] for _, delta in batches]
-            if k + p in to:
-                calls.append((k + p, remote(target, "apply_and_gather", seqs, stripes, parity, gather)))
-            else:
-                calls.append((k + p, remote(target, "apply_batches", seqs, stripes, parity)))
-        self.parity_messages += bool(batches)
-        return calls
+        """Calls that hand every parity shard the pending deltas (:meth:`ParityBatching.send_begun`); those
+        in ``to`` also return their rows of stripes ``gather`` once the deltas are applied. A parity shard
+        that is lost, and not yet replaced, gets nothing: its rebuild decodes these batches from the data shards."""
+        k = self.code.k
+        reachable = [s for s in range(k, k + self.code.r) if self.state.target(s) is not None]
+        return [(message.member, self._parity_call(message, gather))
+                for message in self.batching.send_begun(reachable, gather_from=to)]
+
+    def _parity_call(self, message: SendParity, gather: np.ndarray | None) -> Any:
+        """The actor call that carries ``message`` to its member's target."""
+        target = self.state.target(message.member)
+        seqs, stripes, parity = list(message.seqs), list(message.stripes), list(message.parity)
+        if message.gather:
+            return remote(target, "apply_and_gather", seqs, stripes, parity, gather)
+        return remote(target, "apply_batches", seqs, stripes, parity)
 
     def await_acks(self) -> None:
         """Wait for the acknowledgement of every parity message sent (lock held; raises LostMembersError)."""
-        calls, self.unsettled = self.unsettled, []
-        _, error = wait_all(calls)
+        _, error = wait_all(list(self.batching.acks_awaited().calls))
         if error:
             raise error
 
@@ -383,9 +381,9 @@ class CodedShardGroup(ShardGroup):
         state = self.state
         return {
             "parity_shards": self.code.r,
-            "write_back_batches": self.write_batches,
-            "parity_messages": self.parity_messages,  # per parity shard: up to parity_batches batches each
-            "parity_bytes_sent": int(self.parity_bytes),
+            "write_back_batches": self.batching.write_batches,
+            "parity_messages": self.batching.parity_messages,  # per parity shard: up to parity_batches batches each
+            "parity_bytes_sent": int(self.batching.parity_bytes),
             "degraded_rows_read": int(self.degraded_rows),
             "checked_out_rows_bytes": self.checked_out.nbytes,
             "parity_rows_bytes": int(self.code.r * self.n_stripes * self.spec.row_bytes),

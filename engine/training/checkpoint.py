@@ -8,7 +8,7 @@ is idle, i.e. every eviction before the checkpoint written back), the dense para
 the plan position (the next iteration) and the training log so far (losses, timings, metrics).
 The rows, the traffic and the LRU cache's slots come from the row store's checkpoint view (``logical_rows``,
 ``traffic``, ``cache_state``, ``drop_pending``, ``replace_shards``, ``restart_at``, ``restore_cache``:
-:mod:`.row_stores`), the same calls in every mode; a store restarted with the cache it had makes the
+:mod:`.stores.base`), the same calls in every mode; a store restarted with the cache it had makes the
 uninterrupted run's fetches and write-backs, so a resumed run reports the same traffic totals.
 
 Two failures use it:
@@ -72,7 +72,7 @@ from dlrmflow.engine.serving.shards import (
     warm_up_workers,
 )
 from dlrmflow.engine.training.prefetch import PrefetchError
-from dlrmflow.engine.training.stores import ShardRows
+from dlrmflow.engine.training.stores.base import ShardRows
 
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_CONFIG_FILE = "run_config.json"
@@ -151,7 +151,7 @@ def is_lost_shard(exc: BaseException) -> bool:
 def save_checkpoint(path: Path, t: int, store: ShardRows, model: torch.nn.Module, optimizer, log=None,
                     config_sha256: str | None = None) -> dict[str, Any]:
     """Write the checkpoint taken before iteration ``t``: the store's logical rows and traffic (its
-    checkpoint view, :mod:`.row_stores`), the dense state and the training log so far."""
+    checkpoint view, :mod:`.stores.base`), the dense state and the training log so far."""
     start = time.perf_counter()
     state = {"format_version": CHECKPOINT_FORMAT_VERSION, "iteration": t, "config_sha256": config_sha256,
              "rows": torch.from_numpy(store.logical_rows()),
@@ -170,7 +170,7 @@ def _as_tensors(arrays: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]
 
 
 def cache_of(state: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """A loaded checkpoint's cache state (:meth:`~.row_stores.RowStore.cache_state`); None if it has none."""
+    """A loaded checkpoint's cache state (:meth:`~.stores.base.RowStore.cache_state`); None if it has none."""
     cache = state.get("cache")
     return None if cache is None else {k: v.numpy() for k, v in cache.items()}
 
@@ -227,11 +227,18 @@ class Checkpointer:
                                        "clock_origin": self.begin}  # perf_counter() that detected_s counts from
         self._replaying: dict[str, Any] | None = None
 
-    def before_iteration(self, t: int, store, model, optimizer, log) -> None:
-        if t % self.every == 0 and t != self.saved_at:
+    def before_iteration(self, t: int, store, model, optimizer, log, group) -> None:
+        """Before iterations 0, N, 2N, ...: every trainer's writes home and gradients applied (the store
+        quiesced, a barrier), trainer 0 writes the one checkpoint, and nobody writes before it has read."""
+        if t % self.every or t == self.saved_at:
+            return
+        store.quiesce()
+        group.barrier()
+        if group.rank == 0:
             self.report["checkpoints"].append(
                 save_checkpoint(self.path, t, store, model, optimizer, log, self.config_sha256))
-            self.saved_at = t
+        self.saved_at = t
+        group.barrier()
 
     def before_finish(self, store) -> None:
         """The last write-backs, inside the loop: a loss noticed here is replayed like any other."""

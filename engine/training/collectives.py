@@ -37,15 +37,35 @@ class TrainerGroup:
 
     def __init__(self, rank: int, size: int, init_method: str | None = None) -> None:
         self.rank, self.size = rank, size
-        if init_method is not None:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                    timeout=COLLECTIVE_TIMEOUT)
-        self.prefetch_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        self.prefetch_group = None
+        if size > 1:  # a trainer alone has no one to talk to: no process group
+            if init_method is not None:
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                        timeout=COLLECTIVE_TIMEOUT)
+            self.prefetch_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
         self.bytes_sent: Counter[str] = Counter()  # kind of traffic -> bytes this trainer sent to the others
 
+    @classmethod
+    def alone(cls) -> TrainerGroup:
+        """The group of one trainer: every collective returns this trainer's own part."""
+        return cls(0, 1)
+
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+    def average_dense_gradients(self, params: Sequence[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        """Every ``p.grad`` becomes the trainers' mean gradient, summed in rank order; returns the trainers'
+        mean ``loss``. One flat buffer per iteration (the loss rides along); alone, nothing changes."""
+        if self.size == 1:
+            return loss
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
+        mean = sum_in_rank_order(self.all_gather_equal(flat, "dense gradients"))
+        offset = 0
+        for p in params:
+            p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return mean[-1]
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         self.bytes_sent[kind] += tensor.numel() * tensor.element_size() * (self.size - 1)
@@ -80,7 +100,8 @@ class TrainerGroup:
         return pending if async_op else pending.wait()
 
     def barrier(self) -> None:
-        dist.barrier()
+        if self.size > 1:
+            dist.barrier()
 
 
 class PendingGather:

@@ -17,7 +17,7 @@ from dlrmflow.engine.batches import Batch, BatchStream, global_ids
 from dlrmflow.engine.run_state import FORMAT_VERSION
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.metrics import log_loss, roc_auc
-from dlrmflow.engine.training.stores import RowStore
+from dlrmflow.engine.training.stores.base import RowStore
 
 
 @contextlib.contextmanager

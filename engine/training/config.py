@@ -31,9 +31,8 @@ from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.models import MODEL_SETTINGS, MODELS
 from dlrmflow.engine.training.faults import KILL_SYNTAX, check_kills
+from dlrmflow.engine.training.modes import MODE_NAMES, MODES, SERVER_MODES
 
-MODES = ("local", "remote", "lru", "oracle")
-SERVER_MODES = ("remote", "lru", "oracle")  # rows on embedding servers (what parity and checkpoints protect)
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.engine.serving.embedding_rows
 DENSE_OPTIMIZERS = ("sgd", "adam")
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
@@ -66,9 +65,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     dataset_dir: str = Field(description="a preprocessed dataset directory")
-    mode: Literal[MODES] = Field(
-        description="where embedding rows live: local tables, remote shards (no cache), remote + LRU cache, "
-                    "remote + plan-driven cache and prefetch")
+    mode: Literal[MODE_NAMES] = Field(
+        description="where embedding rows live: " + ", ".join(mode.help for mode in MODES.values()))
     output_dir: str = Field(description="where final_state.pt, summary.json and iterations.csv go")
     batch_size: int = Field(128, ge=1, description="training batch size")
     iterations: int | None = Field(
@@ -145,15 +143,18 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _fields_agree(self) -> TrainConfig:
         """The rules between fields; each error names the field it is about."""
-        if self.mode not in SERVER_MODES:
+        mode, servers = MODES[self.mode], _one_of(SERVER_MODES)
+        if not mode.servers:
             if self.parity:
-                raise TrainConfigError("parity: --parity needs embedding servers; use --mode remote, lru or oracle")
+                raise TrainConfigError(f"parity: --parity needs embedding servers; use --mode {servers}")
             if self.checkpoint_every is not None:
-                raise TrainConfigError("checkpoint_every: --checkpoint-every works with --mode remote, lru or oracle")
-        if self.capacity is not None and self.mode in ("local", "remote"):
-            raise TrainConfigError(f"capacity: --capacity is used by --mode lru and oracle, not --mode {self.mode}")
-        if self.plan_dir and self.mode != "oracle":
-            raise TrainConfigError(f"plan_dir: --plan is only used by --mode oracle, not --mode {self.mode}")
+                raise TrainConfigError(f"checkpoint_every: --checkpoint-every works with --mode {servers}")
+        if self.capacity is not None and not mode.capacity:
+            users = _all_of(m.name for m in MODES.values() if m.capacity)
+            raise TrainConfigError(f"capacity: --capacity is used by --mode {users}, not --mode {self.mode}")
+        if self.plan_dir and not mode.plan:
+            users = _all_of(m.name for m in MODES.values() if m.plan)
+            raise TrainConfigError(f"plan_dir: --plan is only used by --mode {users}, not --mode {self.mode}")
         if self.kills and not (self.parity or self.checkpoint_every):
             raise TrainConfigError("kills: --kill needs --parity R >= 1 or --checkpoint-every N (nothing could "
                                    "recover the lost shard)")
@@ -167,18 +168,20 @@ class TrainConfig(BaseModel):
     def _check_trainers(self) -> None:
         """What several trainers support (one trainer supports everything)."""
         w = self.trainers
-        if self.mode not in SERVER_MODES:
-            raise TrainConfigError(f"trainers: --trainers {w} needs embedding servers; use --mode remote (the "
-                                   "reference), lru or oracle")
+        if not MODES[self.mode].several_trainers:
+            others = [name for name, m in MODES.items() if m.several_trainers]
+            raise TrainConfigError(f"trainers: --trainers {w} needs embedding servers; use --mode {others[0]} (the "
+                                   f"reference), {_one_of(others[1:])}")
         if self.batch_size % w:
             raise TrainConfigError(f"trainers: --batch-size {self.batch_size} does not split into {w} equal "
                                    f"slices (--trainers {w}); use a multiple of {w}")
         if not self.device.startswith("cpu"):
             raise TrainConfigError(f"trainers: --trainers {w} trains on the CPU (gloo); --device {self.device} "
                                    "is for one trainer")
-        if self.mode == "lru" and self.parity:
-            raise TrainConfigError(f"trainers: --mode lru with --parity is not supported with --trainers {w} "
-                                   "(with parity one trainer talks to the servers: use --mode oracle or remote)")
+        if self.parity and not MODES[self.mode].parity_with_trainers:
+            able = [name for name, m in MODES.items() if m.servers and m.parity_with_trainers]
+            raise TrainConfigError(f"trainers: --mode {self.mode} with --parity is not supported with --trainers {w} "
+                                   f"(with parity one trainer talks to the servers: use --mode {_one_of(able[::-1])})")
         if self.kills and not self.parity:
             raise TrainConfigError(f"kills: --kill with --trainers {w} needs --parity R >= 1 (several trainers "
                                    "do not replay a lost shard from a checkpoint)")
@@ -211,6 +214,18 @@ class TrainConfig(BaseModel):
     def bottom_layers(self) -> tuple[int, ...]:
         """The bottom MLP's layer sizes: ``bottom_mlp``, or the default ending in ``embedding_dim``."""
         return tuple(self.bottom_mlp or (*DEFAULT_BOTTOM_HIDDEN, self.embedding_dim))
+
+
+def _one_of(names) -> str:
+    """``a, b or c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _all_of(names) -> str:
+    """``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def replace(config: TrainConfig, **changes: Any) -> TrainConfig:

@@ -1,0 +1,143 @@
+"""The training loop: one trainer of a group of W (W = 1 is one trainer alone), whatever the mode.
+
+Per iteration ``t``, on every trainer (``split``: its 1/W slice of the global batch and its distinct
+ids, :class:`~dlrmflow.engine.training.batch_split.BatchSplit`)::
+
+    hooks        checkpoint before every N-th iteration; failure injection (trainer 0)
+    block      = store.gather(t, split)                      [U, width] rows: weights + optimizer state
+    weights    = block[:, :dim] (a leaf);  embeddings = weights[split.inverse]
+    loss       = BCE(model(dense slice, embeddings)); backward
+    dense grads: the trainers' mean, summed in rank order (one trainer: its own)
+    dense optimizer step
+    store.update(t, split, next ids, block, grad of weights)   the row update: the mode's store
+
+``dim`` is the model's row width (``models.row_width``): every per-id parameter of the model is a
+weight of the id's row, so the model is the only part of a run that knows which model it is. The
+gradient of a row used several times in a slice is summed by ``index_select``'s backward, in the same
+order in every mode. An iteration's time is its step (gather .. update); reading the batch happens
+between steps and is the same work in every mode.
+
+A lost shard without parity (one trainer, checkpoints on) sends the loop back to the reloaded
+checkpoint, which it replays from; progress and metrics are reported once per iteration, not again on
+a replay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrmflow.engine.batches import global_ids
+from dlrmflow.engine.models import bce_loss
+from dlrmflow.engine.training.batch_split import BatchSplit
+from dlrmflow.engine.training.checkpoint import Checkpointer
+from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.common import TrainLog
+from dlrmflow.engine.training.faults import FaultInjector
+from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.stores.base import RowStore
+
+EMPTY_IDS = np.zeros(0, dtype=np.int64)
+# (iterations done, the metrics row due then or None): progress as the loop reports it
+Report = Callable[[int, dict[str, Any] | None], None]
+
+
+@dataclass
+class LoopHooks:
+    """What a run adds to the iterations: each is optional."""
+
+    checkpoints: Checkpointer | None = None
+    injector: FaultInjector | None = None  # trainer 0's: SIGKILL a shard's worker as an iteration starts
+    report: Report | None = None
+
+
+def train_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: torch.nn.Module,
+               params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, setup: RunSetup,
+               store: RowStore, group: TrainerGroup, device: torch.device, clock: dict[str, float]) -> torch.Tensor:
+    """One iteration of one trainer (module docstring); returns the trainers' mean loss. Adds to ``clock`` the
+    seconds of forward and backward (``compute``) and of the dense gradients' gather (``dense_sync``)."""
+    dim = setup.spec.dim
+    rows = batch.labels.shape[0] // group.size
+    lo, hi = group.rank * rows, (group.rank + 1) * rows
+    # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same code path
+    # whatever NumPy's buffer alignment was.
+    dense = torch.tensor(batch.dense[lo:hi], device=device)
+    labels = torch.tensor(batch.labels[lo:hi], device=device)
+    block = store.gather(t, split)
+    start = time.perf_counter()
+    weights = block[:, :dim].clone().requires_grad_(True)
+    embeddings = weights.index_select(0, torch.from_numpy(split.inverse).to(device))
+    loss = bce_loss(model(dense, embeddings.view(rows, -1, dim)), labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    gathered = time.perf_counter()
+    loss = group.average_dense_gradients(params, loss.detach())
+    clock["compute"] += gathered - start
+    clock["dense_sync"] += time.perf_counter() - gathered
+    optimizer.step()
+    store.update(t, split, next_union, block, weights.grad)
+    return loss
+
+
+def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     store: RowStore, device: torch.device, log: TrainLog, hooks: LoopHooks) -> dict[str, Any]:
+    """Iterations ``log.start .. n-1`` of this trainer; every row home at the end (``store.finish``). Returns
+    where the time went: ``row_sync`` per iteration (the row gradients' collectives and barriers), and in all
+    ``compute`` (forward, backward), ``dense_sync`` (the dense gradients' gather, waiting for the slowest
+    trainer included) and ``batches`` (reading the global batch and splitting it)."""
+    n, offsets, every = setup.iterations, setup.stream.offsets, setup.config.metrics_every
+    checkpoints = hooks.checkpoints
+    params = list(model.parameters())
+    sync_seconds = np.zeros(n)
+    clock = {"compute": 0.0, "dense_sync": 0.0, "batches": 0.0}
+
+    def split_of(t: int, batch) -> BatchSplit:
+        return BatchSplit.of(t, global_ids(batch.sparse, offsets), group.size, group.rank)
+
+    log.begin = time.perf_counter()
+    t, batches, batch = log.start, None, None
+    while True:
+        try:
+            if t >= n:
+                if checkpoints is not None:
+                    checkpoints.before_finish(store)  # a loss noticed in the last write-backs is replayed too
+                break
+            if checkpoints is not None:
+                checkpoints.before_iteration(t, store, model, optimizer, log, group)
+            if batches is None:
+                batches = setup.stream.iter_range(t, n)
+                batch = next(batches)
+                split = split_of(t, batch)
+            if hooks.injector is not None:
+                hooks.injector.before_iteration(t)
+            reading = time.perf_counter()
+            following = next(batches) if t + 1 < n else None
+            next_split = None if following is None else split_of(t + 1, following)
+            clock["batches"] += time.perf_counter() - reading
+            start, stall, sync = time.perf_counter(), store.stall_seconds, store.sync_seconds
+            loss = train_step(t, batch, split, EMPTY_IDS if next_split is None else next_split.union, model, params,
+                              optimizer, setup, store, group, device, clock)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # honest per-iteration times
+            log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall)
+            sync_seconds[t] = store.sync_seconds - sync
+            batch, split = following, next_split
+            t += 1
+        except Exception as exc:
+            if checkpoints is None or not checkpoints.can_recover(exc):
+                raise
+            t, batches = checkpoints.recover(t, store, model, optimizer), None
+            continue
+        if checkpoints is not None:
+            checkpoints.after_iteration(t)
+        if t > log.done:  # once per iteration, not again on a replay
+            log.done = t
+            row = log.metrics_row(t, every, n)
+            if hooks.report is not None:
+                hooks.report(t, row)
+    return {**clock, "row_sync": sync_seconds}

@@ -1,0 +1,146 @@
+"""One trainer's whole run, rank ``r`` of a group of W (W = 1: the only trainer, in the caller's process).
+
+Trainer 0 also owns what one trainer owns: the embedding servers (started through ``client``: plain,
+placed for checkpoints, or coded with parity), the kills, the checkpoints, the evaluation and the final
+state, which its result carries. The other trainers get a handle on trainer 0's servers.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dlrmflow.engine.coding.erasure import TooManyErasuresError
+from dlrmflow.engine.coding.group import CodedShardGroup
+from dlrmflow.engine.coding.start import start_coded_shards
+from dlrmflow.engine.coding.verify import parity_report
+from dlrmflow.engine.models import build_model
+from dlrmflow.engine.serving.dask_internals import bind_actor
+from dlrmflow.engine.serving.shards import ShardGroup, start_shards
+from dlrmflow.engine.training import loop
+from dlrmflow.engine.training.checkpoint import (
+    Checkpointer,
+    cache_of,
+    config_sha256,
+    load_resume_point,
+    restore_dense,
+    start_placed_shards,
+)
+from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.common import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
+from dlrmflow.engine.training.faults import FaultInjector, kills_since
+from dlrmflow.engine.training.loop import LoopHooks, Report
+from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.setup import RunSetup
+
+
+def start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_runner=None) -> ShardGroup | None:
+    """Trainer 0's embedding servers (None for a mode without servers): coded with parity, placed for
+    checkpoints, plain otherwise; from ``rows`` when resuming."""
+    config = setup.config
+    if not MODES[config.mode].servers:
+        return None
+    if client is None:
+        raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
+    if config.parity:
+        return start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
+                                  rebuild_chunk=config.rebuild_chunk, parity_batches=config.parity_batches,
+                                  rebuild_rate=config.rebuild_rate * 1e6, recovery_runner=recovery_runner)
+    if config.checkpoint_every:
+        return start_placed_shards(client, setup.spec, config.num_shards, rows)
+    return start_shards(client, setup.spec, config.num_shards)
+
+
+def share_servers(group: TrainerGroup, shards: ShardGroup | None, spec) -> ShardGroup | None:
+    """Every trainer's handle on trainer 0's servers (a plain group of the same actors). With parity the
+    coded group has one client, trainer 0: the others get a group of no actors (they never call one)."""
+    if group.size == 1:
+        return shards
+    handle = [None]
+    if group.rank == 0:
+        handle = [None if isinstance(shards, CodedShardGroup) else
+                  ShardGroup(spec, list(shards.actors), worker_of=list(shards.worker_of))]
+    dist.broadcast_object_list(handle, src=0)
+    if group.rank == 0:
+        return shards
+    if handle[0] is None:
+        return ShardGroup(spec, [])
+    for actor in handle[0].actors:
+        bind_actor(actor)  # here, in the task's thread: the prefetch thread cannot
+    return handle[0]
+
+
+def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report | None = None,
+               recovery_runner=None, worker: str | None = None) -> dict[str, Any]:
+    """This trainer's run: the loop (:mod:`.loop`) between setting up and recording. ``client``: the Dask
+    client trainer 0 starts the servers and injects kills through; ``report``: trainer 0's progress."""
+    config, n, lead = setup.config, setup.iterations, group.rank == 0
+    device = torch.device(config.device)
+    output = Path(config.output_dir)
+    store = shards = None
+    try:
+        resumed = load_resume_point(output, config.model_dump(), setup.spec, n) if config.resume else None
+        rows = None if resumed is None else resumed.pop("rows").numpy()
+        start_at = 0 if resumed is None else int(resumed["iteration"])
+        shards = share_servers(group, start_servers(setup, client, rows, recovery_runner) if lead else None,
+                               setup.spec)
+        with deterministic_torch(device):
+            model = build_model(setup.model_config, seed=config.seed).to(device)
+            optimizer = make_dense_optimizer(config, model)
+            log = TrainLog.empty(n)
+            if resumed is not None:
+                restore_dense(resumed, model, optimizer)
+                log = TrainLog.restore(n, resumed["log"], device)
+            store = MODES[config.mode].make_store(setup, device, shards, group, start=start_at, rows=rows)
+            if resumed is not None:
+                store.resume_from(resumed["traffic"], cache_of(resumed), rows)
+            del rows
+            hooks = LoopHooks(report=report if lead else None)
+            if setup.kills and lead:
+                hooks.injector = FaultInjector(setup.kills, client, lambda s: store.shards.worker_of[s],
+                                               config.num_shards)
+            if config.checkpoint_every:
+                hooks.checkpoints = Checkpointer(output, config.checkpoint_every, client,
+                                                 config_sha256=config_sha256(config.model_dump()),
+                                                 reload_on_loss=not config.parity and group.size == 1,
+                                                 resumed_at=None if resumed is None else start_at)
+            clock = loop.train_iterations(setup, group, model, optimizer, store, device, log, hooks)
+            start = time.perf_counter()
+            try:
+                store.finish()
+            except PrefetchError as exc:  # the oracle's worker met the fatal loss first: name the loss
+                if isinstance(exc.__cause__, TooManyErasuresError):
+                    raise exc.__cause__ from None
+                raise
+            group.barrier()  # every trainer's rows are home before trainer 0 reads them
+            outcome: dict[str, Any] = {
+                "rank": group.rank, "worker": worker, "threads": torch.get_num_threads(),
+                "log": {**log.result(), "flush_seconds": time.perf_counter() - start},  # train_seconds counts it
+                "sync_seconds": clock.pop("row_sync"), "seconds": clock, "bytes_fetched": int(store.bytes_fetched),
+                "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent)}
+            if lead:
+                outcome["metrics"] = evaluate(setup, model, store, device)
+                outcome["state"] = collect_state(setup, model, optimizer, store)
+                kills = hooks.injector.log if hooks.injector else []
+                if config.parity:
+                    report_ = parity_report(store.shards, output if config.save_state else None)
+                    outcome["parity"] = {**report_, "kills": kills_since(kills, store.shards.started_at)}
+                if hooks.checkpoints is not None:
+                    outcome["checkpoint"] = {**hooks.checkpoints.report,
+                                             "kills": kills_since(kills, hooks.checkpoints.begin)}
+                    if resumed is not None:
+                        outcome["checkpoint"]["resumed_from"] = start_at
+            group.barrier()  # the servers stay up until trainer 0 has read them
+        return outcome
+    finally:
+        if store is not None:
+            store.close()
+        elif shards is not None:
+            shards.close()
+        group.close()

@@ -1,0 +1,1 @@
+"""Row stores, one module per training mode (the protocol: :mod:`.base`; the modes: ../modes.py)."""

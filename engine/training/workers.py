@@ -1,0 +1,164 @@
+"""Where the trainers run: one in this process, or W data-parallel trainers as processes on Dask workers,
+synchronised by torch.distributed.
+
+:func:`run_trainers` runs a group of one in the caller's process. For W > 1 it places one trainer per
+worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`), picks a rendezvous port on rank
+0's worker, submits :func:`train_on_worker` to each, relays rank 0's progress to its callbacks, and
+watches the trainers' workers: a trainer whose worker dies fails the run at once with
+:class:`TrainerLostError`, one line naming the trainer. Each trainer runs :func:`~.rank.train_rank`.
+
+Every trainer reads the whole global batch (every trainer must know every trainer's rows: the stores
+decide from them what to sync, fetch and write) and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1``.
+Every trainer starts from the same model (same seed) and applies the same mean gradient, so the dense
+parameters stay identical; rank 0 returns them. The trainers end with every row home on its server.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.placement import WORKER_LOG, place_trainers
+from dlrmflow.engine.training.checkpoint import (
+    CHECKPOINT_FILE,
+    resume_command,
+)
+from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.rank import train_rank
+from dlrmflow.engine.training.setup import RunSetup
+
+WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
+REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
+
+
+class TrainerLostError(UserInputError):
+    """A trainer process died: the run cannot go on without its slice of the batch."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _worker_threads() -> int:
+    from distributed import get_worker
+
+    return max(1, get_worker().state.nthreads)
+
+
+def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, progress_topic: str | None = None
+                    ) -> dict[str, Any]:
+    """One trainer process's whole run (a Dask task): rank ``rank`` of ``size`` joined at ``init_method``;
+    trainer 0 sends its progress as events on ``progress_topic``."""
+    from distributed import get_client, get_worker
+
+    torch.set_num_threads(_worker_threads())
+    config = setup.config
+    worker = get_worker()
+    WORKER_LOG.info("dlrmflow trainer %d of %d: rows %d..%d of every batch of %d, %d threads", rank, size,
+                    rank * config.batch_size // size, (rank + 1) * config.batch_size // size - 1, config.batch_size,
+                    torch.get_num_threads())
+    last_report = [0.0]
+
+    def report(done: int, row: dict[str, Any] | None) -> None:
+        if progress_topic is not None and (row or time.perf_counter() - last_report[0] > REPORT_SECONDS):
+            worker.log_event(progress_topic, {"done": done, "metrics": row})
+            last_report[0] = time.perf_counter()
+
+    return train_rank(setup, TrainerGroup(rank, size, init_method), client=get_client(), report=report,
+                      worker=worker.address)
+
+
+def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None] | None = None,
+                 on_metrics: Callable[[dict[str, Any]], None] | None = None,
+                 recovery_runner: Callable | None = None) -> list[dict[str, Any]]:
+    """Run ``setup.config.trainers`` trainers; every trainer's result, in rank order (module docstring).
+    ``recovery_runner``: how a trainer in this process runs a shard rebuild (one trainer only)."""
+    if setup.config.trainers == 1:
+        def report(done: int, row: dict[str, Any] | None) -> None:
+            if progress is not None:
+                progress(done, setup.iterations)
+            if row is not None and on_metrics is not None:
+                on_metrics(row)
+
+        return [train_rank(setup, TrainerGroup.alone(), client=client, report=report,
+                           recovery_runner=recovery_runner)]
+    if client is None:
+        raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
+    size = setup.config.trainers
+    workers = place_trainers(cluster_workers(client), size)
+    port = client.submit(_free_port, workers=[workers[0]], pure=False).result()
+    host = workers[0].split("://", 1)[-1].rsplit(":", 1)[0]
+    init_method = f"tcp://{host}:{port}"
+    run_id = uuid.uuid4().hex[:12]
+    topic = f"dlrmflow-trainers-{run_id}"
+    reports: queue.Queue = queue.Queue()
+    client.subscribe_topic(topic, lambda event: reports.put(event[1]))  # (time, message), on the client's loop
+    futures = [client.submit(train_on_worker, setup, rank, size, init_method, topic,
+                             workers=[worker], allow_other_workers=False, pure=False, retries=0,
+                             key=f"dlrmflow-trainer-{rank}-{run_id}")
+               for rank, worker in enumerate(workers)]
+    try:
+        _watch(client, futures, workers, reports, setup, progress, on_metrics)
+        return [future.result() for future in futures]
+    finally:
+        client.cancel(futures)
+        client.unsubscribe_topic(topic)
+
+
+def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, progress, on_metrics) -> None:
+    """Until every trainer finished: relay rank 0's reports; raise as soon as a trainer failed or its
+    worker is gone (a dead worker's task would wait for it forever: it may run nowhere else)."""
+    n, done = setup.iterations, 0
+
+    def relay(report: dict[str, Any]) -> None:
+        nonlocal done
+        if report["done"] <= done:
+            return
+        done = report["done"]
+        if progress is not None:
+            progress(done, n)
+        if report["metrics"] is not None and on_metrics is not None:
+            on_metrics(report["metrics"])
+
+    while True:
+        try:
+            relay(reports.get(timeout=WATCH_SECONDS))
+            continue
+        except queue.Empty:
+            pass
+        alive = cluster_workers(client)
+        for rank, worker in enumerate(workers):
+            if worker not in alive:
+                raise TrainerLostError(_lost_message(setup, rank, worker, done))
+        failed = [f for f in futures if f.status == "error"]
+        if failed:
+            failed[0].result()  # re-raises the trainer's error
+        if all(f.status == "finished" for f in futures):
+            # Events and results travel separately: the last reports may still be on their way.
+            deadline = time.monotonic() + 5.0
+            while done < n and time.monotonic() < deadline:
+                try:
+                    relay(reports.get(timeout=0.1))
+                except queue.Empty:
+                    pass
+            return
+
+
+def _lost_message(setup: RunSetup, rank: int, worker: str, done: int) -> str:
+    config = setup.config
+    what = (f"trainer {rank} of {config.trainers} (Dask worker {worker}) died after iteration {done} of "
+            f"{setup.iterations}")
+    if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
+        return f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}`"
+    return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
