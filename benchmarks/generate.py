@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrmflow.datasets.synthetic import HEAD_EXPONENT, TAIL_SHARE, generate, generate_rows, measure_skew
-from dlrmflow.engine.cluster import dask_client
+from dlrmflow.engine.serving.cluster import dask_client
 
 CALIBRATION_SIZES = [
     (50_000, 0.01), (100_000, 0.01), (1_000_000, 0.01), (100_000, 0.1), (1_000_000, 0.1),

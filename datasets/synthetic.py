@@ -72,7 +72,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 # The 26 categorical table sizes of the Criteo Kaggle (Display Advertising Challenge) data, C1..C26.
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (

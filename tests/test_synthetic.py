@@ -22,7 +22,7 @@ from dlrmflow.datasets.synthetic import (
     measure_skew,
     table_cardinalities,
 )
-from dlrmflow.errors import UserInputError
+from dlrmflow.engine.errors import UserInputError
 
 # One line of the raw format: label, 13 integers (no leading zeros, "-" only before a nonzero
 # number) or empty, 26 lowercase 8-hex-digit values or empty.
@@ -104,7 +104,7 @@ def test_file_does_not_depend_on_chunk_rows(tmp_path: Path) -> None:
 
 
 def test_dask_workers_write_the_same_file(tmp_path: Path) -> None:
-    from dlrmflow.engine.cluster import dask_client
+    from dlrmflow.engine.serving.cluster import dask_client
 
     done: list[tuple[int, int]] = []
     with dask_client(n_workers=2) as client:
