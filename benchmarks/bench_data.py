@@ -25,7 +25,7 @@ def synthetic_dataset(path: Path, rows: int, scale: float, seed: int = 0) -> Pat
     dense = np.log1p(np.maximum(arrays["dense"], 0)).astype(np.float32)
     dense[arrays["dense_missing"]] = 0.0
     sparse = np.where(arrays["cat_missing"], 0, arrays["ranks"]).astype(np.int32)
-    cards = [c + 1 for c in synthetic.table_cardinalities(scale)]
+    cards = [c + 1 for c in synthetic.max_cardinalities(scale)]
     write_array_dataset(path, arrays["labels"].astype(np.int8), dense, sparse, cards)
     stamp.write_text(json.dumps(params))
     return path
