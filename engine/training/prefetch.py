@@ -24,13 +24,21 @@ slots the plan implies at ``t`` continues from there (a resume, or a replay afte
 
 On CPU the worker moves rows with NumPy on the cache's memory (disjoint rows from compute's);
 on a GPU it copies on a side CUDA stream and hands compute a CUDA event to wait on.
+
+The worker is split in two: every decision (the plan cursor and the prefetch distance rule, the
+worker's view of the cache, the pending evictions, the checks that raise :class:`PlanViolation`, and
+for several trainers who fetches and who writes each row) lives in the pure state object of
+:mod:`.prefetch_state` (:class:`~.prefetch_state.PrefetchState`, changed only by named events that
+return actions, tested without threads in tests/test_prefetch_state.py); the classes here are its thin
+drivers: the thread and its condition variable, the shard round trips, the cache copies (NumPy, or a CUDA
+side stream and events) and the trainer group's collective. Each driver step asks the state what to do
+and reports what it did.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,17 +48,27 @@ import torch
 
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.prefetch_state import (
+    EMPTY_IDS,
+    CopyOut,
+    Done,
+    Exchange,
+    Finished,
+    PartitionedPrefetchState,
+    PlanViolation,
+    PrefetchState,
+    ReadPlan,
+    WaitForDone,
+)
 
-EMPTY_IDS = np.zeros(0, dtype=np.int64)
+__all__ = ["EMPTY_IDS", "WAIT_POLL_SECONDS", "Done", "PartitionedPrefetchWorker", "PlanViolation", "PrefetchError",
+           "PrefetchWorker", "Ready"]
+
 WAIT_POLL_SECONDS = 1.0  # how often a waiting thread re-checks that the other side is alive
 
 
 class PrefetchError(RuntimeError):
     """The prefetch worker failed; the cause is chained."""
-
-
-class PlanViolation(RuntimeError):
-    """A plan step would read a stale row or overwrite a live one."""
 
 
 @dataclass
@@ -59,16 +77,9 @@ class Ready:
     event: torch.cuda.Event | None  # GPU: compute waits on it before reading the new rows
 
 
-@dataclass
-class Done:
-    t: int
-    evict_ids: np.ndarray
-    evict_slots: np.ndarray
-    event: torch.cuda.Event | None  # GPU: recorded after the iteration's update of the cache
-    writers: np.ndarray | None = None  # several trainers: the trainer that writes each evicted row home
-
-
 class PrefetchWorker:
+    """Drives a :class:`~.prefetch_state.PrefetchState` from a background thread (module docstring)."""
+
     def __init__(
         self,
         plan_iterations: Iterator[Any],
@@ -83,8 +94,7 @@ class PrefetchWorker:
     ) -> None:
         """``start``: the first iteration to prepare (``plan_iterations`` begins there); ``cached``: the
         (ids, slots) already in the cache at ``start``, whose write-backs are all applied."""
-        if distance < 1:
-            raise ValueError(f"prefetch distance must be >= 1, got {distance}")
+        self.state = self._new_state(iterations, distance, total_rows, cache.shape[0], start, cached)
         self.plans = plan_iterations
         self.iterations = iterations
         self.distance = distance
@@ -94,26 +104,33 @@ class PrefetchWorker:
         self.cuda = cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(cache.device) if self.cuda else None
         self.cache_np = None if self.cuda else cache.numpy()
-        # The worker's view: a row occupies its slot from prefetch until its write-back is acknowledged.
-        self.slot_of = np.full(total_rows, -1, dtype=np.int64)
-        self.owner = np.full(cache.shape[0], -1, dtype=np.int64)
         self.start_at = start
-        if cached is not None:
-            self.slot_of[cached[0]] = cached[1]
-            self.owner[cached[1]] = cached[0]
         self.bytes_fetched = 0
         self.bytes_written = 0
         self.busy_seconds = 0.0  # time spent in shard round trips and cache copies
         self._no_rows = np.zeros((0, cache.shape[1]), dtype=np.float32)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # held around every call into the state
         self._ready: dict[int, Ready] = {}
-        self._done: deque[Done] = deque()
         self._error: BaseException | None = None
         self._error_at = ""
         self._finished = False
         self._stop = False
-        self._waiting = False  # blocked for an iteration's evictions that compute has not posted
         self._thread = threading.Thread(target=self._run, name="dlrmflow-prefetch", daemon=True)
+
+    def _new_state(self, iterations: int, distance: int, total_rows: int, num_slots: int, start: int,
+                   cached: tuple[np.ndarray, np.ndarray] | None) -> PrefetchState:
+        return PrefetchState(iterations, distance, total_rows, num_slots, start=start, cached=cached)
+
+    @property
+    def slot_of(self) -> np.ndarray:
+        """The worker's view, id -> slot (-1: not cached): a row occupies its slot from prefetch until its
+        eviction is taken for write-back. Read it while the worker is idle (:meth:`wait_idle`)."""
+        return self.state.slot_of
+
+    @property
+    def owner(self) -> np.ndarray:
+        """The worker's view, slot -> id (-1: free)."""
+        return self.state.owner
 
     # ---- main-thread side -------------------------------------------------------------
     def start(self) -> None:
@@ -136,7 +153,7 @@ class PrefetchWorker:
 
     def post_done(self, done: Done) -> None:
         with self._cond:
-            self._done.append(done)
+            self.state.evictions_posted(done)
             self._cond.notify_all()
 
     def join(self) -> None:
@@ -154,7 +171,7 @@ class PrefetchWorker:
         """Block until the worker waits for evictions not yet posted (or has finished): every posted
         eviction is written back and no round trip is in flight. Re-raise a worker failure."""
         with self._cond:
-            while not (self._finished or (self._waiting and not self._done)):
+            while not (self._finished or self.state.idle()):
                 self._raise_if_failed()
                 if not self._thread.is_alive():
                     raise PrefetchError("the prefetch worker stopped while a checkpoint waited for it")
@@ -181,6 +198,7 @@ class PrefetchWorker:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the main thread
             with self._cond:
+                self._error_at = self.state.doing
                 self._error = exc
                 self._cond.notify_all()
         else:
@@ -188,93 +206,59 @@ class PrefetchWorker:
                 self._finished = True
                 self._cond.notify_all()
 
-    def _next_done(self) -> Done | None:
+    def _next_action(self) -> ReadPlan | CopyOut | Exchange | None:
+        """The state's next action; a :class:`WaitForDone` is waited out here and answered with the evictions
+        compute posted (a :class:`CopyOut`). None: stop, or nothing left to do."""
         with self._cond:
-            while not self._done and not self._stop:
-                if not self._waiting:
-                    self._waiting = True
+            action = self.state.step()
+            if isinstance(action, Finished):
+                return None
+            if not isinstance(action, WaitForDone):
+                return action
+            notified = False
+            while not self.state.has_posted() and not self._stop:
+                if not notified:
+                    notified = True
                     self._cond.notify_all()  # a checkpoint may be waiting for this
                 self._cond.wait(WAIT_POLL_SECONDS)
-            self._waiting = False
-            return None if self._stop else self._done.popleft()
+            return None if self._stop else self.state.evictions_taken()
 
     def _loop(self) -> None:
-        written = self.start_at  # iterations whose evictions are written back
-        for t in range(self.start_at, self.iterations):
-            self._error_at = f"while preparing iteration {t}"
-            step = next(self.plans)
-            if step.t != t:
-                raise PlanViolation(f"the plan yielded iteration {step.t} where {t} was expected")
-            evicted: list[tuple[np.ndarray, np.ndarray]] = []
-            while written < t - self.distance:  # in steady state exactly one: iteration t - P - 1
-                done = self._next_done()
-                if done is None:
-                    return
-                evicted.append(self._take_evictions(done))
-                written += 1
-            self._error_at = f"while writing back evictions and prefetching for iteration {t}"
-            ids = np.concatenate([e[0] for e in evicted]) if evicted else EMPTY_IDS
-            rows = np.concatenate([e[1] for e in evicted]) if evicted else self._no_rows
-            event = self._exchange(t, ids, rows, step.prefetch_ids, step.prefetch_slots)
-            with self._cond:
-                self._ready[t] = Ready(step, event)
-                self._cond.notify_all()
-        while written < self.iterations:
-            done = self._next_done()
-            if done is None:
-                return
-            self._error_at = f"while writing back the evictions of iteration {done.t}"
-            ids, rows = self._take_evictions(done)
-            self._exchange(None, ids, rows, EMPTY_IDS, EMPTY_IDS)
-            written += 1
+        taken: list[np.ndarray] = []  # rows copied out of the cache, to go home in the next exchange
+        while (action := self._next_action()) is not None:
+            if isinstance(action, ReadPlan):
+                step = next(self.plans)
+                with self._cond:
+                    self.state.plan_read(step)
+            elif isinstance(action, CopyOut):
+                taken.append(self._copy_out(action))
+            else:
+                if action.t is None and len(taken) == 1:
+                    rows = taken[0]
+                else:
+                    rows = np.concatenate(taken) if taken else self._no_rows
+                taken = []
+                event = self._exchange(action.t, action, rows)
+                with self._cond:
+                    self.state.exchanged(action)
+                    if action.t is not None:
+                        self._ready[action.t] = Ready(action.step, event)
+                        self._cond.notify_all()
 
-    def _take_evictions(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
-        """Copy the evicted rows out of the cache and free their slots (in the worker's view).
-
-        The copy goes home in the next exchange, which the shards apply before its fetches; so a
-        slot or id freed here may be reused by that same exchange without a stale read."""
-        ids, slots = done.evict_ids, done.evict_slots
-        if not np.array_equal(self.slot_of[ids], slots):
-            raise PlanViolation(f"iteration {done.t}: evicted rows are not where the worker put them")
-        if not len(ids):
-            return ids, self._no_rows
+    def _copy_out(self, take: CopyOut) -> np.ndarray:
+        """The rows of ``take.slots``, copied out of the cache after compute's last update of them."""
+        if not len(take.ids):
+            return self._no_rows
         if self.cuda:
             with torch.cuda.stream(self.stream):
-                self.stream.wait_event(done.event)  # after compute's last update of these rows
-                index = torch.from_numpy(slots).to(self.cache.device)
-                rows = self.cache.index_select(0, index).cpu().numpy()
-        else:
-            rows = self.cache_np[slots]
-        self.slot_of[ids] = -1
-        self.owner[slots] = -1
-        return ids, rows
+                self.stream.wait_event(take.done.event)  # after compute's last update of these rows
+                index = torch.from_numpy(take.slots).to(self.cache.device)
+                return self.cache.index_select(0, index).cpu().numpy()
+        return self.cache_np[take.slots]
 
-    def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
-        if len(ids) != len(slots):
-            raise PlanViolation(f"iteration {t}: {len(ids)} prefetch ids but {len(slots)} slots")
-        if len(np.unique(slots)) != len(slots):
-            raise PlanViolation(f"iteration {t}: two prefetched rows share a cache slot")
-        busy = self.owner[slots] >= 0
-        if busy.any():
-            raise PlanViolation(
-                f"iteration {t}: slot {int(slots[busy][0])} is reused before its row "
-                f"(id {int(self.owner[slots[busy][0]])}) was written back"
-            )
-        live = self.slot_of[ids] >= 0
-        if live.any():
-            raise PlanViolation(
-                f"iteration {t}: id {int(ids[live][0])} is prefetched while its previous copy is still "
-                "cached or not yet written back (a stale read)"
-            )
-
-    def _exchange(
-        self, t: int | None, write_ids: np.ndarray, write_rows: np.ndarray, ids, slots
-    ) -> torch.cuda.Event | None:
+    def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> torch.cuda.Event | None:
         """One round trip to the shards: write back, then fetch iteration ``t``'s rows into their slots."""
-        ids = np.asarray(ids, dtype=np.int64)
-        slots = np.asarray(slots, dtype=np.int64)
-        if t is not None:
-            self._check_prefetch(t, ids, slots)
+        write_ids, ids, slots = exchange.write_ids, exchange.fetch_ids, exchange.fetch_slots
         if not len(ids) and not len(write_ids):
             return None
         start = time.perf_counter()
@@ -292,8 +276,6 @@ class PrefetchWorker:
                     event.record(self.stream)
             else:
                 self.cache_np[slots] = rows.numpy()
-            self.slot_of[ids] = slots
-            self.owner[slots] = ids
         self.bytes_fetched += len(ids) * self.row_bytes
         self.bytes_written += len(write_ids) * self.row_bytes
         self.busy_seconds += time.perf_counter() - start
@@ -303,53 +285,45 @@ class PrefetchWorker:
 class PartitionedPrefetchWorker(PrefetchWorker):
     """The oracle's prefetch worker for one of W trainers holding the same cache slots: it writes home
     the evicted rows it is the writer of, fetches the prefetched rows it is the fetcher of, and gathers
-    the others' fetches over the trainer group's prefetch process group (:mod:`.stores_w`, the LRPP cache)."""
+    the others' fetches over the trainer group's prefetch process group (the LRPP cache,
+    :class:`~.stores.oracle.LrppRows`).
+    Who writes and who fetches is the state's (:class:`~.prefetch_state.PartitionedPrefetchState`)."""
 
     def __init__(self, *args, group: TrainerGroup, gateway: bool = False, **kwargs) -> None:
+        self.group, self.gateway = group, gateway
         super().__init__(*args, **kwargs)
         if self.cuda:
             raise ValueError("several trainers train on the CPU")
-        self.group, self.gateway = group, gateway
-        self.last_writer = np.full(len(self.slot_of), -1, dtype=np.int16)
+
+    def _new_state(self, iterations: int, distance: int, total_rows: int, num_slots: int, start: int,
+                   cached: tuple[np.ndarray, np.ndarray] | None) -> PartitionedPrefetchState:
+        return PartitionedPrefetchState(iterations, distance, total_rows, num_slots, size=self.group.size,
+                                        rank=self.group.rank, gateway=self.gateway, start=start, cached=cached)
+
+    @property
+    def last_writer(self) -> np.ndarray:
+        """Per id: the trainer that last wrote it home (-1: none yet)."""
+        return self.state.last_writer
 
     def fetchers(self, ids: np.ndarray) -> np.ndarray:
         """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
         (``gateway``: trainer 0, always)."""
-        if self.gateway:
-            return np.zeros(len(ids), dtype=np.int64)
-        last = self.last_writer[ids]
-        return np.where(last >= 0, last, ids % self.group.size)
+        return self.state.fetchers(ids)
 
-    def _take_evictions(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
-        ids, slots = done.evict_ids, done.evict_slots
-        if not np.array_equal(self.slot_of[ids], slots):
-            raise PlanViolation(f"iteration {done.t}: evicted rows are not where the worker put them")
-        mine = done.writers == self.group.rank
-        rows = self.cache_np[slots[mine]] if len(ids) else self._no_rows
-        self.last_writer[ids] = done.writers
-        self.slot_of[ids] = -1
-        self.owner[slots] = -1
-        return ids[mine], rows
-
-    def _exchange(self, t, write_ids, write_rows, ids, slots):
-        ids = np.asarray(ids, dtype=np.int64)
-        slots = np.asarray(slots, dtype=np.int64)
-        if t is not None:
-            self._check_prefetch(t, ids, slots)
+    def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> None:
+        """One round trip to the shards for this trainer's share, then the collective that hands every
+        trainer the rows the others fetched."""
         start = time.perf_counter()
-        fetcher = self.fetchers(ids)
-        mine = ids[fetcher == self.group.rank]
+        mine, fetcher = exchange.fetched_here, exchange.fetcher
         fetched = np.empty((len(mine), self.cache.shape[1]), dtype=np.float32)
-        if len(mine) or len(write_ids):
-            self.shards.exchange(write_ids, write_rows, mine, out=fetched)
-        if len(ids):
+        if len(mine) or len(exchange.write_ids):
+            self.shards.exchange(exchange.write_ids, write_rows, mine, out=fetched)
+        if len(exchange.fetch_ids):
             counts = [int(np.count_nonzero(fetcher == w)) for w in range(self.group.size)]
             parts = self.group.all_gather_rows(torch.from_numpy(fetched), counts, "prefetched rows", prefetch=True)
             for w, part in enumerate(parts):
-                self.cache_np[slots[fetcher == w]] = part.numpy()
-            self.slot_of[ids] = slots
-            self.owner[slots] = ids
+                self.cache_np[exchange.fetch_slots[fetcher == w]] = part.numpy()
         self.bytes_fetched += len(mine) * self.row_bytes
-        self.bytes_written += len(write_ids) * self.row_bytes
+        self.bytes_written += len(exchange.write_ids) * self.row_bytes
         self.busy_seconds += time.perf_counter() - start
         return None

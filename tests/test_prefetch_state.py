@@ -1,0 +1,951 @@
+"""The prefetch worker's state without threads or a cluster: events in, actions out.
+
+A pure-NumPy model of the home (the shards: one value per row), of each trainer's cache (one value per
+slot, and which row is physically there) and of compute, drives :class:`PrefetchState` (one trainer) or
+W :class:`PartitionedPrefetchState` (one per trainer, the LRPP cache) through the same transitions as
+``engine/training/prefetch.py``'s drivers, as generators that take one atomic step at a time. A row's
+value is the number of iterations that updated it, so the value every read must see is known:
+
+- no fetch reads a stale row: a fetch issued for ``t`` reads, at the home, the row's value after
+  every iteration before ``t``;
+- compute reads every row of its batch current, in the slot the plan gave it;
+- a slot is never overwritten while its row is still needed (cached for compute, or evicted and not
+  yet copied out for its write-back);
+- every eviction is written home exactly once (by exactly one trainer), with the value after its
+  iteration;
+- whenever the worker is idle (a checkpoint's moment), the home overlaid with the cache where the state
+  places rows is every row's current value (what ``OracleRows.logical_rows`` reads);
+- the state's actions are the same in every interleaving (so training is bit-identical whatever the timing).
+
+The tests enumerate every interleaving of small scenarios (a prefetch, a write-back and an eviction of
+the same row and slot, P = 1 and 2, one trainer and W = 2), run random plans under random interleavings
+(W = 1, 2, 3, gateway or not, resumed mid-plan or not), and check that bad plans raise
+:class:`PlanViolation` with the messages the trainers' tests match. The last ones run the thin drivers
+(``PrefetchWorker`` on its thread, on a GPU where there is one; three ``PartitionedPrefetchWorker``)
+against an in-memory home and check that their round trips are exactly the state's exchanges.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from dlrmflow.engine.training.prefetch import PartitionedPrefetchWorker, PrefetchWorker
+from dlrmflow.engine.training.prefetch_state import (
+    EMPTY_IDS,
+    CopyOut,
+    Done,
+    Exchange,
+    Finished,
+    PartitionedPrefetchState,
+    PlanViolation,
+    PrefetchState,
+    ReadPlan,
+    WaitForDone,
+)
+
+Blocked = Callable[[], bool] | None  # what a step yields: None (done a step) or "run me again once this is true"
+
+
+@dataclass(frozen=True)
+class Step:
+    t: int
+    prefetch_ids: np.ndarray
+    prefetch_slots: np.ndarray
+    evict_ids: np.ndarray
+
+
+def ids(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
+
+
+@dataclass
+class Plan:
+    """A plan and the batches it serves: every row iteration ``t`` uses is cached at ``t``."""
+
+    steps: list[Step]
+    batches: list[np.ndarray]
+    num_slots: int
+    total_rows: int
+    distance: int
+
+    @property
+    def iterations(self) -> int:
+        return len(self.steps)
+
+    def uses_before(self) -> np.ndarray:
+        """``[T + 1, total_rows]``: how many iterations before ``u`` used each row (a row's value before ``u``)."""
+        counts = np.zeros((self.iterations + 1, self.total_rows), dtype=np.int64)
+        for u, batch in enumerate(self.batches):
+            counts[u + 1] = counts[u]
+            counts[u + 1, batch] += 1
+        return counts
+
+    def cached_at(self, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, slots) the plan implies in the cache before ``start`` (as ``OracleRows.restart_at`` replays it)."""
+        slot_of = np.full(self.total_rows, -1, dtype=np.int64)
+        for step in self.steps[:start]:
+            slot_of[step.prefetch_ids] = step.prefetch_slots
+            slot_of[step.evict_ids] = -1
+        cached = np.flatnonzero(slot_of >= 0)
+        return cached, slot_of[cached]
+
+
+def scripted_plan(batches: list[list[int]], slots: dict[tuple[int, int], int], distance: int,
+                  num_slots: int = 4, total_rows: int = 4) -> Plan:
+    """A plan by hand: a row is prefetched where ``slots`` names it ((t, id) -> slot) and evicted after its
+    last use in a run of consecutive uses."""
+    steps = []
+    for t, batch in enumerate(batches):
+        fetch = sorted(x for (u, x) in slots if u == t)
+        evict = [x for x in batch if t + 1 >= len(batches) or x not in batches[t + 1]]
+        steps.append(Step(t, ids(*fetch), ids(*(slots[t, x] for x in fetch)), ids(*sorted(evict))))
+    return Plan(steps, [ids(*sorted(b)) for b in batches], num_slots, total_rows, distance)
+
+
+def random_plan(rng: np.random.Generator, iterations: int, total_rows: int, lookahead: int, distance: int) -> Plan:
+    """The planner's window rule on random batches: a row is prefetched when its gap is > L (or it is new)
+    and evicted when its next use is after ``t + L``; slots are picked at random among those free at the
+    worker's timing (the evictions of ``t - P - 1`` free theirs before the fetches for ``t``). With
+    ``L < P`` the plan can refetch a row that the worker still holds (a bad plan)."""
+    batches = [np.unique(rng.integers(0, total_rows, int(rng.integers(1, 5)))) for _ in range(iterations)]
+    uses = [set(b.tolist()) for b in batches]
+    fetch: list[list[int]] = [[] for _ in range(iterations)]
+    evict: list[list[int]] = [[] for _ in range(iterations)]
+    for x in range(total_rows):
+        times = [t for t in range(iterations) if x in uses[t]]
+        for i, t in enumerate(times):
+            if i == 0 or t - times[i - 1] > lookahead:
+                fetch[t].append(x)
+            if i + 1 == len(times) or times[i + 1] > t + lookahead:
+                evict[t].append(x)
+    # A valid plan holds at most one copy of a row: few spare slots, so slots are reused often.
+    num_slots = total_rows + 1 if lookahead >= distance else total_rows * (distance + 2)
+    free = set(range(num_slots))
+    held: dict[tuple[int, int], int] = {}  # (iteration fetched, id) -> slot
+    slot_at: dict[int, list[int]] = {}  # iteration evicted -> slots freed
+    steps = []
+    for t in range(iterations):
+        if t - distance - 1 >= 0:
+            free |= set(slot_at.pop(t - distance - 1, []))
+        chosen = rng.permutation(sorted(free))[: len(fetch[t])]
+        free -= set(chosen.tolist())
+        for x, s in zip(fetch[t], chosen.tolist(), strict=True):
+            held[t, x] = int(s)
+        for x in evict[t]:  # the copy fetched most recently
+            fetched = max(u for (u, y) in held if y == x and u <= t)
+            slot_at.setdefault(t, []).append(held.pop((fetched, x)))
+        steps.append(Step(t, ids(*fetch[t]), ids(*chosen.tolist()), ids(*sorted(evict[t]))))
+    return Plan(steps, batches, num_slots, total_rows, distance)
+
+
+def refetched_too_early(plan: Plan) -> bool:
+    """The reference rule: some row evicted after ``p`` is fetched again for a ``t <= p + P`` (before the
+    worker has taken ``p``'s evictions)."""
+    evicted_at: dict[int, int] = {}
+    for step in plan.steps:
+        for x in step.prefetch_ids.tolist():
+            if x in evicted_at and step.t <= evicted_at[x] + plan.distance:
+                return True
+        for x in step.evict_ids.tolist():
+            evicted_at[x] = step.t
+    return False
+
+
+# ---- the model ------------------------------------------------------------------------------------------
+class System:
+    """The home, W trainers (cache, state, worker and compute generators) and the invariants."""
+
+    def __init__(self, plan: Plan, *, size: int = 1, start: int = 0, gateway: bool = False, seed: int = 0,
+                 writers: list[np.ndarray] | None = None, steps: list[Step] | None = None) -> None:
+        self.plan, self.size, self.start = plan, size, start
+        self.steps = plan.steps if steps is None else steps  # what the plan yields (a bad plan: other steps)
+        self.before = plan.uses_before()
+        rng = np.random.default_rng(seed)
+        if writers is None:  # Bagpipe's rule: a row's only user at t writes it, else id % W (gateway: 0)
+            writers = []
+            for step in plan.steps:
+                e = step.evict_ids
+                single = rng.random(len(e)) < 0.5
+                w = np.where(single, rng.integers(0, size, len(e)), e % size)
+                writers.append(np.zeros(len(e), np.int64) if gateway else w.astype(np.int64))
+        self.writers = writers
+        self.home = self.before[start].copy()  # a resume: the checkpoint's rows, restored to the shards
+        cached, cached_slots = plan.cached_at(start)
+        self.states: list[PrefetchState] = []
+        self.cache, self.cache_id, self.needed = [], [], []
+        self.compute_slot_of: list[np.ndarray] = []
+        for w in range(size):
+            args = (plan.iterations, plan.distance, plan.total_rows, plan.num_slots)
+            if size == 1 and not gateway:
+                state = PrefetchState(*args, start=start, cached=(cached.copy(), cached_slots.copy()))
+            else:
+                state = PartitionedPrefetchState(*args, size=size, rank=w, gateway=gateway, start=start,
+                                                 cached=(cached.copy(), cached_slots.copy()))
+            self.states.append(state)
+            cache = np.full(plan.num_slots, -1, dtype=np.int64)
+            cache[cached_slots] = self.before[start][cached]
+            cache_id = np.full(plan.num_slots, -1, dtype=np.int64)
+            cache_id[cached_slots] = cached
+            needed = cache_id >= 0
+            self.cache.append(cache)
+            self.cache_id.append(cache_id)
+            self.needed.append(needed)
+            slot_of = np.full(plan.total_rows, -1, dtype=np.int64)
+            slot_of[cached] = cached_slots
+            self.compute_slot_of.append(slot_of)
+        self.ready: list[set[int]] = [set() for _ in range(size)]
+        self.computed = [start] * size  # iterations whose update is in the cache
+        self.posted = [start] * size  # iterations whose evictions are posted
+        self.unsent: list[list[np.ndarray]] = [[] for _ in range(size)]
+        self.gathered: dict[int, dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self.writes = np.zeros(plan.total_rows, dtype=np.int64)  # write-backs per row, all trainers
+        self.actions: list[list[tuple]] = [[] for _ in range(size)]
+        self.errors: list[BaseException | None] = [None] * size
+        self.gens: list[Iterator[Blocked]] = []
+        for w in range(size):
+            self.gens += [self.worker(w), self.compute(w)]
+        self.blocks: dict[int, Blocked] = {}
+        self.number = {id(g): n for n, g in enumerate(self.gens)}
+        self.progress = [0] * len(self.gens)  # steps taken, per generator
+
+    # ---- the worker (what PrefetchWorker / PartitionedPrefetchWorker do) --------------------------------
+    def worker(self, w: int) -> Iterator[Blocked]:
+        try:
+            yield from self._work(w)
+        except PlanViolation as exc:
+            self.errors[w] = exc
+
+    def _work(self, w: int) -> Iterator[Blocked]:
+        state, cache, cache_id, needed = self.states[w], self.cache[w], self.cache_id[w], self.needed[w]
+        while True:
+            action = state.step()
+            self.actions[w].append(summary(action))
+            if isinstance(action, Finished):
+                return
+            if isinstance(action, ReadPlan):  # (no other generator sees the plan: no step of its own)
+                state.plan_read(self.steps[action.t])
+            elif isinstance(action, WaitForDone):
+                assert state.waiting
+                yield lambda: state.has_posted()
+                take = state.evictions_taken()
+                assert isinstance(take, CopyOut) and not state.waiting
+                self.actions[w].append(summary(take))
+                done = take.done
+                assert np.array_equal(cache_id[take.slots], take.ids), "the copy is taken from the wrong slots"
+                values = cache[take.slots].copy()
+                # The copy is taken after compute's last update of the row.
+                assert np.array_equal(values, self.before[done.t + 1][take.ids])
+                if self.size > 1:
+                    assert np.array_equal(take.ids, done.evict_ids[done.writers == w])
+                needed[done.evict_slots] = False
+                self.unsent[w].append(values)
+            else:
+                assert isinstance(action, Exchange) and state.in_flight is action
+                yield None  # in flight: compute runs on, posts, a checkpoint may look
+                rows = np.concatenate(self.unsent[w]) if self.unsent[w] else EMPTY_IDS
+                self.unsent[w] = []
+                assert len(rows) == len(action.write_ids)
+                # One round trip, atomic at the home: the writes first, then the fetches.
+                self.home[action.write_ids] = rows
+                self.writes[action.write_ids] += 1
+                here = action.fetch_ids if action.fetched_here is None else action.fetched_here
+                if len(here):
+                    assert np.array_equal(self.home[here], self.before[action.t][here]), \
+                        f"trainer {w} read a stale row for iteration {action.t}"
+                fetched = self.home[here].copy()
+                values = fetched
+                if action.fetcher is not None and len(action.fetch_ids):  # the trainer group's collective
+                    self.gathered.setdefault(action.t, {})[w] = (action.fetcher, here, fetched)
+                    yield lambda t=action.t: len(self.gathered[t]) == self.size
+                    parts = self.gathered[action.t]
+                    assert all(np.array_equal(p[0], action.fetcher) for p in parts.values()), "fetchers disagree"
+                    values = np.empty(len(action.fetch_ids), dtype=np.int64)
+                    for v, part in parts.items():
+                        mask = action.fetcher == v
+                        assert np.array_equal(part[1], action.fetch_ids[mask])
+                        values[mask] = part[2]
+                assert not needed[action.fetch_slots].any(), "a slot is overwritten while its row is needed"
+                cache[action.fetch_slots] = values
+                cache_id[action.fetch_slots] = action.fetch_ids
+                needed[action.fetch_slots] = True
+                state.exchanged(action)
+                if action.t is not None:
+                    self.ready[w].add(action.t)
+                yield None
+
+    # ---- compute (what the oracle store and the trainer do) ---------------------------------------------
+    def compute(self, w: int) -> Iterator[Blocked]:
+        cache, cache_id, slot_of = self.cache[w], self.cache_id[w], self.compute_slot_of[w]
+        for u in range(self.start, self.plan.iterations):
+            yield lambda u=u: u in self.ready[w] or self.errors[w] is not None
+            if self.errors[w] is not None:
+                return  # wait_ready re-raises the worker's failure
+            step = self.plan.steps[u]
+            slot_of[step.prefetch_ids] = step.prefetch_slots
+            batch = self.plan.batches[u]
+            slots = slot_of[batch]
+            assert (slots >= 0).all() and np.array_equal(cache_id[slots], batch), f"iteration {u}: rows missing"
+            assert np.array_equal(cache[slots], self.before[u][batch]), f"iteration {u} read a stale row"
+            cache[slots] += 1
+            self.computed[w] = u + 1
+            if self.size == 1:  # several trainers: the update and the post in one step (see check)
+                yield None
+            evict_slots = slot_of[step.evict_ids]
+            slot_of[step.evict_ids] = -1
+            self.states[w].evictions_posted(Done(u, step.evict_ids, evict_slots, None,
+                                                 self.writers[u] if self.size > 1 else None))
+            self.posted[w] = u + 1
+            yield None
+
+    # ---- running it -------------------------------------------------------------------------------------
+    def ready_gens(self) -> list[Iterator[Blocked]]:
+        return [g for g in self.gens if self.blocks.get(id(g)) is None or self.blocks[id(g)]()]
+
+    def advance(self, gen: Iterator[Blocked]) -> None:
+        self.progress[self.number[id(gen)]] += 1
+        try:
+            self.blocks[id(gen)] = next(gen)
+        except StopIteration:
+            self.gens.remove(gen)
+            self.blocks.pop(id(gen), None)
+        self.check()
+
+    def key(self) -> tuple:
+        """Everything that decides what happens next: two orders of steps that reach the same key have the
+        same futures."""
+        parts: list = [tuple(self.progress), tuple(self.computed), tuple(self.posted), self.home.tobytes(),
+                       self.writes.tobytes(),
+                       tuple(str(e) for e in self.errors),
+                       tuple((t, tuple(sorted(g))) for t, g in sorted(self.gathered.items()))]
+        for w, state in enumerate(self.states):
+            parts += [self.cache[w].tobytes(), self.cache_id[w].tobytes(), self.needed[w].tobytes(),
+                      self.compute_slot_of[w].tobytes(), tuple(sorted(self.ready[w])),
+                      tuple(v.tobytes() for v in self.unsent[w]), len(self.actions[w]),
+                      state.t, state.written, state.plan_step is None, len(state.posted), state.waiting,
+                      None if state.in_flight is None else ("x", state.in_flight.t), state.slot_of.tobytes(),
+                      state.owner.tobytes(), tuple(a.tobytes() for u in state.unsent for a in u), state.doing,
+                      getattr(state, "last_writer", np.zeros(0)).tobytes()]
+        return tuple(parts)
+
+    def check(self) -> None:
+        """A checkpoint's view: with every worker idle and every trainer at the same iteration, the home
+        overlaid with each cache where its state places rows is every row's current value. (One trainer:
+        at any step; several: between iterations, where LrppRows.quiesce is called, since a row evicted
+        and written home by another trainer is current only once that trainer has posted it.)"""
+        if any(e is not None for e in self.errors) or len(set(self.computed)) != 1:
+            return
+        if self.size > 1 and self.posted != self.computed:
+            return
+        if not all(s.idle() for s in self.states):
+            return
+        truth = self.before[self.computed[0]]
+        for w, state in enumerate(self.states):
+            logical = self.home.copy()
+            held = np.flatnonzero(state.slot_of >= 0)
+            logical[held] = self.cache[w][state.slot_of[held]]
+            assert np.array_equal(logical, truth), f"trainer {w}: a checkpoint would save stale rows"
+
+    def finished(self) -> None:
+        """The end of a run: every eviction home exactly once, nothing cached, the home current."""
+        if any(e is not None for e in self.errors):
+            return
+        assert all(isinstance(s.step(), Finished) for s in self.states)
+        evictions = np.zeros(self.plan.total_rows, dtype=np.int64)
+        for step in self.plan.steps[self.start:]:
+            evictions[step.evict_ids] += 1
+        assert np.array_equal(self.writes, evictions), "an eviction was not written home exactly once"
+        assert np.array_equal(self.home, self.before[-1])
+        assert all((s.slot_of < 0).all() and (s.owner < 0).all() for s in self.states)
+
+    def run_random(self, rng: np.random.Generator, limit: int = 100_000) -> None:
+        for _ in range(limit):
+            ready = self.ready_gens()
+            if not ready:
+                assert not self.gens or any(e is not None for e in self.errors), "deadlock"
+                self.finished()
+                return
+            self.advance(ready[int(rng.integers(0, len(ready)))])
+        raise AssertionError("the run never ended")
+
+
+def summary(action) -> tuple:
+    """An action as comparable values."""
+    if isinstance(action, Exchange):
+        return ("exchange", action.t, action.write_ids.tolist(), action.write_slots.tolist(),
+                action.fetch_ids.tolist(), action.fetch_slots.tolist(),
+                None if action.fetcher is None else action.fetcher.tolist())
+    if isinstance(action, CopyOut):
+        return ("copy", action.done.t, action.ids.tolist(), action.slots.tolist())
+    return (type(action).__name__, getattr(action, "t", None))
+
+
+def every_interleaving(make: Callable[[], System], limit: int = 50_000) -> tuple[int, list[System]]:
+    """Run ``make()``'s system along every order of its ready generators' steps: a search over the states
+    reached (an order that reaches a state already seen has the same futures), every one checked, and at
+    every step, that the state's k-th action is the same whatever the order. Returns the number of states
+    and the systems at the ends (one per distinct end state)."""
+    seen: set[tuple] = set()
+    ends: list[System] = []
+    canonical: list[list[tuple]] | None = None
+    pending: list[list[int]] = [[]]  # the index among the ready generators of every step, from the start
+    while pending:
+        choices = pending.pop()
+        system = make()
+        for c in choices:
+            system.advance(system.ready_gens()[c])
+        while True:  # on along the first choice; the others are replayed from the start later
+            key = system.key()
+            if key in seen:
+                break
+            seen.add(key)
+            assert len(seen) <= limit
+            if canonical is None:
+                canonical = [[] for _ in system.actions]
+            for mine, agreed in zip(system.actions, canonical, strict=True):
+                assert mine[: len(agreed)] == agreed[: len(mine)], "the state's actions depend on the timing"
+                agreed += mine[len(agreed):]
+            ready = system.ready_gens()
+            if not ready:
+                assert not system.gens or any(e is not None for e in system.errors), "deadlock"
+                system.finished()
+                ends.append(system)
+                break
+            pending += [[*choices, c] for c in range(1, len(ready))]
+            system.advance(ready[0])
+            choices = [*choices, 0]
+    return len(seen), ends
+
+
+# ---- the exhaustive scenarios ---------------------------------------------------------------------------
+def reuse_scenario(distance: int, same_row: bool) -> Plan:
+    """Row 0 is used at 0 in slot 0 and evicted; rows 1 are used at ``1 .. P``; at ``P + 1`` the freed slot 0
+    takes row 0 again (``same_row``) or row 2 while row 0 comes back in slot 2: the earliest refetch and
+    slot reuse the distance allows, in the same exchange as the write-back they must follow."""
+    batches = [[0]] + [[1]] * distance + [[0, 2]]
+    last = distance + 1
+    slots = {(0, 0): 0, (1, 1): 1, (last, 0): 0 if same_row else 2, (last, 2): 3 if same_row else 0}
+    return scripted_plan(batches, slots, distance)
+
+
+@pytest.mark.parametrize("same_row", [True, False])
+@pytest.mark.parametrize("distance", [1, 2])
+def test_every_interleaving_of_a_prefetch_a_write_back_and_an_eviction(distance, same_row):
+    plan = reuse_scenario(distance, same_row)
+    states, ends = every_interleaving(lambda: System(plan))
+    assert states > 50
+    assert len(ends) == 1 and ends[0].errors == [None], "the end depends on the timing"
+    exchanges = [a for a in ends[0].actions[0] if a[0] == "exchange"]
+    # The refetch goes in the exchange for P + 1, right behind the write-back of iteration 0 (slot 0).
+    assert exchanges[distance + 1][1:4] == (distance + 1, [0], [0])
+    assert 0 in exchanges[distance + 1][4]
+    # After the last iteration: one write-back per iteration not yet written (1 .. P + 1).
+    assert [a[1] for a in exchanges] == [*range(distance + 2), *[None] * (distance + 1)]
+
+
+@pytest.mark.parametrize("same_slot", [True, False])
+@pytest.mark.parametrize("distance", [1, 2])
+def test_a_refetch_one_iteration_too_early_fails_in_every_interleaving(distance, same_slot):
+    """Row 0 evicted after 0 and fetched again for ``P``: its eviction is not taken yet when that fetch is
+    issued, so every interleaving raises, the same error, and no row is read stale before it."""
+    batches = [[0], *([[1]] * (distance - 1)), [0, 1]]
+    slots = {(0, 0): 0, (1, 1): 1, (distance, 0): 0 if same_slot else 2}
+    plan = scripted_plan(batches, slots, distance)
+    plan.steps[0] = Step(0, plan.steps[0].prefetch_ids, plan.steps[0].prefetch_slots, ids(0))  # evicted after 0
+    states, ends = every_interleaving(lambda: System(plan))
+    assert states > 10 and len(ends) > 1  # compute got more or less far before the worker failed
+    messages = {str(e.errors[0]) for e in ends}
+    expected = (f"iteration {distance}: slot 0 is reused before its row (id 0) was written back" if same_slot else
+                f"iteration {distance}: id 0 is prefetched while its previous copy is still cached or not yet "
+                "written back (a stale read)")
+    assert messages == {expected}
+    assert {e.states[0].doing for e in ends} == {
+        f"while writing back evictions and prefetching for iteration {distance}"}
+
+
+def two_trainer_scenario(distance: int) -> Plan:
+    """Two trainers: rows 0 and 1 used at 0 and evicted (row 0 written home by trainer 1, its only user;
+    row 1 by trainer ``1 % 2``), rows 2 used at ``1 .. P``, and rows 0 and 1 fetched again at ``P + 1`` into
+    each other's freed slots, in the exchange that writes them home."""
+    batches = [[0, 1]] + [[2]] * distance + [[0, 1]]
+    last = distance + 1
+    slots = {(0, 0): 0, (0, 1): 1, (1, 2): 2, (last, 0): 1, (last, 1): 0}
+    return scripted_plan(batches, slots, distance)
+
+
+@pytest.mark.parametrize("gateway", [False, True])
+def test_every_interleaving_of_two_trainers(gateway):
+    """P = 1 (P = 2 has some 5,000 states, a minute: the random traces below cover W = 2, 3 and P = 1, 2)."""
+    distance = 1
+    plan = two_trainer_scenario(distance)
+    writers = [np.zeros(len(s.evict_ids), np.int64) if gateway else
+               np.where(s.evict_ids == 0, 1, s.evict_ids % 2).astype(np.int64) for s in plan.steps]
+    states, ends = every_interleaving(lambda: System(plan, size=2, gateway=gateway, writers=writers))
+    assert states > 1000
+    assert len(ends) == 1 and ends[0].errors == [None, None], "the end depends on the timing"
+    refetch = [a for a in ends[0].actions[0] if a[0] == "exchange" and a[1] == distance + 1][0]
+    assert refetch[4] == [0, 1] and refetch[6] == ([0, 0] if gateway else [1, 1])  # their last writers fetch them
+
+
+def test_a_fetch_by_another_trainer_than_the_last_writer_can_read_stale(monkeypatch):
+    """The fetcher rule is what the W-trainer model relies on: with ``id % W`` always, some interleaving
+    lets trainer 0 fetch row 0 before trainer 1 (its writer) has written it home."""
+    plan = two_trainer_scenario(1)
+    # Trainer 1 writes row 0 home in its exchange for iteration 2; with ``id % W`` trainer 0 fetches it in
+    # its own exchange for 2, which nothing orders after trainer 1's (the collective comes after both).
+    writers = [np.where(s.evict_ids == 0, 1, s.evict_ids % 2).astype(np.int64) for s in plan.steps]
+    monkeypatch.setattr(PartitionedPrefetchState, "fetchers", lambda self, xs: xs % self.size)
+    with pytest.raises(AssertionError, match="read a stale row"):
+        every_interleaving(lambda: System(plan, size=2, writers=writers))
+
+
+# ---- random plans, random interleavings -----------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(60))
+def test_random_plans_under_random_interleavings(seed):
+    rng = np.random.default_rng(seed)
+    distance = int(rng.integers(1, 4))
+    plan = random_plan(rng, int(rng.integers(4, 14)), int(rng.integers(3, 9)),
+                       distance + int(rng.integers(0, 3)), distance)
+    start = int(rng.integers(0, plan.iterations)) if seed % 3 == 0 else 0
+    reference = System(plan, start=start)
+    reference.run_random(np.random.default_rng(0))
+    assert reference.errors == [None]
+    for trial in range(4):
+        system = System(plan, start=start)
+        system.run_random(np.random.default_rng(1000 * seed + trial))
+        assert system.actions == reference.actions
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("size", [2, 3])
+def test_random_plans_on_several_trainers(size, seed):
+    rng = np.random.default_rng(7000 + seed)
+    distance = int(rng.integers(1, 3))
+    plan = random_plan(rng, int(rng.integers(4, 12)), int(rng.integers(3, 9)),
+                       distance + int(rng.integers(0, 3)), distance)
+    gateway = seed % 4 == 1
+    start = int(rng.integers(0, plan.iterations)) if seed % 3 == 0 else 0
+    actions = None
+    for trial in range(3):
+        system = System(plan, size=size, start=start, gateway=gateway, seed=seed)
+        system.run_random(np.random.default_rng(trial))
+        assert system.errors == [None] * size
+        # The trainers agree on every exchange's fetches and fetchers, and split its writes.
+        per_trainer = [[a for a in acts if a[0] == "exchange"] for acts in system.actions]
+        for same in zip(*per_trainer, strict=True):
+            assert len({(a[1], tuple(a[4]), tuple(a[5]), tuple(a[6])) for a in same}) == 1
+            written = [x for a in same for x in a[2]]
+            assert len(written) == len(set(written))
+        if gateway:
+            assert all(a[2] == [] and a[6] == [0] * len(a[4]) for a in per_trainer[1]), \
+                "the gateway's trainer 0 writes and fetches every row"
+        if actions is None:
+            actions = system.actions
+        assert system.actions == actions, "the state's actions depend on the timing"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_plans_with_a_window_below_the_distance_fail_exactly_when_they_refetch_too_early(seed):
+    rng = np.random.default_rng(500 + seed)
+    distance = int(rng.integers(2, 4))
+    plan = random_plan(rng, int(rng.integers(4, 14)), int(rng.integers(3, 7)), int(rng.integers(0, distance)),
+                       distance)
+    system = System(plan)
+    system.run_random(rng)
+    if refetched_too_early(plan):
+        assert isinstance(system.errors[0], PlanViolation)
+        assert "(a stale read)" in str(system.errors[0])
+    else:
+        assert system.errors == [None]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_slot_taken_before_its_row_is_written_back_is_refused(seed):
+    """A valid random plan with one prefetch moved into a slot whose row the worker has not taken yet."""
+    rng = np.random.default_rng(900 + seed)
+    distance = int(rng.integers(1, 3))
+    plan = random_plan(rng, 10, 6, distance + 1, distance)
+    owner: dict[int, int] = {}
+    evicted: dict[int, list[int]] = {}
+    candidates = []
+    for step in plan.steps:
+        for s in evicted.pop(step.t - distance - 1, []):
+            owner.pop(s)
+        busy = sorted(set(owner) - set(step.prefetch_slots.tolist()))
+        if len(step.prefetch_ids) and busy:
+            candidates.append((step.t, {slot: owner[slot] for slot in busy}))
+        for x, s in zip(step.prefetch_ids.tolist(), step.prefetch_slots.tolist(), strict=True):
+            owner[s] = x
+        slot_of = {x: s for s, x in owner.items()}
+        evicted[step.t] = [slot_of[x] for x in step.evict_ids.tolist()]
+    if not candidates:
+        pytest.skip("no slot is busy at a prefetch in this plan")
+    t, busy = candidates[int(rng.integers(0, len(candidates)))]
+    slot = sorted(busy)[int(rng.integers(0, len(busy)))]
+    holder = busy[slot]
+    step = plan.steps[t]
+    bad_slots = step.prefetch_slots.copy()
+    bad_slots[0] = slot
+    steps = list(plan.steps)
+    steps[t] = Step(t, step.prefetch_ids, bad_slots, step.evict_ids)
+    system = System(plan, steps=steps)
+    system.run_random(rng)
+    assert str(system.errors[0]) == (f"iteration {t}: slot {slot} is reused before its row (id {holder}) was "
+                                     "written back")
+
+
+# ---- the events one at a time ---------------------------------------------------------------------------
+def steps_of(*specs: tuple[list[int], list[int], list[int]]) -> list[Step]:
+    return [Step(t, ids(*f), ids(*s), ids(*e)) for t, (f, s, e) in enumerate(specs)]
+
+
+def test_the_actions_of_a_short_plan_in_order():
+    """P = 1: two iterations prepared before any eviction is needed, then one eviction per exchange; after
+    the last iteration, one write-back per posted eviction, then Finished."""
+    steps = steps_of(([5, 6], [0, 1], [5]), ([7], [2], [6]), ([5], [0], [7, 5]))
+    state = PrefetchState(3, 1, 8, 3)
+    assert state.step() == ReadPlan(0) and state.doing == "while preparing iteration 0"
+    state.plan_read(steps[0])
+    x0 = state.step()
+    assert (x0.t, x0.write_ids.tolist(), x0.fetch_ids.tolist(), x0.fetch_slots.tolist()) == (0, [], [5, 6], [0, 1])
+    assert x0.step is steps[0] and x0.fetcher is None
+    with pytest.raises(RuntimeError, match="still in flight"):
+        state.step()
+    state.exchanged(x0)
+    assert state.slot_of[[5, 6]].tolist() == [0, 1] and state.owner.tolist() == [5, 6, -1]
+    assert state.step() == ReadPlan(1)
+    state.plan_read(steps[1])
+    x1 = state.step()
+    assert x1.t == 1 and not len(x1.write_ids)
+    state.exchanged(x1)
+    assert state.step() == ReadPlan(2)
+    state.plan_read(steps[2])
+    assert not state.idle()
+    assert state.step() == WaitForDone(0) and state.waiting and state.idle()
+    assert state.doing == "while preparing iteration 2"
+    state.evictions_posted(Done(0, ids(5), ids(0), None))
+    assert not state.idle()
+    take = state.evictions_taken()
+    assert (take.ids.tolist(), take.slots.tolist()) == ([5], [0]) and state.slot_of[5] == -1 and state.owner[0] == -1
+    x2 = state.step()  # row 5 goes home and comes back into the slot it left, in one exchange
+    assert (x2.t, x2.write_ids.tolist(), x2.write_slots.tolist(), x2.fetch_ids.tolist()) == (2, [5], [0], [5])
+    assert state.doing == "while writing back evictions and prefetching for iteration 2"
+    state.exchanged(x2)
+    assert state.draining()
+    assert state.step() == WaitForDone(1)
+    state.evictions_posted(Done(1, ids(6), ids(1), None))
+    state.evictions_posted(Done(2, ids(5, 7), ids(0, 2), None))
+    state.evictions_taken()
+    assert state.doing == "while writing back the evictions of iteration 1"
+    x3 = state.step()
+    assert (x3.t, x3.step, x3.write_ids.tolist(), len(x3.fetch_ids)) == (None, None, [6], 0)
+    state.exchanged(x3)
+    assert state.step() == WaitForDone(2) and not state.idle()  # iteration 2's evictions are posted already
+    state.evictions_taken()
+    x4 = state.step()
+    assert x4.write_ids.tolist() == [5, 7]
+    state.exchanged(x4)
+    assert state.step() == Finished() and (state.slot_of < 0).all()
+
+
+def test_evictions_are_taken_only_after_a_wait_and_exchanges_reported_once():
+    state = PrefetchState(2, 1, 4, 2)
+    state.evictions_posted(Done(0, EMPTY_IDS, EMPTY_IDS, None))
+    with pytest.raises(RuntimeError, match="without a WaitForDone"):
+        state.evictions_taken()
+    assert state.step() == ReadPlan(0)
+    state.plan_read(Step(0, ids(1), ids(0), EMPTY_IDS))
+    x = state.step()
+    state.exchanged(x)
+    with pytest.raises(RuntimeError, match="did not issue"):
+        state.exchanged(x)
+
+
+def test_a_resumed_state_starts_from_its_cached_rows():
+    """``start = 3`` with rows 2 and 4 cached: the first eviction needed is 3's, at the exchange for 3 + P + 1."""
+    state = PrefetchState(6, 2, 6, 3, start=3, cached=(ids(2, 4), ids(1, 2)))
+    assert state.slot_of.tolist() == [-1, -1, 1, -1, 2, -1] and state.owner.tolist() == [-1, 2, 4]
+    for t in (3, 4, 5):
+        assert state.step() == ReadPlan(t)
+        state.plan_read(Step(t, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS))
+        state.exchanged(state.step())  # 3 + 2 + 1 = 6 >= iterations: no eviction is waited for
+    assert state.step() == WaitForDone(3)
+
+
+def test_bad_plans_and_evictions_raise_plan_violations():
+    def at(steps: list[Step], evict_slots=None, distance: int = 1, iterations: int = 2):
+        state = PrefetchState(iterations, distance, 8, 4)
+        for step in steps:
+            assert isinstance(state.step(), ReadPlan)
+            state.plan_read(step)
+            action = state.step()
+            if isinstance(action, WaitForDone):
+                state.evictions_posted(Done(action.t, ids(1), ids(0) if evict_slots is None else evict_slots, None))
+                state.evictions_taken()
+                action = state.step()
+            state.exchanged(action)
+        return state
+
+    with pytest.raises(PlanViolation, match="^the plan yielded iteration 1 where 0 was expected$"):
+        at([Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS)])
+    with pytest.raises(PlanViolation, match=r"^iteration 0: 2 prefetch ids but 1 slots$"):
+        at([Step(0, ids(1, 2), ids(0), EMPTY_IDS)])
+    with pytest.raises(PlanViolation, match="^iteration 0: two prefetched rows share a cache slot$"):
+        at([Step(0, ids(1, 2), ids(0, 0), EMPTY_IDS)])
+    with pytest.raises(PlanViolation, match=r"^iteration 1: slot 0 is reused before its row \(id 1\) was written "
+                                            r"back$"):
+        at([Step(0, ids(1), ids(0), ids(1)), Step(1, ids(2), ids(0), EMPTY_IDS)])
+    with pytest.raises(PlanViolation, match=r"^iteration 1: id 1 is prefetched while its previous copy is still "
+                                            r"cached or not yet written back \(a stale read\)$"):
+        at([Step(0, ids(1), ids(0), ids(1)), Step(1, ids(1), ids(1), EMPTY_IDS)])
+    with pytest.raises(PlanViolation, match="^iteration 0: evicted rows are not where the worker put them$"):
+        at([Step(0, ids(1), ids(0), ids(1)), Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS),
+            Step(2, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS)], evict_slots=ids(3), iterations=3)
+    with pytest.raises(ValueError, match="prefetch distance must be >= 1, got 0"):
+        PrefetchState(2, 0, 8, 4)
+    # The same exchange may reuse the slot and the id its write-back frees: the shards apply writes first.
+    state = at([Step(0, ids(1), ids(0), ids(1)), Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS),
+                Step(2, ids(1, 2), ids(1, 0), EMPTY_IDS)], iterations=3)
+    assert state.slot_of[[1, 2]].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_who_fetches_and_who_writes(size):
+    """A row's fetcher is the trainer that last wrote it home, else ``id % W``; a trainer writes the evicted
+    rows ``Done.writers`` gives it and frees them all; ``gateway``: trainer 0 fetches everything."""
+    states = [PartitionedPrefetchState(3, 1, 12, 6, size=size, rank=r) for r in range(size)]
+    rows = np.arange(12, dtype=np.int64)
+    for state in states:
+        assert state.fetchers(rows).tolist() == (rows % size).tolist()
+        assert state.step() == ReadPlan(0)
+        state.plan_read(Step(0, ids(0, 1, 2, 3), ids(0, 1, 2, 3), ids(0, 1, 2, 3)))
+        x = state.step()
+        assert x.fetcher.tolist() == [0, 1, 2 % size, 3 % size]
+        assert x.fetched_here.tolist() == [i for i in range(4) if i % size == state.rank]
+        state.exchanged(x)
+        assert state.step() == ReadPlan(1)
+        state.plan_read(Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS))
+        state.exchanged(state.step())
+        assert state.step() == ReadPlan(2)
+        state.plan_read(Step(2, ids(2, 3, 4), ids(0, 1, 4), EMPTY_IDS))
+        assert state.step() == WaitForDone(0)
+        writers = np.array([size - 1, 0, 1, 1], dtype=np.int64)  # row 0's only user: the last trainer
+        state.evictions_posted(Done(0, ids(0, 1, 2, 3), ids(0, 1, 2, 3), None, writers))
+        take = state.evictions_taken()
+        mine = writers == state.rank
+        assert take.ids.tolist() == ids(0, 1, 2, 3)[mine].tolist() and take.slots.tolist() == take.ids.tolist()
+        assert (state.slot_of[:4] < 0).all() and state.last_writer[:4].tolist() == writers.tolist()
+        x = state.step()
+        assert x.write_ids.tolist() == take.ids.tolist()
+        assert x.fetcher.tolist() == [1, 1, 4 % size]  # rows 2 and 3 go to trainer 1, who wrote them
+        assert state.fetchers(ids(0, 5)).tolist() == [size - 1, 5 % size]
+    gateway = PartitionedPrefetchState(2, 1, 12, 6, size=size, rank=1, gateway=True)
+    assert gateway.fetchers(rows).tolist() == [0] * 12
+    gateway.step()
+    gateway.plan_read(Step(0, ids(4, 5), ids(0, 1), EMPTY_IDS))
+    x = gateway.step()
+    assert x.fetcher.tolist() == [0, 0] and not len(x.fetched_here)
+
+
+def test_the_state_module_is_pure():
+    """No threads, locks, streams, Dask or torch in the state (NumPy only)."""
+    import ast
+    from pathlib import Path
+
+    import dlrmflow.engine.training.prefetch_state as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "collections", "dataclasses", "typing", "numpy"}, imported
+
+
+def test_the_drivers_keep_their_interface():
+    from dlrmflow.engine.training import prefetch
+
+    assert prefetch.PlanViolation is PlanViolation and prefetch.Done is Done and prefetch.EMPTY_IDS is EMPTY_IDS
+    for name in ("start", "wait_ready", "post_done", "join", "wait_idle", "stop", "bytes_fetched_ahead",
+                 "slot_of", "owner"):
+        assert hasattr(prefetch.PrefetchWorker, name)
+    for name in ("fetchers", "last_writer"):
+        assert hasattr(prefetch.PartitionedPrefetchWorker, name)
+    assert prefetch.WAIT_POLL_SECONDS == 1.0 and issubclass(prefetch.PrefetchError, RuntimeError)
+
+
+# ---- the drivers around the state: real threads, an in-memory home --------------------------------------
+class FakeShards:
+    """The shards as one table in memory: an exchange applies its writes, then its fetches."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.calls: list[tuple[list[int], list[int]]] = []
+        self.lock = threading.Lock()
+
+    def exchange(self, write_ids, write_rows, fetch_ids, out=None) -> None:
+        with self.lock:
+            self.calls.append((np.asarray(write_ids).tolist(), np.asarray(fetch_ids).tolist()))
+            self.rows[write_ids] = write_rows
+            out[:] = self.rows[fetch_ids]
+
+
+class FakeGroup:
+    """Trainer ``rank`` of a group whose collective is a rendezvous of threads."""
+
+    def __init__(self, rank: int, size: int, hub: dict) -> None:
+        self.rank, self.size, self.hub = rank, size, hub
+
+    def all_gather_rows(self, rows, counts, kind, *, prefetch=False):
+        assert kind == "prefetched rows" and prefetch and rows.shape[0] == counts[self.rank]
+        self.hub["parts"][self.rank] = rows.clone()
+        self.hub["barrier"].wait(60)
+        parts = list(self.hub["parts"])
+        self.hub["barrier"].wait(60)
+        assert [len(p) for p in parts] == list(counts)
+        return parts
+
+
+def expected_exchanges(plan: Plan, start: int, make_state=None) -> list[tuple[list[int], list[int]]]:
+    """The round trips a driver must make: the state's non-empty exchanges, compute posting each
+    iteration's evictions only when the state waits for them (the order does not matter: checked above)."""
+    state = make_state() if make_state else PrefetchState(plan.iterations, plan.distance, plan.total_rows,
+                                                          plan.num_slots, start=start,
+                                                          cached=plan.cached_at(start))
+    calls = []
+    while not isinstance(action := state.step(), Finished):
+        if isinstance(action, ReadPlan):
+            state.plan_read(plan.steps[action.t])
+        elif isinstance(action, WaitForDone):
+            step = plan.steps[action.t]
+            slots = np.array([state.slot_of[x] for x in step.evict_ids], dtype=np.int64)
+            writers = step.evict_ids % state.size if isinstance(state, PartitionedPrefetchState) else None
+            state.evictions_posted(Done(action.t, step.evict_ids, slots, None, writers))
+            state.evictions_taken()
+        else:
+            here = action.fetch_ids if action.fetched_here is None else action.fetched_here
+            if len(here) or len(action.write_ids):
+                calls.append((action.write_ids.tolist(), here.tolist()))
+            state.exchanged(action)
+    return calls
+
+
+def run_compute(worker, plan: Plan, cache, start: int, before: np.ndarray, device: torch.device,
+                writers=None, checkpoints=()) -> None:
+    """What the oracle store does each iteration: wait for the rows, read them (every one current), update
+    them in the cache, post the evictions; at ``checkpoints``, wait until the worker is idle and read the
+    rows as ``logical_rows`` does."""
+    slot_of = np.full(plan.total_rows, -1, dtype=np.int64)
+    cached, slots = plan.cached_at(start)
+    slot_of[cached] = slots
+    for u in range(start, plan.iterations):
+        ready = worker.wait_ready(u)
+        assert ready.plan is plan.steps[u]
+        slot_of[ready.plan.prefetch_ids] = ready.plan.prefetch_slots
+        if ready.event is not None:
+            torch.cuda.current_stream(device).wait_event(ready.event)
+        batch = plan.batches[u]
+        index = torch.from_numpy(slot_of[batch]).to(device)
+        block = cache.index_select(0, index)
+        assert (block.cpu().numpy() == before[u][batch][:, None]).all(), f"iteration {u} read a stale row"
+        cache.index_copy_(0, index, block + 1)
+        evict = plan.steps[u].evict_ids
+        evict_slots = slot_of[evict]
+        slot_of[evict] = -1
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        worker.post_done(Done(u, evict, evict_slots, event, None if writers is None else writers[u]))
+        if u in checkpoints:
+            worker.wait_idle()
+            logical = worker.shards.rows[:, 0].copy()
+            held = np.flatnonzero(worker.slot_of >= 0)
+            logical[held] = cache.index_select(0, torch.from_numpy(worker.slot_of[held]).to(device)).cpu()[:, 0]
+            assert np.array_equal(logical, before[u + 1]), f"a checkpoint after {u} would save stale rows"
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_the_driver_runs_random_plans_exactly(device, seed):
+    """``PrefetchWorker`` on its thread (on a GPU: its side stream and events) against an in-memory home:
+    every read current, every checkpoint's rows current, the home exact at the end, and its round trips
+    exactly the state's exchanges."""
+    rng = np.random.default_rng(4000 + seed)
+    distance = int(rng.integers(1, 4))
+    plan = random_plan(rng, int(rng.integers(6, 20)), int(rng.integers(4, 12)), distance + int(rng.integers(0, 3)),
+                       distance)
+    start = int(rng.integers(0, plan.iterations // 2)) if seed % 2 else 0
+    width = 64 if device == "cuda" else 3
+    before = plan.uses_before().astype(np.float32)
+    shards = FakeShards(np.repeat(before[start][:, None], width, axis=1))
+    dev = torch.device(device)
+    cache = torch.zeros((plan.num_slots, width), dtype=torch.float32, device=dev)
+    cached, slots = plan.cached_at(start)
+    cache[torch.from_numpy(slots).to(dev)] = torch.from_numpy(shards.rows[cached]).to(dev)
+    worker = PrefetchWorker(iter(plan.steps[start:]), plan.iterations, distance, cache, shards, plan.total_rows,
+                            start=start, cached=(cached, slots))
+    worker.start()
+    try:
+        run_compute(worker, plan, cache, start, before, dev, checkpoints={start + 1, plan.iterations - 2})
+        worker.join()
+    finally:
+        worker.stop()
+    assert (shards.rows == before[-1][:, None]).all()
+    assert shards.calls == expected_exchanges(plan, start)
+    assert worker.bytes_fetched == sum(len(s.prefetch_ids) for s in plan.steps[start:]) * 4 * width
+    assert worker.bytes_written == sum(len(s.evict_ids) for s in plan.steps[start:]) * 4 * width
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_partitioned_driver_runs_random_plans_exactly(seed):
+    """Three ``PartitionedPrefetchWorker`` threads (and three compute threads) sharing one home: each
+    writes its share, fetches its share, and the collective hands every trainer every row."""
+    rng = np.random.default_rng(5000 + seed)
+    distance, size = int(rng.integers(1, 3)), 3
+    plan = random_plan(rng, int(rng.integers(6, 16)), int(rng.integers(4, 12)), distance + 1, distance)
+    before = plan.uses_before().astype(np.float32)
+    rows = np.repeat(before[0][:, None], 2, axis=1)
+    lock = threading.Lock()
+    writers = [s.evict_ids % size for s in plan.steps]
+    hub = {"parts": [None] * size, "barrier": threading.Barrier(size)}
+    workers, caches, failures = [], [], []
+    for rank in range(size):
+        cache = torch.zeros((plan.num_slots, 2), dtype=torch.float32)
+        caches.append(cache)
+        shards = FakeShards(rows)  # one home; each trainer's round trips recorded apart
+        shards.lock = lock
+        workers.append(PartitionedPrefetchWorker(iter(plan.steps), plan.iterations, distance, cache, shards,
+                                                 plan.total_rows, group=FakeGroup(rank, size, hub)))
+
+    def trainer(rank: int) -> None:
+        try:
+            run_compute(workers[rank], plan, caches[rank], 0, before, torch.device("cpu"), writers=writers)
+            workers[rank].join()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+            hub["barrier"].abort()
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(size)]
+    for w in workers:
+        w.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for w in workers:
+        w.stop()
+    assert not failures, failures
+    assert (rows == before[-1][:, None]).all()
+    evicted = np.unique(np.concatenate([s.evict_ids for s in plan.steps]))
+    for rank, w in enumerate(workers):
+        assert w.last_writer[evicted].tolist() == (evicted % size).tolist()
+        assert w.shards.calls == expected_exchanges(plan, 0, lambda rank=rank: PartitionedPrefetchState(
+            plan.iterations, distance, plan.total_rows, plan.num_slots, size=size, rank=rank))
