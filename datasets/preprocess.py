@@ -17,7 +17,8 @@ The job runs in three parallel stages over a Dask cluster (or in-process without
 Everything is written under a hidden ``.NAME.partial`` directory next to the output and
 renamed into place at the end, so an interrupted run never leaves a dataset that looks
 complete. Rerunning with unchanged inputs (path, size, mtime) and parameters finds the same
-fingerprint in ``meta.json`` and skips the work (:mod:`dlrmflow.engine.up_to_date`).
+fingerprint in ``meta.json`` and skips the work (:meth:`PreprocessConfig.saved_result
+<dlrmflow.datasets.preprocess_config.PreprocessConfig.saved_result>`).
 
 The result depends only on the inputs and parameters (including ``block_bytes``, which fixes
 the pieces), never on the number of workers.
@@ -34,7 +35,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,37 +46,25 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
-from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, read_meta, write_meta
+from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, write_meta
+from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.run_lock import output_lock
-from dlrmflow.engine.up_to_date import file_identity, fingerprint, saved_result
+from dlrmflow.engine.up_to_date import file_identity
 
-DEFAULT_BLOCK_BYTES = 64 << 20
 GZIP_EXPANSION_ESTIMATE = 4  # compressed Criteo text expands about 4x; only sizes the shuffle
 
 
 @dataclass(frozen=True)
 class PreprocessParams:
-    fmt: str = "criteo"
-    seed: int = 0
-    min_frequency: int = 1
-    max_rows_per_table: int | None = None
-    max_reject_fraction: float = 0.01
-    block_bytes: int = DEFAULT_BLOCK_BYTES
+    """What the tasks need of a :class:`PreprocessConfig` (:meth:`~PreprocessConfig.params`; checked there)."""
 
-    def validate(self) -> RawFormat:
-        fmt = get_format(self.fmt)
-        if self.min_frequency < 1:
-            raise UserInputError(f"--min-frequency must be >= 1, got {self.min_frequency}")
-        if self.max_rows_per_table is not None and self.max_rows_per_table < 2:
-            raise UserInputError(
-                f"--max-rows-per-table must be >= 2 (row 0 is missing/rare), got {self.max_rows_per_table}"
-            )
-        if not 0.0 <= self.max_reject_fraction <= 1.0:
-            raise UserInputError(f"--max-reject-fraction must be in [0, 1], got {self.max_reject_fraction}")
-        if self.block_bytes < 1024:
-            raise UserInputError(f"block_bytes must be >= 1024, got {self.block_bytes}")
-        return fmt
+    fmt: str
+    seed: int
+    min_frequency: int
+    max_rows_per_table: int | None
+    max_reject_fraction: float
+    block_bytes: int
 
 
 @dataclass(frozen=True)
@@ -190,11 +179,6 @@ def split_pieces(paths: list[Path], fmt: RawFormat, block_bytes: int) -> list[Pi
                 pieces.append(Piece(len(pieces), file_index, str(path), start, stop, False, order))
                 start, order = stop, order + 1
     return pieces
-
-
-def dataset_fingerprint(identity: list[dict[str, Any]], params: PreprocessParams) -> str:
-    """The dataset's key (``meta.json``'s ``fingerprint``): its inputs' identity and the parameters."""
-    return fingerprint({"version": 1, "inputs": identity, "params": asdict(params)})
 
 
 def n_buckets_for(paths: list[Path], block_bytes: int) -> int:
@@ -481,42 +465,56 @@ def preprocess(
     inputs: list[str | os.PathLike],
     output: str | os.PathLike,
     *,
-    fmt: str = "criteo",
-    seed: int = 0,
-    min_frequency: int = 1,
-    max_rows_per_table: int | None = None,
-    max_reject_fraction: float = 0.01,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     client=None,
     progress: Callable[[int, int], None] | None = None,
     force: bool = False,
+    fmt: str | None = None,
+    **settings: Any,
 ) -> dict[str, Any]:
-    """Preprocess ``inputs`` into the dataset directory ``output``; returns a summary dict.
+    """Preprocess ``inputs`` into the dataset directory ``output``; returns the result as a dict (what
+    ``dlrmflow preprocess --json`` prints). ``settings``: the other fields of :class:`PreprocessConfig`
+    (``fmt``: its ``format``), with its defaults. Shorthand for :func:`run_preprocess`.
 
     Raises UserInputError for bad inputs/parameters or too many rejected rows.
     """
+    if fmt is not None:
+        settings["format"] = fmt
+    config = PreprocessConfig(inputs=list(inputs), output=output, **settings)
+    return run_preprocess(config, client=client, progress=progress, force=force).as_dict()
+
+
+def run_preprocess(
+    config: PreprocessConfig,
+    *,
+    client=None,
+    progress: Callable[[int, int], None] | None = None,
+    force: bool = False,
+) -> PreprocessResult:
+    """Preprocess ``config.inputs`` into the dataset directory ``config.output`` (on Dask when ``client`` is
+    given), unless it is up to date and not ``force``. Raises UserInputError for bad inputs or too many
+    rejected rows."""
     started = time.perf_counter()
-    params = PreprocessParams(fmt, seed, min_frequency, max_rows_per_table, max_reject_fraction, block_bytes)
-    raw_format = params.validate()
+    params = PreprocessParams(**config.params())
+    raw_format = get_format(params.fmt)
     # Absolute paths: the work may run on Dask workers started in another directory.
-    output = Path(output).resolve()
-    paths = [p.resolve() for p in check_inputs(inputs, raw_format)]
+    output = Path(config.output).resolve()
+    paths = [p.resolve() for p in check_inputs(config.inputs, raw_format)]
     identity = file_identity(paths)
-    fp = dataset_fingerprint(identity, params)
+    fp = config.fingerprint(identity)
 
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserInputError(f"cannot create the directory of --output {str(output)!r}: {exc}") from exc
     with output_lock(output, "preprocess"):  # two runs never write one output at once
-        return _preprocess_locked(paths, output, params, raw_format, identity, fp, started, client, progress,
+        return _preprocess_locked(paths, output, config, raw_format, identity, fp, started, client, progress,
                                   force)
 
 
 def _preprocess_locked(
     paths: list[Path],
     output: Path,
-    params: PreprocessParams,
+    config: PreprocessConfig,
     raw_format: RawFormat,
     identity: list[dict[str, Any]],
     fp: str,
@@ -524,8 +522,9 @@ def _preprocess_locked(
     client,
     progress: Callable[[int, int], None] | None,
     force: bool,
-) -> dict[str, Any]:
-    """The work of :func:`preprocess` once it holds the lock on ``output``."""
+) -> PreprocessResult:
+    """The work of :func:`run_preprocess` once it holds the lock on ``output``."""
+    params = PreprocessParams(**config.params())
     fmt, seed, min_frequency = params.fmt, params.seed, params.min_frequency
     max_rows_per_table, max_reject_fraction, block_bytes = (params.max_rows_per_table,
                                                             params.max_reject_fraction, params.block_bytes)
@@ -537,13 +536,8 @@ def _preprocess_locked(
                 raise UserInputError(
                     f"output {str(output)!r} exists and is not a dlrmflow dataset; refusing to overwrite it"
                 )
-        elif not force and saved_result(output / META_FILE, {"fingerprint": fp}) is not None:
-            try:
-                existing = read_meta(output)
-            except UserInputError:
-                existing = None  # made from the same inputs, but incomplete: made again
-            if existing is not None:
-                return _summary(existing, output, skipped=True, seconds=time.perf_counter() - started)
+        elif not force and (earlier := config.saved_result()) is not None:  # else made again
+            return replace(earlier, seconds=round(time.perf_counter() - started, 3))
 
     partial = _partial_dir(output)
     if partial.exists():
@@ -632,7 +626,7 @@ def _preprocess_locked(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return _summary(meta, output, skipped=False, seconds=time.perf_counter() - started)
+    return PreprocessResult.of(meta, output, skipped=False, seconds=time.perf_counter() - started)
 
 
 def _swap_into_place(partial: Path, output: Path) -> None:
@@ -645,21 +639,3 @@ def _swap_into_place(partial: Path, output: Path) -> None:
     if old.exists():
         shutil.rmtree(old)
 
-
-def _summary(meta: DatasetMeta, output: Path, *, skipped: bool, seconds: float) -> dict[str, Any]:
-    return {
-        "dataset": str(output),
-        "skipped": skipped,
-        "format": meta.source_format,
-        "rows": meta.rows,
-        "rejected_rows": meta.rejected_rows,
-        "rejected_by_reason": meta.rejected_by_reason,
-        "rejected_file": str(output / "rejected" / "rejected.csv") if meta.rejected_rows else None,
-        "tables": len(meta.cardinalities),
-        "cardinalities": meta.cardinalities,
-        "embedding_rows": meta.total_embedding_rows,
-        "files": len(meta.files),
-        "fingerprint": meta.fingerprint,
-        "seconds": round(seconds, 3),
-        "rows_per_second": round(meta.rows / seconds) if seconds > 0 and not skipped else None,
-    }

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from prefect import flow, get_run_logger
 
-from dlrmflow.datasets.preprocess import DEFAULT_BLOCK_BYTES
+from dlrmflow.datasets.meta import read_meta
+from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
+from dlrmflow.engine.planning.profile import ProfileConfig, ProfileResult
 from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.flows.run_names import generate_run_name, preprocess_run_name, profile_run_name
 from dlrmflow.tasks.dataset import generate_task, preprocess_task, profile_task, publish_profile_task
@@ -21,36 +24,25 @@ def generate_flow(output: str, rows: int, seed: int = 0, scale: float = 1.0,
 
 
 @flow(name="preprocess", flow_run_name=preprocess_run_name)
-def preprocess_flow(
-    inputs: list[str],
-    output: str,
-    format: str = "criteo",
-    seed: int = 0,
-    min_frequency: int = 1,
-    max_rows_per_table: int | None = None,
-    max_reject_fraction: float = 0.01,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    force: bool = False,
-    dask_address: str | None = None,
-) -> dict[str, Any]:
-    """Raw files -> shuffled Parquet dataset with frequency-ordered ids (skips if up to date)."""
-    options = dict(fmt=format, seed=seed, min_frequency=min_frequency, max_rows_per_table=max_rows_per_table,
-                   max_reject_fraction=max_reject_fraction, block_bytes=block_bytes, force=force)
+def preprocess_flow(config: PreprocessConfig, force: bool = False,
+                    dask_address: str | None = None) -> PreprocessResult:
+    """Raw files -> shuffled Parquet dataset with frequency-ordered ids, as ``config`` says (a
+    PreprocessConfig: needs ``inputs`` and ``output``); skipped when up to date, unless ``force``."""
     with dask_scheduler(dask_address) as address:
-        summary = preprocess_task(inputs, output, options, address)
+        result = preprocess_task(config, force, address)
     logger = get_run_logger()
-    if summary["skipped"]:
-        logger.info("%s is up to date (same inputs and parameters): nothing to do", output)
-    if summary["rejected_rows"]:
-        logger.warning("%d rows rejected (%s); see %s", summary["rejected_rows"],
-                       summary["rejected_by_reason"], summary["rejected_file"])
-    return summary
+    if result.skipped:
+        logger.info("%s is up to date (same inputs and parameters): nothing to do", config.output)
+    if result.rejected_rows:
+        logger.warning("%d rows rejected (%s); see %s", result.rejected_rows, result.rejected_by_reason,
+                       result.rejected_file)
+    return result
 
 
 @flow(name="profile", flow_run_name=profile_run_name)
-def profile_flow(dataset_dir: str, dask_address: str | None = None) -> dict[str, Any]:
-    """Per-table access counts -> profile.json, coverage plot and a skew table artifact."""
+def profile_flow(config: ProfileConfig, dask_address: str | None = None) -> ProfileResult:
+    """Per-table access counts of ``config.dataset_dir`` -> profile.json, coverage plot and a skew table artifact."""
+    read_meta(config.dataset_dir)  # a clear error before a cluster starts
     with dask_scheduler(dask_address) as address:
-        profile = profile_task(dataset_dir, address)
-    profile["plot"] = publish_profile_task(dataset_dir, profile)
-    return profile
+        profile = profile_task(config, address)
+    return replace(profile, plot=publish_profile_task(config.dataset_dir, profile))

@@ -4,7 +4,10 @@ Every step skips itself when its inputs and parameters are unchanged (generate a
 by their own fingerprints; profile, plan and training runs when their saved result names the
 same dataset fingerprint and parameters), so rerunning the pipeline redoes only what changed.
 The parameters are one validated model, :class:`PipelineConfig`: a bad value fails before any
-work with a message naming the field.
+work with a message naming the field. Each step gets its own validated config (``PreprocessConfig``,
+``ProfileConfig``, ``PlanJobConfig``, ``TrainConfig``), asks it whether the step is up to date, and
+returns a typed result (``PreprocessResult``, ``ProfileResult``, ``PlanResult``, ``TrainSummary``)
+whose attributes the pipeline reads; its own result is their JSON form.
 
 remote and oracle train twice: on a LocalCluster (servers on this machine, no network between
 them and the trainer), and with ``link_rate`` set, with their embedding servers behind an emulated
@@ -20,13 +23,15 @@ from typing import Any
 
 from prefect import flow, get_run_logger, tags
 
-from dlrmflow.datasets.meta import read_meta
+from dlrmflow.datasets.preprocess_config import PreprocessConfig
 from dlrmflow.engine.planning.cache_policies import capacity_sweep
+from dlrmflow.engine.planning.planner import PlanJobConfig
+from dlrmflow.engine.planning.profile import ProfileConfig, ProfileResult
 from dlrmflow.engine.serving.cluster import dask_scheduler, shaped_scheduler
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
-from dlrmflow.engine.up_to_date import saved_result
+from dlrmflow.engine.training.summary import TrainSummary, saved_run, train_summary
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
@@ -36,55 +41,47 @@ from dlrmflow.tasks.pipeline_report import publish_pipeline_summary_task
 from dlrmflow.tasks.reporting import Column, artifact_key, format_table
 
 
-def _saved_run(cfg: PipelineConfig, mode: str, parity: int, name: str, fingerprint: str,
-               kills: list[str]) -> dict[str, Any] | None:
-    """The summary of training run ``name`` when it is up to date (same dataset and parameters), else None."""
-    out = Path(cfg.work_dir) / "runs" / name
-    expect = {"dataset_fingerprint": fingerprint, "mode": mode, "iterations": cfg.train_iterations,
-              "batch_size": cfg.batch_size, "seed": cfg.seed, "num_shards": cfg.shards if MODES[mode].servers else 0,
-              "model": cfg.model}
-    earlier = None if kills else saved_result(out / "summary.json", expect)
-    if earlier is not None and bool(earlier.get("parity")) == bool(parity) and \
-            (earlier.get("trainers") or {}).get("count", 1) == _trainers(cfg, mode):
-        return {**earlier, "skipped": True}
-    return None
-
-
 def _trainers(cfg: PipelineConfig, mode: str) -> int:
     """The pipeline's ``trainers`` train every remote and oracle run, parity's included, so that the runs it
     compares bit for bit train the same way; a local run has one."""
     return cfg.trainers if MODES[mode].several_trainers else 1
 
 
-def _train(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
-           fingerprint: str, kills: list[str], dask_address: str | None = None) -> dict[str, Any]:
-    """Training run ``name`` (runs/NAME in the work dir), skipped when up to date; on ``dask_address``, else
-    on the pipeline's ``dask_address``, else on a LocalCluster of its own."""
-    out = Path(cfg.work_dir) / "runs" / name
-    earlier = _saved_run(cfg, mode, parity, name, fingerprint, kills)
+def _train_config(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode: str, parity: int, name: str,
+                  kills: list[str]) -> TrainConfig:
+    """Training run ``name`` (runs/NAME in the work dir)."""
+    return TrainConfig(dataset_dir=dataset, mode=mode, output_dir=str(Path(cfg.work_dir) / "runs" / name),
+                       batch_size=cfg.batch_size, iterations=cfg.train_iterations, num_shards=cfg.shards,
+                       plan_dir=plan_dir, seed=cfg.seed, parity=parity, kills=kills, model=cfg.model,
+                       trainers=_trainers(cfg, mode))
+
+
+def _train(cfg: PipelineConfig, config: TrainConfig, fingerprint: str, dask_address: str | None = None
+           ) -> TrainSummary:
+    """The training run ``config``, skipped when up to date; on ``dask_address``, else on the pipeline's
+    ``dask_address``, else on a LocalCluster of its own."""
+    earlier = saved_run(config, fingerprint)
     if earlier is not None:
-        get_run_logger().info("training run %s is up to date: skipped", out)
+        get_run_logger().info("training run %s is up to date: skipped", config.output_dir)
         return earlier
-    config = TrainConfig(dataset_dir=dataset, mode=mode, output_dir=str(out), batch_size=cfg.batch_size,
-                         iterations=cfg.train_iterations, num_shards=cfg.shards, plan_dir=plan_dir, seed=cfg.seed,
-                         parity=parity, kills=kills, model=cfg.model, trainers=_trainers(cfg, mode))
-    return train_flow(config, dask_address or cfg.dask_address)
+    return train_summary(train_flow(config, dask_address or cfg.dask_address))
 
 
 LINK_MODES = ("remote", "oracle")
 
 
 def _train_behind_link(cfg: PipelineConfig, dataset: str, plan_dir: str, fingerprint: str
-                       ) -> tuple[dict[str, dict[str, Any]], str | None]:
+                       ) -> tuple[dict[str, TrainSummary], str | None]:
     """remote and oracle again, their embedding servers behind a ``link_rate`` Mbit/s emulated link
     (:func:`~dlrmflow.engine.serving.cluster.shaped_scheduler`): ``({"remote_link": ..., "oracle_link": ...}, None)``,
     or ``({}, why)`` when the link cannot be built here or the runs use the user's own cluster. The link is
     built only when a run is not up to date."""
     if cfg.dask_address:
         return {}, f"the runs use the Dask cluster at {cfg.dask_address}"
-    names = {mode: f"{mode}-link{cfg.link_rate}mbit" for mode in LINK_MODES}
     plans = {"remote": None, "oracle": plan_dir}
-    saved = {mode: _saved_run(cfg, mode, 0, names[mode], fingerprint, []) for mode in LINK_MODES}
+    configs = {mode: _train_config(cfg, dataset, plans[mode], mode, 0, f"{mode}-link{cfg.link_rate}mbit", [])
+               for mode in LINK_MODES}
+    saved = {mode: saved_run(config, fingerprint) for mode, config in configs.items()}
     if all(saved.values()):
         get_run_logger().info("training runs behind the %d Mbit/s link are up to date: skipped", cfg.link_rate)
         return {f"{mode}_link": run for mode, run in saved.items()}, None
@@ -97,8 +94,7 @@ def _train_behind_link(cfg: PipelineConfig, dataset: str, plan_dir: str, fingerp
             return {}, str(exc)
         get_run_logger().info("embedding servers behind a %d Mbit/s link: scheduler %s", cfg.link_rate, address)
         with tags(f"link:{cfg.link_rate}mbit"):  # in the UI, tells these runs from the unshaped ones of the same name
-            return {f"{mode}_link": _train(cfg, dataset, plans[mode], mode, 0, names[mode], fingerprint, [], address)
-                    for mode in LINK_MODES}, None
+            return {f"{mode}_link": _train(cfg, config, fingerprint, address) for mode, config in configs.items()}, None
 
 
 @flow(name="pipeline", flow_run_name=pipeline_run_name)
@@ -125,53 +121,50 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
             raw = work / "raw" / "train.tsv"
             raw.parent.mkdir(parents=True, exist_ok=True)
             result["generated"] = generate_flow(str(raw), cfg.rows, cfg.seed, cfg.scale, address)
-            raw_inputs, fmt = [str(raw)], "criteo"
+            raw_inputs, fmt = [str(raw)], "criteo"  # the generator writes raw Criteo TSV
         dataset = str(work / "dataset")
-        result["preprocess"] = preprocess_flow(raw_inputs, dataset, format=fmt, seed=cfg.seed,
-                                               dask_address=address)
-        meta = read_meta(dataset)
-        cfg.check_rows(meta.rows)  # raw_inputs' rows are known only now: before profile, plan and training
-        fingerprint = meta.fingerprint
+        preprocess = preprocess_flow(PreprocessConfig(inputs=raw_inputs, output=dataset, format=fmt, seed=cfg.seed),
+                                     dask_address=address)
+        result["preprocess"] = preprocess.as_dict()
+        cfg.check_rows(preprocess.rows)  # raw_inputs' rows are known only now: before profile, plan and training
+        fingerprint = preprocess.fingerprint
 
-        profile = saved_result(Path(dataset) / "profile.json", {"fingerprint": fingerprint})
+        profile_config = ProfileConfig(dataset_dir=dataset)
+        profile = profile_config.saved_result()
         if profile is None:
-            profile = profile_flow(dataset, address)
+            profile = profile_flow(profile_config, address)
         else:
             logger.info("profile of %s is up to date: skipped", dataset)
-            profile["skipped"] = True
-        profile.pop("coverage", None)
-        result["profile"] = profile
+        result["profile"] = profile.as_dict(coverage=False)
 
         plan_dir = str(work / "plan")
-        plan = saved_result(Path(plan_dir) / "plan.json", {
-            "dataset_fingerprint": fingerprint, "batch_size": cfg.batch_size, "lookahead": cfg.lookahead,
-            "prefetch_distance": cfg.prefetch_distance, "capacity": None})
+        plan_config = PlanJobConfig(dataset_dir=dataset, output_dir=plan_dir, batch_size=cfg.batch_size,
+                                    lookahead=cfg.lookahead, prefetch_distance=cfg.prefetch_distance)
+        plan = plan_config.saved_result()
         if plan is None:
-            plan = plan_flow(dataset, plan_dir, cfg.batch_size, cfg.lookahead, cfg.prefetch_distance,
-                             dask_address=address)
+            plan = plan_flow(plan_config, dask_address=address)
         else:
             logger.info("plan %s is up to date: skipped", plan_dir)
-            plan["skipped"] = True
-        result["plan"] = plan
+        result["plan"] = plan.as_dict()
         # A sweep of capacities around cache_fraction: the plot shows each policy as a line.
-        sweep = capacity_sweep(cfg.cache_fraction, meta.total_embedding_rows)
+        sweep = capacity_sweep(cfg.cache_fraction, preprocess.embedding_rows)
         result["caches"] = compare_caches_flow(dataset, cfg.batch_size, sweep, cfg.lookahead, cfg.prefetch_distance,
                                                output_dir=str(work / "caches"))
 
     # Training starts its own cluster (or uses the user's): with parity it places data and parity
     # shards on separate workers, which the pipeline's small cluster may not have.
-    runs = {"remote": _train(cfg, dataset, None, "remote", 0, "remote", fingerprint, [])}
-    runs["oracle"] = _train(cfg, dataset, plan_dir, "oracle", 0, "oracle", fingerprint, [])
+    runs = {mode: _train(cfg, _train_config(cfg, dataset, plans, mode, 0, mode, []), fingerprint)
+            for mode, plans in (("remote", None), ("oracle", plan_dir))}
     link_skipped = None
     if cfg.link_rate:
         behind_link, link_skipped = _train_behind_link(cfg, dataset, plan_dir, fingerprint)
         runs.update(behind_link)
     if cfg.parity:
-        runs["oracle_parity"] = _train(cfg, dataset, plan_dir, "oracle", cfg.parity,
-                                       f"oracle-parity{cfg.parity}", fingerprint, cfg.kills)
-    result["train"] = {k: {key: v.get(key) for key in SUMMARY_KEYS} for k, v in runs.items()}
+        runs["oracle_parity"] = _train(cfg, _train_config(cfg, dataset, plan_dir, "oracle", cfg.parity,
+                                                          f"oracle-parity{cfg.parity}", cfg.kills), fingerprint)
+    result["train"] = {name: {key: getattr(run, key) for key in SUMMARY_KEYS} for name, run in runs.items()}
     result["link"] = {"rate_mbit": cfg.link_rate, "skipped": link_skipped}
-    result["summary"] = summary_rows(result, cfg)
+    result["summary"] = summary_rows(profile, result["caches"], runs, link_skipped, cfg)
     table = format_table(result["summary"], SUMMARY_COLUMNS)
     publish_pipeline_summary_task(artifact_key("pipeline-summary", work.name), str(work), table)
     return result
@@ -184,42 +177,41 @@ SUMMARY_KEYS = ("mode", "iterations", "mean_iteration_ms", "median_iteration_ms"
                 "state_sha256", "parity", "skipped", "output_dir")
 
 
-def summary_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, Any]]:
+def summary_rows(profile: ProfileResult, caches: dict[str, Any], train: dict[str, TrainSummary],
+                 link_skipped: str | None, cfg: PipelineConfig) -> list[dict[str, Any]]:
     """The final table: skew, cache hit rate vs LRU, iteration time vs remote, parity overhead."""
-    rows = [{"what": "top 1% of embedding rows take", "value": f"{100 * result['profile']['top1pct_share']:.1f}%",
+    rows = [{"what": "top 1% of embedding rows take", "value": f"{100 * profile.top1pct_share:.1f}%",
              "baseline": "", "ratio": ""}]
     # The policies at the capacity of cache_fraction (the sweep's capacity nearest to it).
-    report = result["caches"]
-    at = min(report["capacities"], key=lambda c: abs(c - cfg.cache_fraction * report["total_rows"]))
-    caches = {r["policy"]: r for r in report["rows"] if r["capacity"] == at}
-    lru, oracle = caches.get("lru"), caches.get("oracle")
+    at = min(caches["capacities"], key=lambda c: abs(c - cfg.cache_fraction * caches["total_rows"]))
+    policies = {r["policy"]: r for r in caches["rows"] if r["capacity"] == at}
+    lru, oracle = policies.get("lru"), policies.get("oracle")
     if lru and oracle:
         def rate(r: dict[str, Any]) -> str:
             return "infeasible" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
 
         rows.append({"what": f"cache hit rate, oracle vs LRU ({lru['capacity']:,} rows)", "value": rate(oracle),
                      "baseline": rate(lru), "ratio": oracle["note"] or lru["note"]})
-    train = result["train"]
     remote, orc = train["remote"], train["oracle"]
     rows.append({"what": "iteration time, oracle vs remote (median)",
-                 "value": f"{orc['median_iteration_ms']:.1f} ms", "baseline": f"{remote['median_iteration_ms']:.1f} ms",
-                 "ratio": _faster(remote["median_iteration_ms"], orc["median_iteration_ms"])})
-    rows.append({"what": "oracle stall (share of iteration time)", "value": f"{100 * orc['stall_fraction']:.1f}%",
+                 "value": f"{orc.median_iteration_ms:.1f} ms", "baseline": f"{remote.median_iteration_ms:.1f} ms",
+                 "ratio": _faster(remote.median_iteration_ms, orc.median_iteration_ms)})
+    rows.append({"what": "oracle stall (share of iteration time)", "value": f"{100 * orc.stall_fraction:.1f}%",
                  "baseline": "", "ratio": ""})
-    rows.append({"what": "fetched, oracle vs remote", "value": f"{orc['bytes_fetched'] / 1e6:.3g} MB",
-                 "baseline": f"{remote['bytes_fetched'] / 1e6:.3g} MB", "ratio": ""})
-    same = orc["state_sha256"] == remote["state_sha256"]
+    rows.append({"what": "fetched, oracle vs remote", "value": f"{orc.bytes_fetched / 1e6:.3g} MB",
+                 "baseline": f"{remote.bytes_fetched / 1e6:.3g} MB", "ratio": ""})
+    same = orc.state_sha256 == remote.state_sha256
     rows.append({"what": "final state, oracle vs remote", "value": "bit-identical" if same else "DIFFERENT",
                  "baseline": "", "ratio": ""})
-    rows += link_rows(result, cfg)
+    rows += link_rows(train, link_skipped, cfg)
     if "oracle_parity" in train:
         par = train["oracle_parity"]
-        overhead = par["median_iteration_ms"] / orc["median_iteration_ms"] - 1
+        overhead = par.median_iteration_ms / orc.median_iteration_ms - 1
         rows.append({"what": f"parity R={cfg.parity}: iteration time vs no parity (median)",
-                     "value": f"{par['median_iteration_ms']:.1f} ms",
-                     "baseline": f"{orc['median_iteration_ms']:.1f} ms",
+                     "value": f"{par.median_iteration_ms:.1f} ms",
+                     "baseline": f"{orc.median_iteration_ms:.1f} ms",
                      "ratio": f"{100 * overhead:+.1f}%"})
-        same = par["state_sha256"] == orc["state_sha256"]
+        same = par.state_sha256 == orc.state_sha256
         rows.append({"what": "final state with parity" + (" and kills" if cfg.kills else ""),
                      "value": "bit-identical" if same else "DIFFERENT", "baseline": "", "ratio": ""})
     return rows
@@ -230,23 +222,22 @@ def _faster(baseline_ms: float, ms: float) -> str:
     return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
 
 
-def link_rows(result: dict[str, Any], cfg: PipelineConfig) -> list[dict[str, Any]]:
+def link_rows(train: dict[str, TrainSummary], link_skipped: str | None, cfg: PipelineConfig) -> list[dict[str, Any]]:
     """Oracle vs remote behind the emulated link: iteration time, stall, final state; one row saying why
     when the runs were skipped; none when ``link_rate`` is 0."""
     if not cfg.link_rate:
         return []
     what = f"iteration time behind a {cfg.link_rate} Mbit/s link, oracle vs remote (median)"
-    train = result["train"]
     if "oracle_link" not in train:
-        return [{"what": what, "value": "skipped", "baseline": "", "ratio": result["link"]["skipped"]}]
+        return [{"what": what, "value": "skipped", "baseline": "", "ratio": link_skipped}]
     remote, orc = train["remote_link"], train["oracle_link"]
-    same = remote["state_sha256"] == orc["state_sha256"] == train["oracle"]["state_sha256"]
+    same = remote.state_sha256 == orc.state_sha256 == train["oracle"].state_sha256
     return [
-        {"what": what, "value": f"{orc['median_iteration_ms']:.1f} ms",
-         "baseline": f"{remote['median_iteration_ms']:.1f} ms",
-         "ratio": _faster(remote["median_iteration_ms"], orc["median_iteration_ms"])},
+        {"what": what, "value": f"{orc.median_iteration_ms:.1f} ms",
+         "baseline": f"{remote.median_iteration_ms:.1f} ms",
+         "ratio": _faster(remote.median_iteration_ms, orc.median_iteration_ms)},
         {"what": f"stall behind the {cfg.link_rate} Mbit/s link, oracle vs remote",
-         "value": f"{100 * orc['stall_fraction']:.1f}%", "baseline": f"{100 * remote['stall_fraction']:.1f}%",
+         "value": f"{100 * orc.stall_fraction:.1f}%", "baseline": f"{100 * remote.stall_fraction:.1f}%",
          "ratio": ""},
         {"what": "final state behind the link, vs unshaped", "value": "bit-identical" if same else "DIFFERENT",
          "baseline": "", "ratio": ""},

@@ -1,5 +1,7 @@
 """The pipeline's parameters: one validated model, light to import (the CLI builds ``dlrmflow demo``'s
-options from it without loading Prefect, Dask or torch).
+options from it without loading Prefect, Dask or torch). Its fields of a step take their type, default,
+bounds and help from that step's config model (:func:`field_of`): training's from ``TrainConfig``, the
+plan's from ``PlanConfig``, ``format`` from ``PreprocessConfig``; a pipeline default that differs says so.
 
 Constructing a :class:`PipelineConfig` checks everything that can be checked before any work: each
 field's type and bounds, and the rules between fields (the training runs fit in the generated rows,
@@ -17,13 +19,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from dlrmflow.datasets.preprocess_config import FORMAT_NAMES, PreprocessConfig
 from dlrmflow.engine.batches import batches_ending_by
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.planning.planner import PlanConfig
 from dlrmflow.engine.training.config import MODELS, TrainConfig
-from dlrmflow.engine.training.faults import KILL_SYNTAX, FaultSpecError, check_kills, parse_kill
+from dlrmflow.engine.training.faults import KILL_SYNTAX, KillNames, check_kills
 
 # The share of a dataset's rows every training run of the pipeline holds out for evaluation.
-EVAL_FRACTION: float = TrainConfig.model_fields["eval_fraction"].default
+EVAL_FRACTION: float = TrainConfig.default("eval_fraction")
+# A kill's errors name the pipeline's fields, never train's options.
+KILL_NAMES = KillNames(kill="", shard="shards", parity="parity", iterations="train_iterations")
 
 
 class PipelineConfigError(UserInputError):
@@ -38,9 +44,15 @@ def training_batches(rows: int, batch_size: int, eval_fraction: float = EVAL_FRA
     return batches_ending_by(rows, batch_size, rows - int(round(eval_fraction * rows)))
 
 
+def field_of(model: type[BaseModel], name: str, **overrides: Any) -> Any:
+    """``model``'s field ``name`` (type, default, bounds, description), with the pipeline's own default or
+    description where given."""
+    return FieldInfo.merge_field_infos(model.model_fields[name], **overrides)
+
+
 def training_field(name: str, **overrides: Any) -> Any:
-    """TrainConfig's field ``name`` (type, bounds, description), with the pipeline's own default where given."""
-    return FieldInfo.merge_field_infos(TrainConfig.model_fields[name], **overrides)
+    """TrainConfig's field ``name``, with the pipeline's own default where given."""
+    return field_of(TrainConfig, name, **overrides)
 
 
 class PipelineConfig(BaseModel):
@@ -50,15 +62,15 @@ class PipelineConfig(BaseModel):
 
     work_dir: str = Field("runs/demo", description="where the raw data, dataset, plan and runs go")
     raw_inputs: list[str] | None = Field(None, description="raw files to preprocess; none: generate data")
-    format: Literal["criteo", "criteo-csv", "avazu"] = "criteo"
+    format: Literal[FORMAT_NAMES] = field_of(PreprocessConfig, "format")  # of raw_inputs
     rows: int = Field(500_000, ge=1, description="rows to generate when raw_inputs is empty")
     scale: float = Field(0.05, gt=0, description="table sizes vs Criteo Kaggle, for generated data")
     seed: int = training_field("seed", description="seeds the generated data, the shuffle and the models")
     model: Literal[MODELS] = training_field("model", description="the model every training run trains")
     batch_size: int = training_field("batch_size", default=2048, description="batch size of the plan, the "
                                      "cache comparison and training")
-    lookahead: int = Field(200, ge=1, description="L, iterations the oracle cacher looks ahead")
-    prefetch_distance: int = Field(2, ge=1, description="P, iterations ahead a fetch is issued (P <= L)")
+    lookahead: int = field_of(PlanConfig, "lookahead")
+    prefetch_distance: int = field_of(PlanConfig, "prefetch_distance", default=2)
     cache_fraction: float = Field(0.1, gt=0, le=1, description="cache size (share of rows) to compare policies at")
     train_iterations: int = training_field("iterations", default=100, description="iterations of each training run")
     shards: int = training_field("num_shards")
@@ -67,7 +79,7 @@ class PipelineConfig(BaseModel):
     parity: int = training_field("parity", default=1, description="parity shards of the oracle-parity run "
                                  "(0: no fault tolerance, and no such run)")
     kills: list[str] = Field(default_factory=list, description="failure injection in the oracle-parity run, "
-                             "e.g. shard:0@50 (shard:I@ITER or parity:J@ITER, repeatable)")
+                             f"e.g. shard:0@50 ({KILL_SYNTAX}, repeatable)")
     link_rate: int = Field(20, ge=0, le=100_000, description="Mbit/s of the emulated network link (a network "
                            "namespace and tbf; needs root or CAP_NET_ADMIN) that remote and oracle train again "
                            "behind; 0: no such runs")
@@ -96,24 +108,9 @@ class PipelineConfig(BaseModel):
     def _check_kills(self) -> None:
         if self.kills and not self.parity:  # the kills go to the oracle-parity run, which parity 0 leaves out
             raise PipelineConfigError("kills need parity >= 1 (without parity a lost shard cannot be rebuilt)")
-        kills = []
-        for text in self.kills:
-            try:
-                kills.append(parse_kill(text))
-            except FaultSpecError:
-                raise PipelineConfigError(f"kills: {text!r} is not {KILL_SYNTAX} (e.g. shard:0@10)") from None
-        for kill in kills:
-            limit, field = (self.shards, "shards") if kill.kind == "shard" else (self.parity, "parity")
-            if kill.index >= limit:
-                raise PipelineConfigError(f"kills: {kill}: there is no {kill.kind} {kill.index} with {field} {limit}")
-            if kill.iteration >= self.train_iterations:
-                raise PipelineConfigError(f"kills: {kill}: iteration {kill.iteration} is past the last one "
-                                          f"({self.train_iterations - 1}, with train_iterations "
-                                          f"{self.train_iterations})")
-        if len({(k.kind, k.index) for k in kills}) != len(kills):
-            raise PipelineConfigError("kills: the same shard is named twice")
-        # The training run's own rule, so that none it makes can fail later (it names train's options).
-        check_kills(self.kills, num_shards=self.shards, parity=self.parity, iterations=self.train_iterations)
+        # The training run's own rule (so that none of its runs fails later), naming the pipeline's fields.
+        check_kills(self.kills, num_shards=self.shards, parity=self.parity, iterations=self.train_iterations,
+                    names=KILL_NAMES)
 
     def check_rows(self, rows: int) -> None:
         """Raise :class:`PipelineConfigError` unless ``train_iterations`` batches of ``batch_size`` fit in a
@@ -138,7 +135,7 @@ def _problems(exc: ValidationError) -> str:
     parts = []
     for error in exc.errors():
         cause = (error.get("ctx") or {}).get("error")
-        if isinstance(cause, PipelineConfigError):
+        if isinstance(cause, UserInputError):  # a rule's own message (the kill rule's too), naming the fields
             parts.append(str(cause))
             continue
         field = ".".join(str(part) for part in error["loc"]) or "config"

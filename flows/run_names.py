@@ -16,6 +16,7 @@ from typing import Any
 from prefect import get_client
 from prefect.runtime import flow_run
 
+from dlrmflow.engine.planning.planner import PlanConfig
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.tasks.reporting import artifact_key, dataset_label
 
@@ -75,17 +76,18 @@ def generate_run_name() -> str:
 
 
 def preprocess_run_name() -> str:
-    return artifact_key("preprocess", dataset_label(_params().get("output", "")))
+    return artifact_key("preprocess", dataset_label(_field(_params().get("config"), "output", "")))
 
 
 def profile_run_name() -> str:
-    return artifact_key("profile", dataset_label(_params().get("dataset_dir", "")))
+    return artifact_key("profile", dataset_label(_field(_params().get("config"), "dataset_dir", "")))
 
 
 def plan_run_name() -> str:
-    params = _params()
-    return artifact_key("plan", dataset_label(params.get("dataset_dir", "")), f"b{params.get('batch_size')}",
-                        f"l{params.get('lookahead', 200)}")
+    """``plan-<dataset>-b<B>-l<L>``."""
+    config = _params().get("config")
+    return artifact_key("plan", dataset_label(_field(config, "dataset_dir", "")), f"b{_field(config, 'batch_size')}",
+                        f"l{_field(config, 'lookahead', PlanConfig.default('lookahead'))}")
 
 
 def compare_caches_run_name() -> str:

@@ -1,8 +1,11 @@
 """The train flow: check the configuration, train (with embedding servers unless local), report.
 
-Its parameter is one validated :class:`~dlrmflow.engine.training.config.TrainConfig`. The check
-(:func:`~dlrmflow.engine.training.run.prepare_run`) runs once per run: in the flow's check task, or,
-when the CLI has already made it before starting Prefect, not again (:func:`train_checked`).
+Its parameter is one validated :class:`~dlrmflow.engine.training.config.TrainConfig`, whatever starts it
+(``dlrmflow train``, a deployment, the pipeline). Its first task checks every input against the dataset,
+the plan, the machine and the run directory (:func:`~dlrmflow.engine.training.setup.prepare_run`); the
+checked run it returns goes to the train task as that task's input. Once the check passed, the flow says
+so on :data:`INPUT_CHECKED` (the CLI holds the run's console lines until then, so that a run refused for
+its input prints one line).
 
 A run with ``checkpoint_every`` that fails or crashes leaves a checkpoint; the flow's hooks then
 log the command that resumes it (``dlrmflow resume RUN_DIR``, or this flow with ``resume: true``
@@ -11,7 +14,7 @@ in its config) in the flow run's logs.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+import logging
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -21,15 +24,15 @@ from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.engine.training.checkpoint import unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
-from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.summary import train_summary
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
 from dlrmflow.tasks.reporting import artifact_key, dataset_label
 from dlrmflow.tasks.train import check_task, publish_train_report_task, train_task
 
-# The check a caller in this process already made (train_checked); flow parameters must be JSON, and a
-# RunSetup (dataset stream, plan) is not, so it comes along in the calling context instead.
-_CHECKED: ContextVar[RunSetup | None] = ContextVar("checked_train_setup", default=None)
+# One record, once the run's input check passed: a plain logger (not the run's), so that a listener in the
+# calling process hears it whatever Prefect's log level is (dlrmflow.commands.console.HeldConsole).
+INPUT_CHECKED = logging.getLogger("dlrmflow.flows.train.input_checked")
 
 
 def log_resume_command(flow, flow_run, state) -> None:
@@ -44,16 +47,6 @@ def log_resume_command(flow, flow_run, state) -> None:
         flow_run_logger(flow_run, flow).error("%s", message)
 
 
-def train_checked(setup: RunSetup, dask_address: str | None = None) -> dict[str, Any]:
-    """Run the train flow on ``setup.config``, which ``prepare_run`` has already checked into ``setup``:
-    the flow uses ``setup`` instead of checking again."""
-    token = _CHECKED.set(setup)
-    try:
-        return train_flow(setup.config, dask_address)
-    finally:
-        _CHECKED.reset(token)
-
-
 @flow(name="train", flow_run_name=train_run_name, on_failure=[log_resume_command], on_crashed=[log_resume_command])
 def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str, Any]:
     """Train the model ``config`` names (mode local | remote | lru | oracle); writes final_state.pt and summary.json.
@@ -65,9 +58,8 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
     a kill, the loss it causes and the rebuild appear in its log as they happen."""
     logger = get_run_logger()
     tag_this_run(train_tags(config))
-    setup = _CHECKED.get()
-    if setup is None or setup.config != config:
-        setup = check_task(config)
+    setup = check_task(config)  # the first task: every input check (a UserInputError names the field)
+    INPUT_CHECKED.info("%s: input checked", config.output_dir)
     n = setup.iterations
     logger.info("%s training: %d iterations of batch %d on %s", config.mode, n, config.batch_size, config.device)
     if config.resume:
@@ -88,7 +80,7 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
                             config.batch_size // config.trainers)
             summary = train_task(setup, address, runner)
     publish_train_report_task(summary)
+    done = train_summary(summary)
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",
-                summary["mean_iteration_ms"], 100 * summary["stall_fraction"], summary["eval_auc"],
-                summary["state_sha256"][:16])
+                done.mean_iteration_ms, 100 * done.stall_fraction, done.eval_auc, done.state_sha256[:16])
     return summary

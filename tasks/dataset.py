@@ -9,8 +9,10 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from dlrmflow.datasets import synthetic
-from dlrmflow.datasets.preprocess import preprocess
+from dlrmflow.datasets.preprocess import run_preprocess
+from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
 from dlrmflow.engine.planning import profile as skew
+from dlrmflow.engine.planning.profile import ProfileConfig, ProfileResult
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.up_to_date import saved_result
 from dlrmflow.tasks.reporting import (
@@ -59,32 +61,30 @@ def generate_task(output: str, rows: int, seed: int, scale: float, dask_address:
 
 
 @task(name="preprocess-to-parquet")
-def preprocess_task(inputs: list[str], output: str, options: dict[str, Any],
-                    dask_address: str | None) -> dict[str, Any]:
+def preprocess_task(config: PreprocessConfig, force: bool, dask_address: str | None) -> PreprocessResult:
     progress = FlowProgress("preprocess steps")
     with dask_client(dask_address) as client:
-        summary = preprocess(inputs, output, client=client, progress=progress, **options)
+        result = run_preprocess(config, client=client, progress=progress, force=force)
     progress.finish()  # also when skipped as up to date: nothing left to do
-    return summary
+    return result
 
 
 @task(name="count-accesses")
-def profile_task(dataset_dir: str, dask_address: str | None) -> dict[str, Any]:
+def profile_task(config: ProfileConfig, dask_address: str | None) -> ProfileResult:
     progress = FlowProgress("tables counted")
     with dask_client(dask_address) as client:
-        profile, _ = skew.profile_dataset(dataset_dir, client=client, progress=progress)
+        profile, _ = skew.profile_dataset(config.dataset_dir, client=client, progress=progress)
     progress.finish()
-    skew.write_profile(dataset_dir, profile)
-    return profile
+    skew.write_profile(config.dataset_dir, profile)
+    return ProfileResult.of(profile)
 
 
 @task(name="publish-skew-report")
-def publish_profile_task(dataset_dir: str, profile: dict[str, Any]) -> str:
+def publish_profile_task(dataset_dir: str, profile: ProfileResult) -> str:
     """The skew table (``skew-profile-<dataset>``) and coverage plot (``skew-coverage-<dataset>``); returns the PNG."""
-    png = skew.plot_coverage(profile, Path(dataset_dir) / skew.PLOT_FILE)
-    rows = [*profile["tables"], {"table": "all tables", "rows": profile["total_rows"],
-                                 "touched_rows": profile["touched_rows"], "accesses": profile["accesses"],
-                                 "top1pct_share": profile["top1pct_share"]}]
+    png = skew.plot_coverage(profile.as_dict(), Path(dataset_dir) / skew.PLOT_FILE)
+    rows = [*profile.tables, {"table": "all tables", "rows": profile.total_rows, "touched_rows": profile.touched_rows,
+                              "accesses": profile.accesses, "top1pct_share": profile.top1pct_share}]
     name = dataset_label(dataset_dir)
     publish_table(artifact_key("skew-profile", name), format_table(rows, SKEW_COLUMNS),
                   f"Per-table access skew of {dataset_dir}")

@@ -10,7 +10,7 @@ from typing import Any
 from prefect import task
 
 from dlrmflow.engine.planning import cache_policies
-from dlrmflow.engine.planning.planner import PlanConfig, make_plan
+from dlrmflow.engine.planning.planner import PlanJobConfig, PlanResult, make_plan
 from dlrmflow.engine.serving.cluster import cluster_workers, dask_client
 from dlrmflow.tasks.reporting import (
     Column,
@@ -39,38 +39,33 @@ def plan_key(base: str, dataset_dir: str, batch_size: int, lookahead: int | None
 
 
 @task(name="plan-lookahead-cache")
-def plan_task(dataset_dir: str, config: PlanConfig, output_dir: str, chunk_iterations: int | None,
-              dask_address: str | None) -> dict[str, Any]:
+def plan_task(config: PlanJobConfig, dask_address: str | None) -> PlanResult:
     progress = FlowProgress("plan chunks done")
     with dask_client(dask_address) as client:
         started = time.perf_counter()
-        summary = make_plan(dataset_dir, config, output_dir, client=client, chunk_iterations=chunk_iterations,
-                            progress=progress)
+        record = make_plan(config.dataset_dir, config.settings(), config.output_dir, client=client,
+                           chunk_iterations=config.chunk_iterations, progress=progress)
         seconds = time.perf_counter() - started
         progress.finish()
         workers = len(cluster_workers(client))
-    ids = summary["counts"]["ids"]
-    return {**summary, "output": output_dir, "seconds": seconds, "dask_workers": workers,
-            "ids_per_second": ids / seconds if seconds else None,
-            "iterations_per_second": summary["num_iterations"] / seconds if seconds else None}
+    return PlanResult.of(record, config.output_dir, seconds=seconds, dask_workers=workers)
 
 
 @task(name="publish-plan-summary")
-def publish_plan_task(summary: dict[str, Any], dataset_dir: str) -> str:
+def publish_plan_task(plan: PlanResult, dataset_dir: str) -> str:
     """The plan's figures as a table, key ``lookahead-plan-<dataset>-b<batch>-l<L>``; returns the key."""
-    counts = summary["counts"]
+    config, counts = plan.config, plan.counts
     table = metric_table([
-        ("Iterations", summary["num_iterations"], "count"), ("Batch size", summary["batch_size"], "count"),
-        ("Lookahead (L)", summary["lookahead"], "count"), ("Prefetch distance (P)", summary["prefetch_distance"],
-                                                             "count"),
-        ("Capacity (rows)", summary["capacity"] if summary["capacity"] is not None else "unbounded", "count"),
-        ("Cache slots", summary["num_slots"], "count"), ("Rows prefetched", counts["prefetched_rows"], "count"),
+        ("Iterations", plan.num_iterations, "count"), ("Batch size", config.batch_size, "count"),
+        ("Lookahead (L)", config.lookahead, "count"), ("Prefetch distance (P)", config.prefetch_distance, "count"),
+        ("Capacity (rows)", config.capacity if config.capacity is not None else "unbounded", "count"),
+        ("Cache slots", plan.num_slots, "count"), ("Rows prefetched", counts["prefetched_rows"], "count"),
         ("Rows evicted", counts["evicted_rows"], "count"), ("Peak occupancy (rows)", counts["peak_occupancy"], "count"),
-        ("Ids planned", counts["ids"], "count"), ("Planning time", summary["seconds"], "s"),
-        ("Ids per second", summary["ids_per_second"], "count"), ("Dask workers", summary["dask_workers"], "count"),
+        ("Ids planned", counts["ids"], "count"), ("Planning time", plan.seconds, "s"),
+        ("Ids per second", plan.ids_per_second, "count"), ("Dask workers", plan.dask_workers, "count"),
     ])
-    return publish_table(plan_key("lookahead-plan", dataset_dir, summary["batch_size"], summary["lookahead"]), table,
-                         f"Lookahead plan written to {summary['output']}")
+    return publish_table(plan_key("lookahead-plan", dataset_dir, config.batch_size, config.lookahead), table,
+                         f"Lookahead plan written to {plan.output}")
 
 
 @task(name="simulate-cache-policies")

@@ -11,9 +11,11 @@ from prefect.cache_policies import NO_CACHE
 
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.faults import parse_kill
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.run import train
 from dlrmflow.engine.training.setup import RunSetup, prepare_run
+from dlrmflow.engine.training.summary import TrainSummary, train_summary
 from dlrmflow.tasks import plots
 from dlrmflow.tasks.reporting import (
     Column,
@@ -51,17 +53,18 @@ METRICS_COLUMNS = [Column("Iteration", "iteration", "count"), Column("Training l
                    Column("Iteration time", "iteration_ms", "ms"), Column("Stalled", "stall_ms", "ms")]
 
 
-def train_artifact_key(base: str, summary: dict[str, Any]) -> str:
+def train_artifact_key(base: str, run: TrainSummary) -> str:
     """``base-<dataset>-<mode>`` (``-parity<R>`` with parity shards): a key's history holds like runs only."""
-    parity = (summary.get("parity") or {}).get("parity_shards")
-    return artifact_key(base, dataset_label(summary["dataset"]), summary["mode"], f"parity{parity}" if parity else "")
+    parity = run.parity_shards
+    return artifact_key(base, dataset_label(run.dataset), run.mode, f"parity{parity}" if parity else "")
 
 
 # A RunSetup holds the plan and the dataset's stream: hashing it for a cache key would cost a pass
 # over the plan, and a training run is never a cache hit.
 @task(name="check-train-config", cache_policy=NO_CACHE)
 def check_task(config: TrainConfig) -> RunSetup:
-    """Every input check before any work (dataset, plan, capacity, iterations, the run dir's checkpoint)."""
+    """Every input check before any work (dataset, plan, capacity, iterations, the run dir's checkpoint): the
+    train flow's first task. Its result, the checked run, is the train task's input."""
     return prepare_run(config)
 
 
@@ -98,11 +101,10 @@ def summary_table(summary: dict[str, Any]) -> list[dict[str, Any]]:
         verify = parity.get("verify") or {}
         items.append(("Parity verified", "OK" if verify.get("ok") else
                       f"MISMATCH in stripes {verify.get('mismatched_stripes')}", ""))
-        for kill in parity.get("kills", []):
-            target, at = kill["kill"].split("@")
-            kind, index = target.split(":")
-            items.append((f"Killed {'data' if kind == 'shard' else 'parity'} shard {index} (iteration {at}), after "
-                          "the shards started", kill.get("at_s"), "s"))
+        for record in parity.get("kills", []):
+            kill = parse_kill(record["kill"])
+            items.append((f"Killed {kill.target} (iteration {kill.iteration}), after the shards started",
+                          record.get("at_s"), "s"))
         for n, record in enumerate(parity.get("recoveries", []), start=1):
             items += [(f"Recovery {n}: {what}", record.get(key), unit) for what, key, unit in RECOVERY_ITEMS]
     return metric_table(items)
@@ -112,22 +114,21 @@ def summary_table(summary: dict[str, Any]) -> list[dict[str, Any]]:
 def publish_train_report_task(summary: dict[str, Any]) -> list[str]:
     """The run's tables (summary, loss and time every ``metrics_every`` iterations) and plots
     (loss curve, iteration time with stalls); the plots are also written to the run directory. Returns the keys."""
-    mode = summary["mode"]
-    what = f"{mode} training of {dataset_label(summary['dataset'])}"
+    run = train_summary(summary)
+    what = f"{run.mode} training of {dataset_label(run.dataset)}"
     keys = [
-        publish_table(train_artifact_key("train-summary", summary), summary_table(summary), f"{what}: run summary"),
-        publish_table(train_artifact_key("train-metrics", summary), format_table(summary["metrics"], METRICS_COLUMNS),
-                      f"{what}: means over every {summary['metrics_every']} iterations"),
+        publish_table(train_artifact_key("train-summary", run), summary_table(summary), f"{what}: run summary"),
+        publish_table(train_artifact_key("train-metrics", run), format_table(run.metrics, METRICS_COLUMNS),
+                      f"{what}: means over every {run.metrics_every} iterations"),
     ]
-    out = Path(summary["output_dir"])
+    out = Path(run.output_dir)
     log = out / "iterations.csv"
     if log.is_file():
         columns = plots.read_iterations(log)
-        kills = (summary.get("parity") or {}).get("kills", [])
-        loss = plots.plot_loss(columns, out / plots.LOSS_PLOT, title=f"Training loss, {what}", kills=kills)
+        loss = plots.plot_loss(columns, out / plots.LOSS_PLOT, title=f"Training loss, {what}", kills=run.kills)
         time_png = plots.plot_iteration_time(columns, out / plots.TIME_PLOT, title=f"Iteration time, {what}",
-                                             kills=kills)
-        keys.append(publish_plot(train_artifact_key("train-loss", summary), loss, f"{what}: training loss"))
-        keys.append(publish_plot(train_artifact_key("train-time", summary), time_png,
+                                             kills=run.kills)
+        keys.append(publish_plot(train_artifact_key("train-loss", run), loss, f"{what}: training loss"))
+        keys.append(publish_plot(train_artifact_key("train-time", run), time_png,
                                  f"{what}: iteration time and stalls"))
     return keys

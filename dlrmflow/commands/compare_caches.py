@@ -5,21 +5,23 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands.options import add_config_options, config_values
+from dlrmflow.commands.plan import METAVARS
+from dlrmflow.engine.planning.planner import PlanConfig
+from dlrmflow.engine.training.config import TrainConfig
+
 NAME = "compare-caches"
 HELP = "simulate cache policies on one batch stream: rows fetched, bytes, write-backs, hit rate"
+# The oracle's settings are the plan's (PlanConfig; the capacity here is a list); the row width is training's.
+PLAN_FIELDS = ("batch_size", "lookahead", "prefetch_distance", "drop_last")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset", metavar="DATASET_DIR", help="a preprocessed dataset directory")
-    parser.add_argument("--batch-size", type=int, required=True, metavar="B", help="rows per iteration")
-    parser.add_argument("--lookahead", type=int, default=200, metavar="L", help="oracle window (default 200)")
-    parser.add_argument("--prefetch-distance", type=int, default=1, metavar="P",
-                        help="oracle prefetch distance (default 1)")
+    add_config_options(parser, PlanConfig, METAVARS, fields=PLAN_FIELDS)
     parser.add_argument("--capacity", action="append", required=True, metavar="ROWS",
                         help="cache rows, or a share of all rows like 1%%; repeat for several")
-    parser.add_argument("--embedding-dim", type=int, default=16, metavar="D",
-                        help="float32 values per row, for bytes fetched (default 16)")
-    parser.add_argument("--drop-last", action="store_true", help="drop a final partial batch")
+    add_config_options(parser, TrainConfig, {"embedding_dim": "D"}, fields=("embedding_dim",))
     parser.add_argument("--output", default=None, metavar="DIR",
                         help="where cache_policies.json/.png go (default: the dataset directory)")
 
@@ -27,11 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.datasets.meta import read_meta
     from dlrmflow.engine.planning.cache_policies import parse_capacity
-    from dlrmflow.engine.planning.planner import PlanConfig
     from dlrmflow.flows.plan import compare_caches_flow
 
     meta = read_meta(args.dataset)  # clear errors before any work starts
-    PlanConfig(args.batch_size, args.lookahead, args.prefetch_distance)
+    PlanConfig(**{name: value for name, value in config_values(args, PlanConfig).items() if name in PLAN_FIELDS})
     for c in args.capacity:
         parse_capacity(c, meta.total_embedding_rows)
     return compare_caches_flow(args.dataset, args.batch_size, args.capacity, args.lookahead,

@@ -11,6 +11,7 @@ HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare cac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dlrmflow.cli import add_dask_argument
+    from dlrmflow.engine.training.faults import KILL_METAVAR
     from dlrmflow.flows.pipeline_config import PipelineConfig
 
     fields = PipelineConfig.model_fields
@@ -20,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = type(field.default)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,
                             help=f"{field.description or name} (default {field.default})")
-    parser.add_argument("--kill", action="append", default=[], metavar="shard:I@ITER|parity:J@ITER",
+    parser.add_argument("--kill", action="append", default=[], metavar=KILL_METAVAR,
                         help=fields["kills"].description)
     add_dask_argument(parser)
 

@@ -5,37 +5,29 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands.options import add_config_options, config_from_args
+from dlrmflow.engine.planning.planner import PlanJobConfig
+
 NAME = "plan"
 HELP = "plan the embedding cache ahead of training: per-iteration prefetches, cache slots and evictions"
+# Metavars of the options whose value is not a plain word (shared with compare-caches).
+METAVARS = {"batch_size": "B", "lookahead": "L", "prefetch_distance": "P", "capacity": "ROWS",
+            "output_dir": "PLAN_DIR", "chunk_iterations": "N"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per PlanJobConfig field: the plan's settings, the dataset, the plan directory, the chunks."""
     from dlrmflow.cli import add_dask_argument
 
-    parser.add_argument("dataset", metavar="DATASET_DIR", help="a preprocessed dataset directory")
-    parser.add_argument("--batch-size", type=int, required=True, metavar="B", help="rows per iteration")
-    parser.add_argument("--lookahead", type=int, default=200, metavar="L",
-                        help="keep a row cached when it is used again within L iterations (default 200)")
-    parser.add_argument("--prefetch-distance", type=int, default=1, metavar="P",
-                        help="iterations ahead a fetch is issued, 1 <= P <= L (default 1)")
-    parser.add_argument("--capacity", type=int, default=None, metavar="ROWS",
-                        help="cache rows (default: unbounded; with a bound, the rows used farthest ahead leave)")
-    parser.add_argument("--drop-last", action="store_true", help="drop a final partial batch")
-    parser.add_argument("--output", required=True, metavar="PLAN_DIR", help="plan directory to write")
-    parser.add_argument("--chunk-iterations", type=int, default=None, metavar="N",
-                        help="iterations per Dask task (default max(16L, 1024))")
+    add_config_options(parser, PlanJobConfig, METAVARS)
     add_dask_argument(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from dlrmflow.datasets.meta import read_meta
-    from dlrmflow.engine.planning.planner import PlanConfig
     from dlrmflow.flows.plan import plan_flow
 
-    read_meta(args.dataset)  # clear errors before a cluster starts
-    PlanConfig(args.batch_size, args.lookahead, args.prefetch_distance, args.capacity, args.drop_last)
-    return plan_flow(args.dataset, args.output, args.batch_size, args.lookahead, args.prefetch_distance,
-                     args.capacity, args.drop_last, args.chunk_iterations, args.dask_address)
+    config = config_from_args(args, PlanJobConfig)  # PlanError names a bad field, before a cluster starts
+    return plan_flow(config, args.dask_address).as_dict()
 
 
 def summarize(r: dict[str, Any]) -> str:

@@ -5,26 +5,20 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dlrmflow.datasets.formats import FORMATS
+from dlrmflow.commands.options import add_config_options, config_from_args
+from dlrmflow.datasets.preprocess_config import PreprocessConfig
 
 NAME = "preprocess"
 HELP = "turn raw Criteo/Avazu files into a shuffled Parquet dataset with meta.json"
+METAVARS = {"output": "DIR", "min_frequency": "N", "max_rows_per_table": "ROWS", "max_reject_fraction": "F",
+            "block_bytes": "BYTES"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per PreprocessConfig field (its type, default, bounds and help), then --force."""
     from dlrmflow.cli import add_dask_argument
 
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="raw input files (plain or .gz)")
-    parser.add_argument("--output", required=True, metavar="DIR", help="dataset directory to write")
-    parser.add_argument("--format", default="criteo", choices=list(FORMATS),
-                        help="criteo: raw TSV (Kaggle/Terabyte); criteo-csv: CSV with header; avazu: CSV")
-    parser.add_argument("--seed", type=int, default=0, help="shuffle seed")
-    parser.add_argument("--min-frequency", type=int, default=1,
-                        help="categorical values seen fewer times map to id 0 (default 1: keep all)")
-    parser.add_argument("--max-rows-per-table", type=int, default=None,
-                        help="hash cap: fold raw values into this many rows per table (row 0 included)")
-    parser.add_argument("--max-reject-fraction", type=float, default=0.01,
-                        help="fail when more than this fraction of rows is malformed (default 0.01)")
+    add_config_options(parser, PreprocessConfig, METAVARS)
     parser.add_argument("--force", action="store_true", help="redo the work even if the output is up to date")
     add_dask_argument(parser)
 
@@ -32,11 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.dataset import preprocess_flow
 
-    return preprocess_flow(
-        inputs=args.inputs, output=args.output, format=args.format, seed=args.seed,
-        min_frequency=args.min_frequency, max_rows_per_table=args.max_rows_per_table,
-        max_reject_fraction=args.max_reject_fraction, force=args.force, dask_address=args.dask_address,
-    )
+    config = config_from_args(args, PreprocessConfig)  # PreprocessConfigError names a bad field
+    return preprocess_flow(config, force=args.force, dask_address=args.dask_address).as_dict()
 
 
 def summarize(r: dict[str, Any]) -> str:

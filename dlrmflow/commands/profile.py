@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands.options import add_config_options, config_from_args
+from dlrmflow.engine.planning.profile import ProfileConfig
+
 NAME = "profile"
 HELP = "count embedding-row accesses and report the skew (profile.json + coverage plot)"
 
@@ -12,18 +15,15 @@ HELP = "count embedding-row accesses and report the skew (profile.json + coverag
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dlrmflow.cli import add_dask_argument
 
-    parser.add_argument("dataset", metavar="DATASET_DIR", help="a preprocessed dataset directory")
+    add_config_options(parser, ProfileConfig)
     add_dask_argument(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from dlrmflow.datasets.meta import read_meta
     from dlrmflow.flows.dataset import profile_flow
 
-    read_meta(args.dataset)  # a clear error before any work starts
-    result = profile_flow(args.dataset, args.dask_address)
-    result.pop("coverage", None)  # the curve is in profile.json; keep the JSON line readable
-    return result
+    result = profile_flow(config_from_args(args, ProfileConfig), args.dask_address)
+    return result.as_dict(coverage=False)  # the curve is in profile.json; keep the JSON line readable
 
 
 def summarize(r: dict[str, Any]) -> str:

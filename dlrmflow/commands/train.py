@@ -4,73 +4,33 @@ from __future__ import annotations
 
 import argparse
 import sys
-from types import UnionType
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
+from dlrmflow.commands import options
 from dlrmflow.commands.units import size
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.training.faults import KILL_METAVAR
 
 NAME = "train"
 HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, remote, lru or oracle; writes "
         "final_state.pt and summary.json")
 
 
-# Metavars of the options whose value is not a plain word (the option names: train_config.cli_option).
+# Metavars of the options whose value is not a plain word (the option names: TrainConfig.cli_option).
 METAVARS = {"dataset_dir": "DATASET_DIR", "output_dir": "RUN_DIR", "plan_dir": "PLAN_DIR", "capacity": "ROWS",
             "num_shards": "K", "trainers": "W", "iterations": "N", "batch_size": "B", "bottom_mlp": "SIZES",
             "top_mlp": "SIZES", "dnn": "SIZES", "cross_layers": "L", "eval_fraction": "F", "metrics_every": "N",
-            "parity": "R", "kills": "shard:I@ITER|parity:J@ITER",
+            "parity": "R", "kills": KILL_METAVAR,
             "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N"}
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split("-")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer sizes like 512-256-64-16, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"layer sizes must be positive, got {text!r}")
-    return sizes
-
-
-def _shown(value: Any) -> str:
-    return "-".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per TrainConfig field that the CLI sets (its name: ``cli_option``), with the field's
     type, choices, default and description."""
     from dlrmflow.cli import add_dask_argument
-    from dlrmflow.engine.training.config import TrainConfig, cli_option
+    from dlrmflow.engine.training.config import TrainConfig
 
-    for name, info in TrainConfig.model_fields.items():
-        option = cli_option(name)
-        if option is None:
-            continue
-        kwargs: dict[str, Any] = {"help": info.description, "metavar": METAVARS.get(name)}
-        annotation = info.annotation
-        choices = get_args(annotation) if get_origin(annotation) is Literal else None
-        optional = get_origin(annotation) is UnionType  # X | None
-        scalar = next(t for t in get_args(annotation) if t is not type(None)) if optional else annotation
-        if choices:
-            kwargs.update(choices=choices, metavar=None)
-        elif name == "kills":
-            kwargs.update(action="append")
-        elif get_origin(scalar) is tuple:
-            kwargs.update(type=_sizes)
-        else:
-            kwargs.update(type=scalar)
-        if option.startswith("--"):
-            kwargs["dest"] = name
-            if info.is_required():
-                kwargs["required"] = True
-            else:
-                kwargs["default"] = [] if name == "kills" else info.default
-                if info.default not in (None, ()):
-                    kwargs["help"] += f" (default {_shown(info.default)})"
-            parser.add_argument(option, **kwargs)
-        else:
-            parser.add_argument(name, **kwargs)
+    options.add_config_options(parser, TrainConfig, METAVARS)
     add_dask_argument(parser)
 
 
@@ -78,7 +38,7 @@ def config_from_args(args: argparse.Namespace):
     """The TrainConfig the options say (TrainConfigError names a bad field)."""
     from dlrmflow.engine.training.config import TrainConfig
 
-    return TrainConfig(**{name: getattr(args, name) for name in TrainConfig.model_fields if hasattr(args, name)})
+    return options.config_from_args(args, TrainConfig)
 
 
 class TrainingStopped(UserInputError):
@@ -86,22 +46,24 @@ class TrainingStopped(UserInputError):
 
 
 def run_training(config, dask_address: str | None) -> dict[str, Any]:
-    """Check ``config`` once, then run the train flow on the result. A failure that leaves a resumable run
-    names `dlrmflow resume RUN_DIR`."""
+    """Run the train flow on ``config``; its first task checks every input. A run refused for its input
+    prints one line (the flow's console lines are held until the check passed: :class:`HeldConsole`); a
+    failure after the check that leaves a resumable run names `dlrmflow resume RUN_DIR`."""
+    from dlrmflow.commands.console import HeldConsole
     from dlrmflow.engine.training.checkpoint import ResumeError, refuse_to_overwrite, unfinished_run_message
-    from dlrmflow.engine.training.run import prepare_run
-    from dlrmflow.flows.train import train_checked
+    from dlrmflow.flows.train import INPUT_CHECKED, train_flow
 
     if not config.resume:
         refuse_to_overwrite(config.output_dir)  # never over a finished run or a directory that is not a run's
-    setup = prepare_run(config)  # every input check (UserInputError), before Prefect or Dask start
+    console = HeldConsole(INPUT_CHECKED)
     try:
-        summary = train_checked(setup, dask_address)
+        with console:
+            summary = train_flow(config, dask_address)
     except ResumeError:
         raise
     except Exception as exc:
-        message = unfinished_run_message(config.output_dir)
-        if message is None:
+        message = unfinished_run_message(config.output_dir) if console.checked else None
+        if message is None:  # refused for its input, or nothing to resume
             raise
         raise TrainingStopped(f"training stopped ({type(exc).__name__}: {exc}); {message}") from exc
     except KeyboardInterrupt:

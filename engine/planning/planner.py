@@ -25,16 +25,18 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning.lookahead import (
     RangeDecisions,
@@ -45,7 +47,7 @@ from dlrmflow.engine.planning.lookahead import (
     iter_id_batches,
     occupancy,
 )
-from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.up_to_date import saved_result
 
 PLAN_FILE = "plan.json"
 PLAN_FORMAT_VERSION = 1
@@ -73,30 +75,134 @@ class CapacityError(PlanError):
     The one capacity error of dlrmflow: the planner, the trainer's checks and the row stores raise it."""
 
 
-@dataclass(frozen=True)
-class PlanConfig:
-    batch_size: int
-    lookahead: int = 200  # L
-    prefetch_distance: int = 1  # P, 1 <= P <= L
-    capacity: int | None = None  # cache rows; None = unbounded (keep every row reused within L)
-    drop_last: bool = False
+def _window_error(distance: Any, lookahead: Any) -> PlanError:
+    return PlanError(
+        f"prefetch_distance: --prefetch-distance: prefetch distance P={distance} must lie in 1..L "
+        f"(--lookahead L={lookahead}): "
+        "a row evicted after iteration t can be needed again at t+L+1, and that fetch is issued "
+        "when iteration t+L+1-P starts; with P > L that is before t's write-back (a stale read)"
+    )
 
-    def __post_init__(self) -> None:
-        # Each message names the option (the field's CLI flag) and what it allows.
-        if self.batch_size < 1:
-            raise PlanError(f"--batch-size: the batch size must be >= 1 row per iteration, got {self.batch_size}")
-        if self.lookahead < 1:
-            raise PlanError(f"--lookahead: the lookahead window L must be >= 1 iteration, got {self.lookahead}")
-        if not 1 <= self.prefetch_distance <= self.lookahead:
-            raise PlanError(
-                f"--prefetch-distance: prefetch distance P={self.prefetch_distance} must lie in 1..L "
-                f"(--lookahead L={self.lookahead}): "
-                "a row evicted after iteration t can be needed again at t+L+1, and that fetch is issued "
-                "when iteration t+L+1-P starts; with P > L that is before t's write-back (a stale read)"
-            )
-        if self.capacity is not None and self.capacity < 1:
-            raise PlanError(f"--capacity: the cache capacity must be >= 1 row (or unset for unbounded), "
-                            f"got {self.capacity}")
+
+class PlanConfig(ConfigModel):
+    """What a plan is made with, declared once: the planner's settings, which ``plan.json`` records (these
+    five keys, as when this was a dataclass: every plan made since loads). Frozen; ``PlanConfig(32, 6, 2)``
+    still takes its values in field order. A bad value raises :class:`PlanError` naming the field and
+    its option (``batch_size: --batch-size: the batch size must be >= 1, got 0``)."""
+
+    error = PlanError
+    setting = "plan setting"
+
+    batch_size: int = Field(ge=1, title="batch size", description="rows per iteration")
+    lookahead: int = Field(200, ge=1, title="lookahead window L",
+                           description="L: keep a row cached when it is used again within L iterations")
+    prefetch_distance: int = Field(1, ge=1, title="prefetch distance P",
+                                   description="P: iterations ahead a fetch is issued, 1 <= P <= L")
+    capacity: int | None = Field(None, ge=1, title="cache capacity",
+                                 description="cache rows (default: unbounded; with a bound, the rows used farthest "
+                                             "ahead leave)")
+    drop_last: bool = Field(False, description="drop a final partial batch")
+
+    def __init__(self, *args: Any, **values: Any) -> None:
+        fields = list(PlanConfig.model_fields)
+        if len(args) > len(fields):
+            raise TypeError(f"PlanConfig takes at most {len(fields)} positional values, got {len(args)}")
+        super().__init__(**dict(zip(fields, args, strict=False)), **values)
+
+    @field_validator("prefetch_distance", mode="before")
+    @classmethod
+    def _in_the_window(cls, value: Any, info: ValidationInfo) -> Any:
+        """1 <= P <= L, checked before P's own bound so that the message says why (a stale read)."""
+        lookahead = info.data.get("lookahead")
+        if isinstance(value, int) and isinstance(lookahead, int) and not 1 <= value <= lookahead:
+            raise _window_error(value, lookahead)
+        return value
+
+    @model_validator(mode="after")
+    def _distance_within_lookahead(self) -> PlanConfig:
+        if self.prefetch_distance > self.lookahead:  # values the field check above did not see as ints
+            raise _window_error(self.prefetch_distance, self.lookahead)
+        return self
+
+    def settings(self) -> PlanConfig:
+        """Just the planner's settings (those of a :class:`PlanJobConfig` without its paths)."""
+        return PlanConfig(**{name: getattr(self, name) for name in PlanConfig.model_fields})
+
+    def record(self) -> dict[str, Any]:
+        """The settings as ``plan.json`` records them."""
+        return {name: getattr(self, name) for name in PlanConfig.model_fields}
+
+
+class PlanJobConfig(PlanConfig):
+    """One ``dlrmflow plan`` run (the plan flow's parameter): the dataset, the plan directory, the plan's
+    settings and how the work is cut into Dask tasks. Up to date (:meth:`saved_result`) when the plan
+    directory's ``plan.json`` records this dataset's fingerprint and these settings."""
+
+    setting = "plan setting"
+    option_names = {"dataset_dir": "DATASET_DIR", "output_dir": "--output"}
+
+    dataset_dir: str = Field(description="a preprocessed dataset directory")
+    output_dir: str = Field(description="the plan directory to write")
+    chunk_iterations: int | None = Field(None, ge=1, description="iterations per Dask task (default max(16L, 1024))")
+
+    @field_validator("dataset_dir", "output_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    def saved_result(self) -> PlanResult | None:
+        """The plan in ``output_dir`` (as a skipped result) when it was made for this dataset, as it is now,
+        with these settings; None when the plan must be made."""
+        try:
+            dataset_fingerprint = read_meta(self.dataset_dir).fingerprint
+        except UserInputError:
+            return None
+        expect = {"format_version": PLAN_FORMAT_VERSION, "dataset_fingerprint": dataset_fingerprint, **self.record()}
+        saved = saved_result(Path(self.output_dir) / PLAN_FILE, expect)
+        return None if saved is None else PlanResult.of(saved, self.output_dir, skipped=True)
+
+    def is_up_to_date(self) -> bool:
+        return self.saved_result() is not None
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """A plan directory's record (``plan.json``), where it is and, when made now, how fast it was made;
+    :meth:`as_dict` is what ``dlrmflow plan --json`` prints."""
+
+    output: str
+    config: PlanConfig
+    dataset_fingerprint: str
+    num_iterations: int
+    num_rows: int
+    num_slots: int
+    counts: dict[str, int]  # ids, prefetched_rows, evicted_rows, peak_occupancy
+    files: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float | None = None
+    dask_workers: int | None = None
+    skipped: bool = False  # an earlier plan, up to date
+
+    @classmethod
+    def of(cls, record: dict[str, Any], output: str | os.PathLike, **made: Any) -> PlanResult:
+        """From ``plan.json``'s contents (``record``); ``made``: seconds, dask_workers, skipped."""
+        config = PlanConfig(**{name: record[name] for name in PlanConfig.model_fields})
+        return cls(str(output), config, record["dataset_fingerprint"], record["num_iterations"], record["num_rows"],
+                   record["num_slots"], record["counts"], record.get("files", []), **made)
+
+    @property
+    def ids_per_second(self) -> float | None:
+        return self.counts["ids"] / self.seconds if self.seconds else None
+
+    @property
+    def iterations_per_second(self) -> float | None:
+        return self.num_iterations / self.seconds if self.seconds else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format_version": PLAN_FORMAT_VERSION, "dataset_fingerprint": self.dataset_fingerprint,
+                **self.config.record(), "num_iterations": self.num_iterations, "num_rows": self.num_rows,
+                "num_slots": self.num_slots, "counts": self.counts, "files": self.files, "output": self.output,
+                "seconds": self.seconds, "dask_workers": self.dask_workers, "ids_per_second": self.ids_per_second,
+                "iterations_per_second": self.iterations_per_second, "skipped": self.skipped}
 
 
 @dataclass(frozen=True)
@@ -133,7 +239,7 @@ class PlanArrays:
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "dataset_fingerprint": self.dataset_fingerprint,
-            **asdict(self.config),
+            **self.config.record(),
             "num_iterations": self.num_iterations,
             "num_rows": self.num_rows,
             "num_slots": self.num_slots,
@@ -205,6 +311,8 @@ def plan_chunked(
     if chunk < 1:
         raise PlanError(f"chunk_iterations must be >= 1, got {chunk}")
     if table_groups is None:
+        from dlrmflow.engine.serving.cluster import cluster_workers  # Dask: imported when a plan is made
+
         table_groups = len(cluster_workers(client)) if client is not None else 1
     chunks = split_ranges(n, -(-n // chunk)) or [(0, 0)]  # equal chunks of at most ``chunk`` iterations
     groups = split_ranges(n_tables, table_groups)

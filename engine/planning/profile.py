@@ -15,16 +15,89 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+from pydantic import Field, field_validator
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
+from dlrmflow.engine.config_model import ConfigModel
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.up_to_date import saved_result
 
 PROFILE_FILE = "profile.json"
 PLOT_FILE = "coverage.png"
+
+
+class ProfileConfigError(UserInputError):
+    """A profile setting is invalid."""
+
+
+class ProfileConfig(ConfigModel):
+    """One profile of a dataset (the profile flow's parameter, ``dlrmflow profile``'s options). Up to date
+    (:meth:`saved_result`) when the dataset's ``profile.json`` records the dataset's fingerprint."""
+
+    error = ProfileConfigError
+    setting = "profile setting"
+    option_names = {"dataset_dir": "DATASET_DIR"}
+
+    dataset_dir: str = Field(description="a preprocessed dataset directory")
+
+    @field_validator("dataset_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    def saved_result(self) -> ProfileResult | None:
+        """The dataset's profile (as a skipped result) when it was made of the dataset as it is now, else None."""
+        try:
+            dataset_fingerprint = read_meta(self.dataset_dir).fingerprint
+        except UserInputError:
+            return None
+        saved = saved_result(Path(self.dataset_dir) / PROFILE_FILE, {"fingerprint": dataset_fingerprint})
+        return None if saved is None else ProfileResult.of(saved, skipped=True)
+
+    def is_up_to_date(self) -> bool:
+        return self.saved_result() is not None
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """A dataset's skew profile (``profile.json``, :func:`build_profile`), with the plot when one was drawn;
+    :meth:`as_dict` is what ``profile.json`` holds and ``dlrmflow profile --json`` prints."""
+
+    dataset: str
+    fingerprint: str
+    samples: int
+    total_rows: int
+    touched_rows: int
+    accesses: int
+    top1pct_rows: int
+    top1pct_share: float
+    top01pct_share: float  # "top0.1pct_share" in profile.json
+    top10pct_share: float
+    tables: list[dict[str, Any]]
+    coverage: dict[str, list[float]]
+    plot: str | None = None
+    skipped: bool = False  # an earlier profile, up to date
+
+    @classmethod
+    def of(cls, profile: dict[str, Any], **extra: Any) -> ProfileResult:
+        """From a profile dict (:func:`build_profile`, ``profile.json``); ``extra``: plot, skipped."""
+        values = {("top01pct_share" if key == "top0.1pct_share" else key): value for key, value in profile.items()}
+        values.pop("plot", None)
+        values.pop("skipped", None)
+        return cls(**values, **extra)
+
+    def as_dict(self, *, coverage: bool = True) -> dict[str, Any]:
+        out = {("top0.1pct_share" if f.name == "top01pct_share" else f.name): getattr(self, f.name)
+               for f in fields(self)}
+        if not coverage:  # the curve is in profile.json: kept out of a short report
+            del out["coverage"]
+        return out
 
 
 def count_table(dataset_dir: str, files: list[str], column: str, cardinality: int) -> np.ndarray:

@@ -5,7 +5,8 @@ parameter, the source of the ``dlrmflow train`` options (:func:`cli_option` name
 what ``RUN_DIR/run_config.json`` records for ``dlrmflow resume``. Constructing one validates it:
 a bad value raises :class:`TrainConfigError` (a ``UserInputError``: the CLI prints one line and
 exits 2) whose message starts with the field's name, e.g. ``batch_size: --batch-size must be >= 1,
-got 0``. Checks that need the dataset, the plan or the machine are made by ``prepare_run``.
+got 0``. Checks that need the dataset, the plan or the machine are made by ``prepare_run``. The
+one-line errors and the option naming are every step config's (:mod:`dlrmflow.engine.config_model`).
 
 This module imports neither torch nor Prefect: the CLI builds its parser from it.
 """
@@ -15,19 +16,10 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from annotated_types import Ge, Gt, Le, Lt
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationError,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
+from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.models import MODEL_SETTINGS, MODELS
 from dlrmflow.engine.training.faults import KILL_SYNTAX, check_kills
@@ -53,16 +45,17 @@ class TrainConfigError(UserInputError):
 
 def cli_option(field: str) -> str | None:
     """The ``dlrmflow train`` option (or positional) that sets ``field``; None for a field it does not set."""
-    if field in NO_OPTION:
-        return None
-    return OPTION_NAMES.get(field, "--" + field.replace("_", "-"))
+    return TrainConfig.cli_option(field)
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(ConfigModel):
     """One training run. Frozen; unknown fields are refused. ``TrainConfig(**values)`` raises
     :class:`TrainConfigError` naming every invalid field; :func:`replace` makes a validated copy."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    error = TrainConfigError
+    setting = "training setting"
+    option_names = OPTION_NAMES
+    no_option = NO_OPTION
 
     dataset_dir: str = Field(description="a preprocessed dataset directory")
     mode: Literal[MODE_NAMES] = Field(
@@ -128,12 +121,6 @@ class TrainConfig(BaseModel):
                                 "continues with `dlrmflow resume RUN_DIR`")
     resume: bool = Field(
         False, description="continue the unfinished run in output_dir from its checkpoint (same configuration)")
-
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise config_error(exc) from None
 
     @field_validator("dataset_dir", "output_dir", "plan_dir", mode="before")
     @classmethod
@@ -232,51 +219,3 @@ def replace(config: TrainConfig, **changes: Any) -> TrainConfig:
     """``config`` with ``changes``, validated like a new one (what ``dataclasses.replace`` does for a dataclass)."""
     return TrainConfig(**{**config.model_dump(), **changes})
 
-
-# ---- one line naming the field -------------------------------------------------------------------------
-
-
-def config_error(exc: ValidationError) -> UserInputError:
-    """The error to raise for ``exc``: the rule's own error when a validator raised one, else a
-    :class:`TrainConfigError` with one ``field: problem`` part per invalid field."""
-    errors = exc.errors()
-    for error in errors:
-        cause = (error.get("ctx") or {}).get("error")
-        if isinstance(cause, UserInputError):
-            return cause
-    return TrainConfigError("; ".join(_problem(error) for error in errors))
-
-
-def _problem(error: dict[str, Any]) -> str:
-    field = ".".join(str(part) for part in error["loc"]) or "config"
-    name = str(error["loc"][0]) if error["loc"] else ""
-    info = TrainConfig.model_fields.get(name)
-    value = error.get("input")
-    if error["type"] == "extra_forbidden":
-        return f"{field}: not a training setting"
-    if error["type"] == "missing":
-        return f"{field}: required"
-    what = " ".join(filter(None, [f"{field}:", cli_option(name) if info is not None else None]))
-    if error["type"] == "literal_error":
-        choices = ", ".join(info.annotation.__args__) if info is not None else error["ctx"]["expected"]
-        return f"{field}: unknown {name.replace('_', ' ')} {value!r}; choose one of {choices}"
-    if error["type"] in ("greater_than_equal", "greater_than", "less_than_equal", "less_than") and info is not None:
-        unit = (info.json_schema_extra or {}).get("unit")
-        return f"{what} must be {_bounds(info.metadata)}{' ' + unit if unit else ''}, got {value!r}"
-    message = error["msg"]
-    return f"{what} {message[:1].lower()}{message[1:]}, got {value!r}"
-
-
-def _bounds(metadata: list[Any]) -> str:
-    """A field's range in words: ``>= 1``, ``> 0``, ``between 0 and 4``, ``in [0, 1)``."""
-    bound = {type(m): m for m in metadata if isinstance(m, (Ge, Gt, Le, Lt))}
-    low = f"{bound[Ge].ge}" if Ge in bound else (f"{bound[Gt].gt}" if Gt in bound else None)
-    if Le in bound and Ge in bound:
-        return f"between {low} and {bound[Le].le}"
-    if Lt in bound and low is not None:
-        return f"in {'[' if Ge in bound else '('}{low}, {bound[Lt].lt})"
-    if Ge in bound:
-        return f">= {bound[Ge].ge}"
-    if Gt in bound:
-        return f"> {bound[Gt].gt}"
-    return f"<= {bound[Le].le}" if Le in bound else f"< {bound[Lt].lt}"

@@ -22,8 +22,25 @@ from dlrmflow.engine.errors import UserInputError
 
 # Each kill, as it happens (a plain logger: the train flow routes it to the run's Prefect log).
 EVENTS = logging.getLogger(__name__)
-KILL_SYNTAX = "shard:I@ITER or parity:J@ITER"
-_KILL = re.compile(r"^(shard|parity):(\d+)@(\d+)$")
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """A kind of kill: ``NAME:INDEX@ITER`` SIGKILLs the worker of that shard when iteration ITER starts."""
+
+    name: str  # as a kill names it: shard:0@10
+    index: str  # the letter of its index in the syntax: shard:I@ITER
+    target: str  # what it kills, as the run's reports name it: "data shard"
+    parity: bool  # a parity shard (member K + index), else a data shard (member index)
+
+
+# The kinds of kill, declared once: the syntax, the parser, the checks, the reports and the options follow.
+FAULT_KINDS = {kind.name: kind for kind in (FaultKind("shard", "I", "data shard", parity=False),
+                                            FaultKind("parity", "J", "parity shard", parity=True))}
+KILL_FORMS = tuple(f"{kind.name}:{kind.index}@ITER" for kind in FAULT_KINDS.values())
+KILL_SYNTAX = " or ".join(KILL_FORMS)  # shard:I@ITER or parity:J@ITER
+KILL_METAVAR = "|".join(KILL_FORMS)  # the option's metavar: shard:I@ITER|parity:J@ITER
+_KILL = re.compile(rf"^({'|'.join(FAULT_KINDS)}):(\d+)@(\d+)$")
 
 
 class FaultSpecError(UserInputError):
@@ -32,44 +49,67 @@ class FaultSpecError(UserInputError):
 
 @dataclass(frozen=True)
 class Kill:
-    kind: str  # "shard" | "parity"
+    kind: str  # a name of FAULT_KINDS: "shard" | "parity"
     index: int
     iteration: int
 
     def member(self, k: int) -> int:
-        return self.index if self.kind == "shard" else k + self.index
+        return k + self.index if FAULT_KINDS[self.kind].parity else self.index
 
     @property
     def target(self) -> str:
         """What it kills, as the run's reports name it: ``data shard I`` or ``parity shard J``."""
-        return f"{'data' if self.kind == 'shard' else 'parity'} shard {self.index}"
+        return f"{FAULT_KINDS[self.kind].target} {self.index}"
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.index}@{self.iteration}"
 
 
-def parse_kill(text: str) -> Kill:
+@dataclass(frozen=True)
+class KillNames:
+    """How a kill's error names the settings: ``dlrmflow train``'s options (the default), or a config's
+    fields (the pipeline's: ``KillNames(kill="", shard="shards", parity="parity", iterations="train_iterations")``)."""
+
+    kill: str = "--kill"  # before each kill the message quotes
+    shard: str = "--shards"  # the setting that counts the data shards
+    parity: str = "--parity"  # the setting that counts the parity shards
+    iterations: str | None = None  # the setting that counts the iterations (None: not named)
+
+    def of(self, kill: object) -> str:
+        return f"{self.kill} {kill}" if self.kill else str(kill)
+
+
+CLI_NAMES = KillNames()  # as dlrmflow train names them
+
+
+def parse_kill(text: str, names: KillNames = CLI_NAMES) -> Kill:
     match = _KILL.match(text.strip())
     if not match:
-        raise FaultSpecError(f"kills: --kill {text!r}: expected {KILL_SYNTAX} (e.g. shard:0@10)")
+        raise FaultSpecError(f"kills: {names.of(repr(text))}: expected {KILL_SYNTAX} (e.g. shard:0@10)")
     return Kill(match[1], int(match[2]), int(match[3]))
 
 
-def check_kills(kills: Sequence[str], *, num_shards: int, parity: int, iterations: int | None) -> list[Kill]:
+def check_kills(kills: Sequence[str], *, num_shards: int, parity: int, iterations: int | None,
+                names: KillNames = CLI_NAMES) -> list[Kill]:
     """The rule for ``--kill`` (the ``kills`` setting), wherever kills are given: each parses, names a
     shard of the group (data shards ``0..num_shards-1``, parity shards ``0..parity-1``) and an iteration
-    of the run (``iterations``: None while the count is not known yet), and no shard is named twice."""
-    parsed = [parse_kill(k) for k in kills]
+    of the run (``iterations``: None while the count is not known yet), and no shard is named twice.
+    ``names``: how the messages name the settings (the CLI's options unless given)."""
+    parsed = [parse_kill(k, names) for k in kills]
     for kill in parsed:
-        limit = num_shards if kill.kind == "shard" else parity
+        limit, setting = (parity, names.parity) if FAULT_KINDS[kill.kind].parity else (num_shards, names.shard)
         if kill.index >= limit:
-            what = f"--shards {num_shards}" if kill.kind == "shard" else f"--parity {parity}"
-            raise FaultSpecError(f"kills: --kill {kill}: there is no {kill.kind} {kill.index} with {what}")
+            raise FaultSpecError(f"kills: {names.of(kill)}: there is no {kill.kind} {kill.index} with {setting} "
+                                 f"{limit}")
         if iterations is not None and kill.iteration >= iterations:
-            raise FaultSpecError(f"kills: --kill {kill}: iteration {kill.iteration} is past the last one "
-                                 f"({iterations - 1})")
-    if len({(k.kind, k.index) for k in parsed}) != len(parsed):
-        raise FaultSpecError("kills: --kill names the same shard twice")
+            counted = f", with {names.iterations} {iterations}" if names.iterations else ""
+            raise FaultSpecError(f"kills: {names.of(kill)}: iteration {kill.iteration} is past the last one "
+                                 f"({iterations - 1}{counted})")
+    seen: dict[tuple[str, int], Kill] = {}
+    for kill in parsed:
+        first = seen.setdefault((kill.kind, kill.index), kill)
+        if first is not kill:
+            raise FaultSpecError(f"kills: {names.of(first)} and {names.of(kill)} name the same shard twice")
     return parsed
 
 
