@@ -39,6 +39,12 @@ OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_di
 NO_OPTION = ("eval_batch_size", "save_state", "resume")
 
 
+def _modes(has: str, lacks: str | None = None) -> str:
+    """The modes whose record has ``has`` (and not ``lacks``), for help texts: ``lru``, ``lru or fifo``."""
+    names = [m.name for m in MODES.values() if getattr(m, has) and not (lacks and getattr(m, lacks))]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 class TrainConfigError(UserInputError):
     """The training configuration is invalid, or does not fit the data, the plan or the machine."""
 
@@ -70,9 +76,9 @@ class TrainConfig(ConfigModel):
                              "(workers advertising the `trainer` resource when any does); --mode oracle then "
                              "runs Bagpipe's LRPP cache (docs/trainers.md)")
     capacity: int | None = Field(
-        None, ge=1, description="cache rows: required by --mode lru; with --mode oracle an optional bound on "
-                                "the plan's cache")
-    plan_dir: str | None = Field(None, description="the plan for --mode oracle (`dlrmflow plan`)")
+        None, ge=1, description=f"cache rows: required by --mode {_modes('capacity_required')}; with --mode "
+                                f"{_modes('capacity', 'capacity_required')} an optional bound on the cache")
+    plan_dir: str | None = Field(None, description=f"the plan for --mode {_modes('plan')} (`dlrmflow plan`)")
     device: str = Field("cpu", description="cpu or cuda")
     seed: int = Field(0, description="model and embedding initialisation")
     model: Literal[MODELS] = Field(
@@ -157,7 +163,9 @@ class TrainConfig(ConfigModel):
         w = self.trainers
         if not MODES[self.mode].several_trainers:
             others = [name for name, m in MODES.items() if m.several_trainers]
-            raise TrainConfigError(f"trainers: --trainers {w} needs embedding servers; use --mode {others[0]} (the "
+            mode = MODES[self.mode]
+            why = "needs embedding servers" if not mode.servers else f"is not supported by --mode {mode.name}"
+            raise TrainConfigError(f"trainers: --trainers {w} {why}; use --mode {others[0]} (the "
                                    f"reference), {_one_of(others[1:])}")
         if self.batch_size % w:
             raise TrainConfigError(f"trainers: --batch-size {self.batch_size} does not split into {w} equal "
