@@ -56,6 +56,9 @@ from dlrmflow.engine.up_to_date import saved_result
 PLAN_FILE = "plan.json"
 PLAN_FORMAT_VERSION = 1
 ITERATIONS_PER_FILE = 512
+# The streamed plan's grain: the driver spools task results and writes row groups in pieces of this many
+# iterations, so what it holds does not grow with the dataset (nor with the chunk size).
+SPOOL_ITERATIONS = 64
 # Ids are sorted within an iteration and slots come off a FIFO queue in runs: delta encoding
 # stores both in a quarter of the plain size, faster than any general-purpose compression.
 DELTA_ENCODED = {
@@ -353,8 +356,8 @@ def _stream_plan(
     tasks = [(c, g) for c in range(len(chunks)) for g in range(len(groups))]
     where = str(Path(dataset_dir).resolve())  # workers of an existing cluster may run elsewhere
     args = [(where, config, *chunks[c], *groups[g]) for c, g in tasks]
-    total = len(tasks) + len(chunks)
-    spool, counts = _Spool(spool_dir), _Counts(n)
+    total = len(tasks) + len(chunks)  # a step per task finished, then per chunk assembled
+    spool, counts = _Spool(spool_dir, chunks, len(groups), config.prefetch_distance), _Counts(n)
 
     def finished(i: int, d: RangeDecisions, done: int) -> None:
         counts.add(d)
@@ -378,10 +381,11 @@ def _stream_plan(
             client.cancel(futures)
     try:
         stats = assemble_stream(
-            config, n, stream.meta.total_embedding_rows, chunks, lambda c: spool.take(c, len(groups)), counts, sink,
+            config, n, stream.meta.total_embedding_rows, spool.pieces, spool.take, counts, sink,
             iterations_per_file=iterations_per_file or ITERATIONS_PER_FILE,
             capacity_error=lambda base: capacity_error(stream, config, base),
             progress=(lambda c: progress(len(tasks) + c, total)) if progress else None,
+            pieces_of_chunk=spool.of_chunk,
         )
     except BaseException:
         _slot_maps.__dict__.pop("map", None)  # not all zero any more
@@ -489,22 +493,40 @@ _DECISION_FIELDS = ("prefetch_counts", "prefetch_ids", "evict_counts", "evict_id
 
 
 class _Spool:
-    """Task results on disk until the in-order pass takes them: the driver holds one at a time."""
+    """Task results on disk until the in-order pass takes them, in pieces of at most ``SPOOL_ITERATIONS``
+    iterations: the driver holds one task's result only while it writes it out, then pieces."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, chunks: list[tuple[int, int]], groups: int, distance: int) -> None:
+        self.directory, self.groups, self.distance = directory, groups, distance
         directory.mkdir(parents=True, exist_ok=True)
+        self.pieces: list[tuple[int, int]] = []
+        self.of_chunk: list[range] = []
+        for lo, hi in chunks:
+            start = len(self.pieces)
+            self.pieces += [(a, min(a + SPOOL_ITERATIONS, hi)) for a in range(lo, hi, SPOOL_ITERATIONS)] or [(lo, hi)]
+            self.of_chunk.append(range(start, len(self.pieces)))
 
-    def _path(self, chunk: int, group: int) -> Path:
-        return self.directory / f"chunk-{chunk:08d}-{group:04d}.npz"
+    def _path(self, piece: int, group: int) -> Path:
+        return self.directory / f"piece-{piece:08d}-{group:04d}.npz"
 
     def put(self, chunk: int, group: int, d: RangeDecisions) -> None:
-        np.savez(self._path(chunk, group), first=d.first, stop=d.stop, **{f: getattr(d, f) for f in _DECISION_FIELDS})
+        pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
+        use = d.cand_end + self.distance + 1  # a candidate's interval ends P+1 before the use that closes it
+        for i in self.of_chunk[chunk]:
+            lo, hi = self.pieces[i]
+            a, b = lo - d.first, hi - d.first
+            cand = (use >= lo) & (use < hi)
+            np.savez(
+                self._path(i, group), first=lo, stop=hi,
+                prefetch_counts=d.prefetch_counts[a:b], prefetch_ids=d.prefetch_ids[pf_off[a] : pf_off[b]],
+                evict_counts=d.evict_counts[a:b], evict_ids=d.evict_ids[ev_off[a] : ev_off[b]],
+                cand_ids=d.cand_ids[cand], cand_start=d.cand_start[cand], cand_end=d.cand_end[cand],
+            )
 
-    def take(self, chunk: int, groups: int) -> RangeDecisions:
+    def take(self, piece: int) -> RangeDecisions:
         parts = []
-        for g in range(groups):
-            path = self._path(chunk, g)
+        for g in range(self.groups):
+            path = self._path(piece, g)
             with np.load(path) as z:
                 parts.append(RangeDecisions(int(z["first"]), int(z["stop"]), *(z[f] for f in _DECISION_FIELDS)))
             path.unlink()
@@ -592,11 +614,14 @@ class _SlotReplay:
 
 
 class PlanSink:
-    """Where the assembled plan goes, a file's worth of iterations at a time."""
+    """Where the assembled plan goes, a row group of consecutive iterations at a time."""
 
     def write(self, first: int, stop: int, prefetch_offsets: np.ndarray, prefetch_ids: np.ndarray,
               prefetch_slots: np.ndarray, evict_offsets: np.ndarray, evict_ids: np.ndarray) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        pass
 
 
 class _MemorySink(PlanSink):
@@ -616,24 +641,41 @@ class _MemorySink(PlanSink):
         return _offsets(pf_counts), pf_ids, slots, _offsets(ev_counts), ev_ids
 
 
-class _DirectorySink(PlanSink):
-    """Writes Parquet files of consecutive iterations into a (temporary) plan directory."""
+PLAN_SCHEMA = pa.schema([("t", pa.int64()), ("prefetch_ids", pa.list_(pa.int64())),
+                         ("prefetch_slots", pa.list_(pa.int64())), ("evict_ids", pa.list_(pa.int64()))])
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+
+class _DirectorySink(PlanSink):
+    """Parquet files of ``iterations_per_file`` consecutive iterations (the last one shorter), each written
+    row group by row group as its iterations come."""
+
+    def __init__(self, directory: Path, num_iterations: int, iterations_per_file: int) -> None:
+        self.directory, self.n, self.per_file = directory, num_iterations, iterations_per_file
         self.files: list[dict[str, Any]] = []
+        self.writer: pq.ParquetWriter | None = None
 
     def write(self, first, stop, prefetch_offsets, prefetch_ids, prefetch_slots, evict_offsets, evict_ids) -> None:
-        table = pa.table({
+        file_first = first - first % self.per_file
+        if stop > file_first + self.per_file:
+            raise ValueError(f"iterations {first}..{stop - 1} cross a plan file boundary")
+        if not self.files or self.files[-1]["first"] != file_first:
+            self.close()
+            file_stop = min(file_first + self.per_file, self.n)
+            name = f"iterations-{file_first:08d}-{file_stop:08d}.parquet"
+            self.writer = pq.ParquetWriter(self.directory / name, PLAN_SCHEMA, use_dictionary=False,
+                                           compression="none", column_encoding=DELTA_ENCODED)
+            self.files.append({"name": name, "first": file_first, "stop": file_stop})
+        self.writer.write_table(pa.table({
             "t": pa.array(np.arange(first, stop), pa.int64()),
             "prefetch_ids": _list_array(prefetch_offsets, prefetch_ids),
             "prefetch_slots": _list_array(prefetch_offsets, prefetch_slots),
             "evict_ids": _list_array(evict_offsets, evict_ids),
-        })
-        name = f"iterations-{first:08d}-{stop:08d}.parquet"
-        pq.write_table(table, self.directory / name, use_dictionary=False, compression="none",
-                       column_encoding=DELTA_ENCODED)
-        self.files.append({"name": name, "first": first, "stop": stop})
+        }, schema=PLAN_SCHEMA))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 @dataclass
@@ -656,14 +698,17 @@ def assemble_stream(
     iterations_per_file: int,
     capacity_error: Callable[[np.ndarray], Exception],
     progress: Callable[[int], None] | None = None,
+    pieces_of_chunk: list[range] | None = None,
 ) -> _Stats:
     """The driver passes of :func:`assemble_plan`, chunk by chunk in iteration order, with the same result.
 
-    ``counts`` holds every chunk's per-iteration counts (so the capacity check and the unbounded plan's
-    slot count come first, as in :func:`assemble_plan`); ``take_chunk(i)`` gives chunk ``i``'s decisions.
-    The driver holds the chunks that reach ``L`` iterations past the time it bounds (the candidate
+    ``chunk_ranges`` are consecutive iteration ranges (the spool's pieces; ``take_chunk(i)`` gives piece
+    ``i``'s decisions); ``progress(k)`` is called when the ``k``-th chunk (``pieces_of_chunk``) is taken whole.
+    ``counts`` holds every chunk's per-iteration counts, so the capacity check and the unbounded plan's slot
+    count come first, as in :func:`assemble_plan`.
+    The driver holds the pieces that reach ``L`` iterations past the time it bounds (the candidate
     intervals starting there end within ``L``), the intervals kept across that time, the slot state and one
-    file's worth of finished iterations.
+    row group of finished iterations.
 
     The capacity bound runs :func:`farthest_first_drops` on one block of time at a time: its choice at time
     ``u`` depends only on the kept intervals that contain ``u`` and the dropped ones still running, so a block
@@ -691,6 +736,7 @@ def assemble_stream(
     dropped_ends = [np.zeros(0, np.int64)] * 2  # dropped intervals still running: start, end
     finished, out = 0, []  # iterations assigned slots; those not yet written
     stats = _Stats(num_slots, 0, 0, 0)
+    chunk_done = {r[-1]: k + 1 for k, r in enumerate(pieces_of_chunk or []) if len(r)}
 
     def load(through: int) -> None:
         nonlocal next_chunk
@@ -704,8 +750,8 @@ def assemble_stream(
             if capacity is not None:
                 for k, f in enumerate(("cand_ids", "cand_start", "cand_end")):
                     pool[k] = np.concatenate([pool[k], getattr(d, f).astype(np.int64, copy=False)])
-            if progress:
-                progress(next_chunk)
+            if progress and next_chunk - 1 in chunk_done:
+                progress(chunk_done[next_chunk - 1])
 
     def bound(a: int, b: int) -> None:
         """Capacity drops for times ``a .. b-1`` (every interval starting before b is in the pool)."""
@@ -745,7 +791,7 @@ def assemble_stream(
             stats.prefetched_rows += len(pf)
             stats.evicted_rows += len(ev)
             finished += 1
-            if finished % iterations_per_file == 0 or finished == n:
+            if finished % iterations_per_file == 0 or finished % SPOOL_ITERATIONS == 0 or finished == n:
                 first = finished - len(out)
                 pf_off = _offsets(np.array([len(o[0]) for o in out], np.int64))
                 ev_off = _offsets(np.array([len(o[2]) for o in out], np.int64))
@@ -764,6 +810,7 @@ def assemble_stream(
         bound(a, b)
         finish_through(n if b == n else max(0, b - window + distance + 1))
     finish_through(n)
+    sink.close()
     replay.finish()
     peak = int(occupancy(counts.prefetch, counts.evict, distance).max()) if n else 0
     if replay.peak != peak:
@@ -838,13 +885,14 @@ def write_plan(
     iterations_per_file = iterations_per_file or ITERATIONS_PER_FILE
 
     def fill(tmp: Path) -> dict[str, Any]:
-        sink = _DirectorySink(tmp)
+        sink = _DirectorySink(tmp, plan.num_iterations, iterations_per_file)
         for first in range(0, plan.num_iterations, iterations_per_file):
             stop = min(first + iterations_per_file, plan.num_iterations)
             pf = plan.prefetch_offsets[first : stop + 1]
             ev = plan.evict_offsets[first : stop + 1]
             sink.write(first, stop, pf, plan.prefetch_ids[pf[0] : pf[-1]], plan.prefetch_slots[pf[0] : pf[-1]],
                        ev, plan.evict_ids[ev[0] : ev[-1]])
+        sink.close()
         return {**plan.summary(), "files": sink.files}
 
     return _write_atomically(output_dir, fill)
@@ -866,7 +914,8 @@ def make_plan(
     order into Parquet files of consecutive iterations, so the driver never holds the whole plan."""
 
     def fill(tmp: Path) -> dict[str, Any]:
-        sink = _DirectorySink(tmp)
+        stream = open_stream(dataset_dir, config)
+        sink = _DirectorySink(tmp, len(stream), ITERATIONS_PER_FILE)
         spool = tmp / ".spool"
         stream, stats = _stream_plan(dataset_dir, config, sink, spool, client=client,
                                      chunk_iterations=chunk_iterations, table_groups=table_groups, progress=progress)
