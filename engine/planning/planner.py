@@ -359,26 +359,40 @@ def _stream_plan(
     total = len(tasks) + len(chunks)  # a step per task finished, then per chunk assembled
     spool, counts = _Spool(spool_dir, chunks, len(groups), config.prefetch_distance), _Counts(n)
 
-    def finished(i: int, d: RangeDecisions, done: int) -> None:
-        counts.add(d)
-        spool.put(*tasks[i], d)
+    def finished(i: int, piece_of: Callable[[int, int], RangeDecisions], done: int) -> None:
+        """Task ``i`` is done: spool its pieces one at a time (``piece_of(lo, hi)``), count them."""
+        chunk, group = tasks[i]
+        for p in spool.of_chunk[chunk]:
+            piece = piece_of(*spool.pieces[p])
+            counts.add(piece)
+            spool.put(p, group, piece)
+            del piece
         if progress:
             progress(done, total)
 
+    distance = config.prefetch_distance
     if client is None:
         for i, a in enumerate(args):
-            finished(i, decide_chunk(*a), i + 1)
+            d = decide_chunk(*a)
+            finished(i, lambda lo, hi, d=d: slice_decisions(d, lo, hi, distance), i + 1)
+            del d
     else:
         from distributed import as_completed
 
         futures = [client.submit(decide_chunk, *a, pure=False) for a in args]
         position = {future.key: i for i, future in enumerate(futures)}
+        released: set[str] = set()
         try:
             for done, future in enumerate(as_completed(futures), start=1):
-                i = position[future.key]
-                finished(i, future.result(), done)  # a task's error is re-raised here
+                if future.status == "error":
+                    future.result()  # a task's error is re-raised here
+                # The result stays on its worker: the driver fetches it a piece at a time, then lets it go.
+                finished(position[future.key], lambda lo, hi, f=future: client.submit(
+                    slice_decisions, f, lo, hi, distance, pure=False).result(), done)
+                released.add(future.key)
+                future.release()
         finally:
-            client.cancel(futures)
+            client.cancel([f for f in futures if f.key not in released])
     try:
         stats = assemble_stream(
             config, n, stream.meta.total_embedding_rows, spool.pieces, spool.take, counts, sink,
@@ -509,19 +523,9 @@ class _Spool:
     def _path(self, piece: int, group: int) -> Path:
         return self.directory / f"piece-{piece:08d}-{group:04d}.npz"
 
-    def put(self, chunk: int, group: int, d: RangeDecisions) -> None:
-        pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
-        use = d.cand_end + self.distance + 1  # a candidate's interval ends P+1 before the use that closes it
-        for i in self.of_chunk[chunk]:
-            lo, hi = self.pieces[i]
-            a, b = lo - d.first, hi - d.first
-            cand = (use >= lo) & (use < hi)
-            np.savez(
-                self._path(i, group), first=lo, stop=hi,
-                prefetch_counts=d.prefetch_counts[a:b], prefetch_ids=d.prefetch_ids[pf_off[a] : pf_off[b]],
-                evict_counts=d.evict_counts[a:b], evict_ids=d.evict_ids[ev_off[a] : ev_off[b]],
-                cand_ids=d.cand_ids[cand], cand_start=d.cand_start[cand], cand_end=d.cand_end[cand],
-            )
+    def put(self, piece: int, group: int, d: RangeDecisions) -> None:
+        np.savez(self._path(piece, group), first=d.first, stop=d.stop,
+                 **{f: getattr(d, f) for f in _DECISION_FIELDS})
 
     def take(self, piece: int) -> RangeDecisions:
         parts = []
@@ -531,6 +535,19 @@ class _Spool:
                 parts.append(RangeDecisions(int(z["first"]), int(z["stop"]), *(z[f] for f in _DECISION_FIELDS)))
             path.unlink()
         return merge_table_groups(parts)
+
+
+def slice_decisions(d: RangeDecisions, lo: int, hi: int, distance: int) -> RangeDecisions:
+    """Iterations ``lo .. hi-1`` of ``d``: their prefetches and evictions, and the candidate intervals their
+    uses close (an interval ends ``P+1`` before that use). Runs where ``d`` is (a worker)."""
+    pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
+    a, b = lo - d.first, hi - d.first
+    use = d.cand_end + distance + 1
+    cand = (use >= lo) & (use < hi)
+    return RangeDecisions(
+        lo, hi, d.prefetch_counts[a:b], d.prefetch_ids[pf_off[a] : pf_off[b]], d.evict_counts[a:b],
+        d.evict_ids[ev_off[a] : ev_off[b]], d.cand_ids[cand], d.cand_start[cand], d.cand_end[cand],
+    )
 
 
 class _Counts:
