@@ -11,8 +11,11 @@ Two implementations that must agree exactly (the tests check it):
   reading an ``L``-iteration halo before and after its chunk. Tables are independent (a row
   belongs to one table), so splitting by tables needs no halo at all.
 
-Both end with the same cheap sequential passes on the driver: the capacity bound (Belady within the
-window) and slot assignment, which replays the trainer's timing and rejects any stale read.
+Both end with the same sequential passes on the driver: the capacity bound (Belady within the
+window) and slot assignment, which replays the trainer's timing and rejects any stale read. The reference
+runs them over the whole plan (:func:`assemble_plan`); the Dask job streams (:func:`assemble_stream`): task
+results spooled to disk in pieces as tasks finish, then the passes piece by piece in iteration order and
+the plan files written as iterations finish, so the driver never holds the whole plan.
 A plan directory holds Parquet files of consecutive iterations plus ``plan.json``; it is written
 to a temporary directory and renamed, so an interrupted run never leaves a plan that looks complete.
 Design notes: docs/planner.md.
