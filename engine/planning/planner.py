@@ -45,14 +45,14 @@ from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning.lookahead import (
     PlanConsistencyError,
     RangeDecisions,
-    _slot_map,
-    _slot_maps,
     assign_slots,
     coverage,
     decide_range,
     farthest_first_drops,
+    forget_slot_map,
     iter_id_batches,
     occupancy,
+    slot_map,
 )
 from dlrmflow.engine.up_to_date import saved_result
 
@@ -405,7 +405,7 @@ def _stream_plan(
             pieces_of_chunk=spool.of_chunk,
         )
     except BaseException:
-        _slot_maps.__dict__.pop("map", None)  # not all zero any more
+        forget_slot_map()  # not all zero any more
         raise
     return stream, stats
 
@@ -576,7 +576,7 @@ class _SlotReplay:
 
     def __init__(self, n: int, distance: int, num_slots: int, num_rows: int) -> None:
         self.n, self.distance, self.num_slots = n, distance, num_slots
-        self.slot_plus_one = _slot_map(num_rows, num_slots)
+        self.slot_plus_one = slot_map(num_rows, num_slots)
         self.ring = np.arange(num_slots + 1, dtype=np.int64)  # one spare: head == tail means empty
         self.head, self.free = 0, num_slots
         self.peak = 0
