@@ -21,6 +21,14 @@ after one warm-up round (the first run in a process also pays imports and first 
 per-id arrays; it is printed separately). Then the cache-policy comparison at 0.1%, 1%, 5% of rows.
 
     .venv/bin/python benchmarks/plan.py [--rows 2000000] [--dataset DIR] [--repeats 3]
+
+``--memory DATASET ...``: instead, the driver's peak memory of ``dlrmflow plan`` (``make_plan`` on a
+2-worker LocalCluster, as the CLI runs it) per dataset, side by side with the whole-plan driver it replaced
+(every task's result gathered, ``assemble_plan``, ``write_plan``: what ``make_plan`` did before the plan
+streamed). Each run is a fresh process: its tracemalloc peak (Python and NumPy allocations while planning)
+and its RSS high-water mark (``ru_maxrss``, the whole process: imports and the Dask client included).
+
+    .venv/bin/python benchmarks/plan.py --memory DS_1M DS_3M [--lookahead 200] [--batch-size 4096]
 """
 
 from __future__ import annotations
@@ -28,19 +36,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import tracemalloc
 from collections import deque
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 from distributed import Client
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.planning import planner
 from dlrmflow.engine.planning.cache_policies import compare_dataset
 from dlrmflow.engine.planning.lookahead import decide_range, iter_id_batches
 from dlrmflow.engine.planning.planner import PlanConfig, plan_chunked, plan_sequential, write_plan
@@ -147,7 +161,17 @@ def main() -> None:
     ap.add_argument("--skip-in-memory", action="store_true",
                     help="skip the in-memory loops (they hold every batch in memory: ~16 bytes per id)")
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dlrmflow-bench-plan"))
+    ap.add_argument("--memory", nargs="+", default=None, metavar="DATASET",
+                    help="driver peak memory of `dlrmflow plan`, whole plan vs streamed, on these datasets")
+    ap.add_argument("--memory-child", choices=["whole", "streamed"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    config = PlanConfig(args.batch_size, args.lookahead, args.prefetch_distance)
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, Path(args.dataset), config, Path(args.work_dir))))
+        return
+    if args.memory:
+        memory_table([Path(d) for d in args.memory], args)
+        return
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -248,6 +272,80 @@ def main() -> None:
         else:
             print(f"{cap:>18} {r['policy']:>7} {r['rows_fetched']:>14,} {r['bytes_fetched'] / 1e9:>10.3f} "
                   f"{100 * r['hit_rate']:>8.1f}%")
+
+
+def whole_plan(dataset: Path, config: PlanConfig, output: Path, client: Client) -> dict:
+    """``make_plan`` as it was before the plan streamed: every task's result gathered in the driver, the
+    driver passes over the whole plan (``assemble_plan``), then ``write_plan``."""
+    stream = planner.open_stream(dataset, config)
+    n, n_tables = len(stream), len(stream.meta.sparse_columns)
+    chunks = planner.split_ranges(n, -(-n // planner.default_chunk_iterations(config))) or [(0, 0)]
+    groups = planner.split_ranges(n_tables, len(planner_workers(client)))
+    args = [(str(dataset.resolve()), config, c[0], c[1], g[0], g[1]) for c in chunks for g in groups]
+    results = client.gather([client.submit(planner.decide_chunk, *a, pure=False) for a in args])
+    per_chunk = [planner.merge_table_groups(results[i : i + len(groups)]) for i in range(0, len(results), len(groups))]
+    del results
+    plan = planner.assemble_plan(stream, config, planner.concat_chunks(per_chunk))
+    del per_chunk
+    return write_plan(plan, output)
+
+
+def planner_workers(client: Client) -> dict:
+    from dlrmflow.engine.serving.cluster import cluster_workers
+
+    return cluster_workers(client)
+
+
+def memory_child(variant: str, dataset: Path, config: PlanConfig, output: Path) -> dict:
+    """One plan in this process (fresh), on a 2-worker LocalCluster; peak memory of this (the driver) process."""
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        tracemalloc.start()
+        start = time.perf_counter()
+        if variant == "whole":
+            summary = whole_plan(dataset, config, output, client)
+        else:
+            summary = planner.make_plan(dataset, config, output, client=client)
+        seconds = time.perf_counter() - start
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return {"variant": variant, "dataset": str(dataset), "seconds": seconds, "traced_peak": peak,
+            "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "iterations": summary["num_iterations"], "prefetched_rows": summary["counts"]["prefetched_rows"],
+            "files": [f["name"] for f in summary["files"]]}
+
+
+def memory_table(datasets: list[Path], args) -> None:
+    """Driver peak memory, whole plan (before) vs streamed (now), per dataset: each run a fresh process."""
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for dataset in datasets:
+        for variant in ("whole", "streamed"):
+            out = work / f"memplan-{variant}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, __file__, "--memory-child", variant, "--dataset", str(dataset),
+                   "--batch-size", str(args.batch_size), "--lookahead", str(args.lookahead),
+                   "--prefetch-distance", str(args.prefetch_distance), "--work-dir", str(out)]
+            line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            results.append(json.loads(line))
+        a, b = (work / "memplan-whole"), (work / "memplan-streamed")
+        assert json.loads((a / "plan.json").read_text()) == json.loads((b / "plan.json").read_text())
+        for name in results[-1]["files"]:  # the same plan, file by file
+            assert pq.read_table(a / name).equals(pq.read_table(b / name)), name
+    print(f"batch {args.batch_size}, L={args.lookahead}, P={args.prefetch_distance}; driver = the planning process "
+          "(2 Dask worker processes beside it); every streamed plan equals the whole one")
+    print(f"{'dataset':>40} {'rows':>10} {'iters':>6} {'plan':>9} {'seconds':>8} {'traced peak MB':>14} "
+          f"{'RSS peak MB':>11}")
+    for r in results:
+        rows = read_meta(r["dataset"]).rows
+        print(f"{Path(r['dataset']).name:>40} {rows:>10,} {r['iterations']:>6} {r['variant']:>9} "
+              f"{r['seconds']:>8.2f} {r['traced_peak'] / 2**20:>14.1f} {r['maxrss'] / 2**20:>11.1f}")
+    for variant in ("whole", "streamed"):
+        rs = [r for r in results if r["variant"] == variant]
+        if len(rs) >= 2:
+            traced = rs[-1]["traced_peak"] / rs[0]["traced_peak"]
+            print(f"{variant}: largest / smallest dataset: traced peak {traced:.2f}x, "
+                  f"RSS peak {rs[-1]['maxrss'] / rs[0]['maxrss']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from collections import deque
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.batches import BatchStream, global_ids
-from dlrmflow.engine.planning import lookahead
+from dlrmflow.engine.planning import lookahead, planner
 from dlrmflow.engine.planning.lookahead import PlanConsistencyError, assign_slots, farthest_first_drops, iter_id_batches
 from dlrmflow.engine.planning.planner import (
     CapacityError,
@@ -27,6 +28,7 @@ from dlrmflow.engine.planning.planner import (
     make_plan,
     plan_chunked,
     plan_sequential,
+    write_plan,
 )
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -252,8 +254,9 @@ def test_chunked_plan_on_dask_equals_sequential(tmp_path):
             plan = plan_chunked(dataset, config, client=client, chunk_iterations=7,
                                 progress=lambda d, n, done=done: done.append((d, n)))
             assert_same_plan(plan, reference)
-            tasks = -(-reference.num_iterations // 7) * 2  # chunks x one table group per worker
-            assert done == [(i, tasks) for i in range(1, tasks + 1)]
+            chunks = -(-reference.num_iterations // 7)
+            steps = chunks * 2 + chunks  # chunks x one table group per worker, then each chunk assembled
+            assert done == [(i, steps) for i in range(1, steps + 1)]
 
 
 # ---- the capacity bound --------------------------------------------------------------------------
@@ -420,17 +423,18 @@ def test_interrupted_write_leaves_no_plan_and_keeps_the_old_one(tmp_path, monkey
     dataset = make_dataset(tmp_path / "ds", 9, 600, [20, 90])
     old = make_plan(dataset, PlanConfig(10, 4, 2), tmp_path / "plan")
     monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", 5)
-    real_write = pq.write_table
+    real_writer = pq.ParquetWriter
     for output in ("plan", "fresh"):
         calls = []
 
-        def failing_write(*args, calls=calls, **kwargs):
-            calls.append(1)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return real_write(*args, **kwargs)
+        class FailingWriter(real_writer):
+            def write_table(self, *args, calls=calls, **kwargs):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise KeyboardInterrupt
+                return super().write_table(*args, **kwargs)
 
-        monkeypatch.setattr("dlrmflow.engine.planning.planner.pq.write_table", failing_write)
+        monkeypatch.setattr("dlrmflow.engine.planning.planner.pq.ParquetWriter", FailingWriter)
         with pytest.raises(KeyboardInterrupt):
             make_plan(dataset, PlanConfig(10, 6, 2), tmp_path / output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "plan"]  # no temp dir, no "fresh"
@@ -453,3 +457,73 @@ def test_last_use_table_epochs_never_leak_between_passes():
     table.last[[1, 2]] = e1 + 9
     e2 = table.begin(5, 400)
     assert e2 + 0 - (e1 + 9) > 400
+
+
+# ---- the streamed plan --------------------------------------------------------------------------
+
+
+def test_streamed_plan_directory_equals_sequential_iteration_by_iteration(tmp_path, monkeypatch):
+    """make_plan assembles chunk by chunk and writes file by file: the same prefetches, slots, evictions
+    and slot count as the whole-plan reference, over random L, P, capacities, drop_last and chunk sizes
+    that cut anywhere (shorter than L, one iteration, a file boundary in the middle of a chunk)."""
+    rng = np.random.default_rng(29)
+    for i in range(30):
+        dataset, B, L, P, drop_last = random_case(rng, tmp_path, i)
+        batches = stream_sets(dataset, B, drop_last)
+        n = len(batches)
+        need, peak = capacity_bounds(batches, L, P)
+        capacity = [None, need, max(1, (need + peak) // 2), int(rng.integers(need, max(peak, need) + 1))][i % 4]
+        config = PlanConfig(B, L, P, capacity, drop_last)
+        reference = plan_sequential(dataset, config)
+        per_file = int(rng.integers(1, 20))
+        monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", per_file)
+        for chunk in sorted({1, max(1, L - 1), L + 1, int(rng.integers(1, max(n, 1) + 2))}):
+            out = tmp_path / f"plan{i}-{chunk}"
+            summary = make_plan(dataset, config, out, chunk_iterations=chunk, table_groups=int(rng.integers(1, 4)))
+            assert {k: v for k, v in summary.items() if k != "files"} == reference.summary()
+            assert [(f["first"], f["stop"]) for f in summary["files"]] == [
+                (a, min(a + per_file, n)) for a in range(0, n, per_file)]
+            plan = load_plan(out, dataset_dir=dataset)
+            assert plan.num_slots == reference.num_slots
+            steps = list(plan.iterations())
+            assert [s.t for s in steps] == list(range(n))
+            for step in steps:
+                want = reference.iteration(step.t)
+                for name in ("prefetch_ids", "prefetch_slots", "evict_ids"):
+                    assert np.array_equal(getattr(step, name), getattr(want, name)), (i, chunk, step.t, name)
+            first, stop = sorted(int(x) for x in rng.integers(0, n + 2, size=2))
+            assert [s.t for s in plan.iterations(first, stop)] == list(range(first, min(stop, n)))
+            shutil.rmtree(out)
+
+
+def test_streamed_plan_writes_files_while_chunks_remain_and_reads_only_the_files_of_a_range(tmp_path, monkeypatch):
+    monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", 8)
+    dataset = make_dataset(tmp_path / "ds", 11, 2000, [50, 700, 9], rows_per_file=300)
+    events = []
+    real_take, real_write = planner._Spool.take, planner._DirectorySink.write
+    monkeypatch.setattr(planner, "SPOOL_ITERATIONS", 20)  # one piece a chunk
+    monkeypatch.setattr(planner._Spool, "take", lambda self, c: events.append(("take", c)) or real_take(self, c))
+    monkeypatch.setattr(planner._DirectorySink, "write",
+                        lambda self, first, *a: events.append(("write", first)) or real_write(self, first, *a))
+    config = PlanConfig(10, 6, 2, capacity=400)
+    make_plan(dataset, config, tmp_path / "plan", chunk_iterations=20)
+    takes = [e for e in events if e[0] == "take"]
+    assert len(takes) == 10
+    assert events.index(("write", 0)) < events.index(takes[-1]) < events.index(("write", 192))
+    # A chunk is taken only when the assembly reaches L iterations before it: files are written between.
+    assert sum(1 for e in events[: events.index(takes[5])] if e[0] == "write") >= 5
+    plan = load_plan(tmp_path / "plan")
+    opened = []
+    real_read = pq.read_table
+    monkeypatch.setattr("dlrmflow.engine.planning.planner.pq.read_table",
+                        lambda path, *a, **k: opened.append(Path(path).name) or real_read(path, *a, **k))
+    assert [s.t for s in plan.iterations(50, 60)] == list(range(50, 60))
+    assert opened == ["iterations-00000048-00000056.parquet", "iterations-00000056-00000064.parquet"]
+    # The same files as the whole plan written at once (what plans made before streaming hold); row groups
+    # of a streamed file end where the pieces do.
+    monkeypatch.setattr(planner._DirectorySink, "write", real_write)
+    write_plan(plan_sequential(dataset, config), tmp_path / "whole", iterations_per_file=8)
+    for name in sorted(p.name for p in (tmp_path / "plan").glob("*.parquet")):
+        assert pq.read_table(tmp_path / "plan" / name).equals(pq.read_table(tmp_path / "whole" / name))
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text()) == json.loads(
+        (tmp_path / "whole" / "plan.json").read_text())

@@ -97,8 +97,8 @@ class ListPlan:
     def __post_init__(self) -> None:
         self.num_iterations = len(self.steps)
 
-    def iterations(self, first: int = 0):
-        return iter(self.steps[first:])
+    def iterations(self, first: int = 0, stop: int | None = None):
+        return iter(self.steps[first:stop])
 
 
 EMPTY = np.zeros(0, dtype=np.int64)

@@ -451,3 +451,13 @@ def _slot_map(num_rows: int, num_slots: int) -> np.ndarray:
     if m is None or len(m) != num_rows or m.dtype != dtype:
         m = _slot_maps.map = np.zeros(num_rows, dtype=dtype)
     return m
+
+
+def slot_map(num_rows: int, num_slots: int) -> np.ndarray:
+    """This thread's id -> slot + 1 map (0: not cached), all zero; :func:`forget_slot_map` after a failed replay."""
+    return _slot_map(num_rows, num_slots)
+
+
+def forget_slot_map() -> None:
+    """Drop this thread's slot map (a replay that failed leaves it not all zero)."""
+    _slot_maps.__dict__.pop("map", None)

@@ -11,8 +11,11 @@ Two implementations that must agree exactly (the tests check it):
   reading an ``L``-iteration halo before and after its chunk. Tables are independent (a row
   belongs to one table), so splitting by tables needs no halo at all.
 
-Both end with the same cheap sequential passes on the driver: the capacity bound (Belady within the
-window) and slot assignment, which replays the trainer's timing and rejects any stale read.
+Both end with the same sequential passes on the driver: the capacity bound (Belady within the
+window) and slot assignment, which replays the trainer's timing and rejects any stale read. The reference
+runs them over the whole plan (:func:`assemble_plan`); the Dask job streams (:func:`assemble_stream`): task
+results spooled to disk in pieces as tasks finish, then the passes piece by piece in iteration order and
+the plan files written as iterations finish, so the driver never holds the whole plan.
 A plan directory holds Parquet files of consecutive iterations plus ``plan.json``; it is written
 to a temporary directory and renamed, so an interrupted run never leaves a plan that looks complete.
 Design notes: docs/planner.md.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,19 +43,25 @@ from dlrmflow.engine.batches import BatchStream
 from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning.lookahead import (
+    PlanConsistencyError,
     RangeDecisions,
     assign_slots,
     coverage,
     decide_range,
     farthest_first_drops,
+    forget_slot_map,
     iter_id_batches,
     occupancy,
+    slot_map,
 )
 from dlrmflow.engine.up_to_date import saved_result
 
 PLAN_FILE = "plan.json"
 PLAN_FORMAT_VERSION = 1
 ITERATIONS_PER_FILE = 512
+# The streamed plan's grain: the driver spools task results and writes row groups in pieces of this many
+# iterations, so what it holds does not grow with the dataset (nor with the chunk size).
+SPOOL_ITERATIONS = 64
 # Ids are sorted within an iteration and slots come off a FIFO queue in runs: delta encoding
 # stores both in a quarter of the plain size, faster than any general-purpose compression.
 DELTA_ENCODED = {
@@ -304,7 +314,37 @@ def plan_chunked(
     table_groups: int | None = None,
     progress: Progress | None = None,
 ) -> PlanArrays:
-    """The plan as a Dask job over (iteration chunk, table group) tasks; in-process without a client."""
+    """The plan as a Dask job over (iteration chunk, table group) tasks; in-process without a client.
+
+    The whole plan in memory, for tests and benchmarks: :func:`make_plan` streams the same plan to disk."""
+    sink = _MemorySink()
+    with tempfile.TemporaryDirectory(prefix="dlrmflow-plan-spool-") as spool:
+        stream, stats = _stream_plan(dataset_dir, config, sink, Path(spool), client=client,
+                                     chunk_iterations=chunk_iterations, table_groups=table_groups, progress=progress)
+    pf_offsets, pf_ids, slots, ev_offsets, ev_ids = sink.arrays()
+    n = len(stream)
+    rows = stream.stop_row - stream.start_row if not config.drop_last else n * config.batch_size
+    return PlanArrays(
+        config, stream.meta.fingerprint, n, stream.meta.total_embedding_rows, stats.num_slots, stats.peak_occupancy,
+        rows * len(stream.meta.sparse_columns), pf_offsets, pf_ids, slots, ev_offsets, ev_ids,
+    )
+
+
+def _stream_plan(
+    dataset_dir: str | os.PathLike,
+    config: PlanConfig,
+    sink: PlanSink,
+    spool_dir: Path,
+    *,
+    client: Any = None,
+    chunk_iterations: int | None = None,
+    table_groups: int | None = None,
+    progress: Progress | None = None,
+    iterations_per_file: int | None = None,
+) -> tuple[BatchStream, _Stats]:
+    """Decide every (chunk, table group) task, spooling each result to ``spool_dir`` as it finishes (the
+    driver keeps only per-iteration counts), then assemble the chunks in order into ``sink``.
+    Progress: one step per task finished, then one per chunk assembled."""
     stream = open_stream(dataset_dir, config)
     n, n_tables = len(stream), len(stream.meta.sparse_columns)
     chunk = chunk_iterations or default_chunk_iterations(config)
@@ -316,30 +356,58 @@ def plan_chunked(
         table_groups = len(cluster_workers(client)) if client is not None else 1
     chunks = split_ranges(n, -(-n // chunk)) or [(0, 0)]  # equal chunks of at most ``chunk`` iterations
     groups = split_ranges(n_tables, table_groups)
-    tasks = [(c, g) for c in chunks for g in groups]
+    tasks = [(c, g) for c in range(len(chunks)) for g in range(len(groups))]
     where = str(Path(dataset_dir).resolve())  # workers of an existing cluster may run elsewhere
-    args = [(where, config, c[0], c[1], g[0], g[1]) for c, g in tasks]
-    results: list[RangeDecisions] = []
+    args = [(where, config, *chunks[c], *groups[g]) for c, g in tasks]
+    total = len(tasks) + len(chunks)  # a step per task finished, then per chunk assembled
+    spool, counts = _Spool(spool_dir, chunks, len(groups), config.prefetch_distance), _Counts(n)
+
+    def finished(i: int, piece_of: Callable[[int, int], RangeDecisions], done: int) -> None:
+        """Task ``i`` is done: spool its pieces one at a time (``piece_of(lo, hi)``), count them."""
+        chunk, group = tasks[i]
+        for p in spool.of_chunk[chunk]:
+            piece = piece_of(*spool.pieces[p])
+            counts.add(piece)
+            spool.put(p, group, piece)
+            del piece
+        if progress:
+            progress(done, total)
+
+    distance = config.prefetch_distance
     if client is None:
         for i, a in enumerate(args):
-            results.append(decide_chunk(*a))
-            if progress:
-                progress(i + 1, len(args))
+            d = decide_chunk(*a)
+            finished(i, lambda lo, hi, d=d: slice_decisions(d, lo, hi, distance), i + 1)
+            del d
     else:
         from distributed import as_completed
 
         futures = [client.submit(decide_chunk, *a, pure=False) for a in args]
         position = {future.key: i for i, future in enumerate(futures)}
-        results = [None] * len(futures)
+        released: set[str] = set()
         try:
             for done, future in enumerate(as_completed(futures), start=1):
-                results[position[future.key]] = future.result()  # a task's error is re-raised here
-                if progress:
-                    progress(done, len(futures))
+                if future.status == "error":
+                    future.result()  # a task's error is re-raised here
+                # The result stays on its worker: the driver fetches it a piece at a time, then lets it go.
+                finished(position[future.key], lambda lo, hi, f=future: client.submit(
+                    slice_decisions, f, lo, hi, distance, pure=False).result(), done)
+                released.add(future.key)
+                future.release()
         finally:
-            client.cancel(futures)
-    per_chunk = [merge_table_groups(results[i : i + len(groups)]) for i in range(0, len(results), len(groups))]
-    return assemble_plan(stream, config, concat_chunks(per_chunk))
+            client.cancel([f for f in futures if f.key not in released])
+    try:
+        stats = assemble_stream(
+            config, n, stream.meta.total_embedding_rows, spool.pieces, spool.take, counts, sink,
+            iterations_per_file=iterations_per_file or ITERATIONS_PER_FILE,
+            capacity_error=lambda base: capacity_error(stream, config, base),
+            progress=(lambda c: progress(len(tasks) + c, total)) if progress else None,
+            pieces_of_chunk=spool.of_chunk,
+        )
+    except BaseException:
+        forget_slot_map()  # not all zero any more
+        raise
+    return stream, stats
 
 
 def _interleave(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -434,6 +502,351 @@ def capacity_error(stream: BatchStream, config: PlanConfig, base: np.ndarray) ->
     )
 
 
+# ---- streaming assembly: the driver passes chunk by chunk ---------------------------------------
+
+
+_DECISION_FIELDS = ("prefetch_counts", "prefetch_ids", "evict_counts", "evict_ids", "cand_ids", "cand_start",
+                    "cand_end")
+
+
+class _Spool:
+    """Task results on disk until the in-order pass takes them, in pieces of at most ``SPOOL_ITERATIONS``
+    iterations: the driver holds one task's result only while it writes it out, then pieces."""
+
+    def __init__(self, directory: Path, chunks: list[tuple[int, int]], groups: int, distance: int) -> None:
+        self.directory, self.groups, self.distance = directory, groups, distance
+        directory.mkdir(parents=True, exist_ok=True)
+        self.pieces: list[tuple[int, int]] = []
+        self.of_chunk: list[range] = []
+        for lo, hi in chunks:
+            start = len(self.pieces)
+            self.pieces += [(a, min(a + SPOOL_ITERATIONS, hi)) for a in range(lo, hi, SPOOL_ITERATIONS)] or [(lo, hi)]
+            self.of_chunk.append(range(start, len(self.pieces)))
+
+    def _path(self, piece: int, group: int) -> Path:
+        return self.directory / f"piece-{piece:08d}-{group:04d}.npz"
+
+    def put(self, piece: int, group: int, d: RangeDecisions) -> None:
+        np.savez(self._path(piece, group), first=d.first, stop=d.stop,
+                 **{f: getattr(d, f) for f in _DECISION_FIELDS})
+
+    def take(self, piece: int) -> RangeDecisions:
+        parts = []
+        for g in range(self.groups):
+            path = self._path(piece, g)
+            with np.load(path) as z:
+                parts.append(RangeDecisions(int(z["first"]), int(z["stop"]), *(z[f] for f in _DECISION_FIELDS)))
+            path.unlink()
+        return merge_table_groups(parts)
+
+
+def slice_decisions(d: RangeDecisions, lo: int, hi: int, distance: int) -> RangeDecisions:
+    """Iterations ``lo .. hi-1`` of ``d``: their prefetches and evictions, and the candidate intervals their
+    uses close (an interval ends ``P+1`` before that use). Runs where ``d`` is (a worker)."""
+    pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
+    a, b = lo - d.first, hi - d.first
+    use = d.cand_end + distance + 1
+    cand = (use >= lo) & (use < hi)
+    return RangeDecisions(
+        lo, hi, d.prefetch_counts[a:b], d.prefetch_ids[pf_off[a] : pf_off[b]], d.evict_counts[a:b],
+        d.evict_ids[ev_off[a] : ev_off[b]], d.cand_ids[cand], d.cand_start[cand], d.cand_end[cand],
+    )
+
+
+class _Counts:
+    """Per-iteration counts over the whole stream (8 bytes an iteration each): occupancy and the capacity's
+    lower bound (what no choice of evictions can lower) before any row is assigned a slot."""
+
+    def __init__(self, n: int) -> None:
+        self.prefetch = np.zeros(n, dtype=np.int64)
+        self.evict = np.zeros(n, dtype=np.int64)
+        self.cover = np.zeros(n + 1, dtype=np.int64)  # candidate intervals starting - ending at each time
+
+    def add(self, d: RangeDecisions) -> None:
+        self.prefetch[d.first : d.stop] += d.prefetch_counts
+        self.evict[d.first : d.stop] += d.evict_counts
+        n = len(self.prefetch)
+        self.cover += np.bincount(d.cand_start, minlength=n + 1)[: n + 1]
+        self.cover -= np.bincount(d.cand_end + 1, minlength=n + 1)[: n + 1]
+
+
+class _SlotReplay:
+    """:func:`~dlrmflow.engine.planning.lookahead.assign_slots`, fed one iteration at a time: the same FIFO of
+    free slots (a ring of ``num_slots``) and the same order of steps, so the same slots."""
+
+    def __init__(self, n: int, distance: int, num_slots: int, num_rows: int) -> None:
+        self.n, self.distance, self.num_slots = n, distance, num_slots
+        self.slot_plus_one = slot_map(num_rows, num_slots)
+        self.ring = np.arange(num_slots + 1, dtype=np.int64)  # one spare: head == tail means empty
+        self.head, self.free = 0, num_slots
+        self.peak = 0
+        self.evicts: dict[int, np.ndarray] = {}  # iterations issued, not yet written back
+
+    def _take(self, k: int) -> np.ndarray:
+        size = len(self.ring)
+        out = self.ring[(self.head + np.arange(k)) % size] if k else np.zeros(0, np.int64)
+        self.head = (self.head + k) % size
+        self.free -= k
+        return out
+
+    def _put(self, slots: np.ndarray) -> None:
+        size = len(self.ring)
+        tail = (self.head + self.free) % size
+        self.ring[(tail + np.arange(len(slots))) % size] = slots
+        self.free += len(slots)
+
+    def release(self, v: int) -> None:
+        ids = self.evicts.pop(v)
+        held = self.slot_plus_one[ids].astype(np.int64) - 1
+        if (held < 0).any():
+            raise PlanConsistencyError(f"iteration {v} evicts row {int(ids[held < 0][0])}, which is not cached")
+        self.slot_plus_one[ids] = 0
+        self._put(held)
+
+    def issue(self, t: int, ids: np.ndarray, evict_ids: np.ndarray) -> np.ndarray:
+        """Iteration ``t``'s slots; first the write-backs that precede its fetch (those of ``t-P-1``)."""
+        self.evicts[t] = evict_ids
+        if t > self.distance:
+            self.release(t - self.distance - 1)
+        cached = self.slot_plus_one[ids] != 0
+        if cached.any():
+            x = int(ids[cached][0])
+            after = [v for v in sorted(self.evicts) if v >= t - self.distance - 1 and x in self.evicts[v]]
+            raise PlanConsistencyError(
+                f"row {x} is prefetched for iteration {t} (issued when iteration {t - self.distance} starts) "
+                f"while it is still cached"
+                + (f": it is written back only after iteration {after[0]}" if after else "")
+                + f"; with prefetch distance {self.distance} that fetch would read a stale row"
+            )
+        if self.free < len(ids):
+            raise RuntimeError(f"iteration {t}: {len(ids)} prefetches but only {self.free} free slots")
+        slots = self._take(len(ids))
+        self.slot_plus_one[ids] = slots + 1
+        if t >= min(self.distance, self.n - 1):  # assign_slots' checkpoints: after 0..P, then after each step
+            self.peak = max(self.peak, self.num_slots - self.free)
+        return slots
+
+    def finish(self) -> None:
+        for v in sorted(self.evicts):
+            self.release(v)
+        if self.free != self.num_slots:
+            raise PlanConsistencyError(f"{self.num_slots - self.free} rows stay cached after the last iteration")
+
+
+class PlanSink:
+    """Where the assembled plan goes, a row group of consecutive iterations at a time."""
+
+    def write(self, first: int, stop: int, prefetch_offsets: np.ndarray, prefetch_ids: np.ndarray,
+              prefetch_slots: np.ndarray, evict_offsets: np.ndarray, evict_ids: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _MemorySink(PlanSink):
+    """Collects the whole plan (what :func:`plan_chunked` returns, for tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def write(self, first, stop, prefetch_offsets, prefetch_ids, prefetch_slots, evict_offsets, evict_ids) -> None:
+        self.parts.append((np.diff(prefetch_offsets), prefetch_ids, prefetch_slots, np.diff(evict_offsets), evict_ids))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        if not self.parts:
+            return (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64),
+                    np.zeros(0, np.int64))
+        pf_counts, pf_ids, slots, ev_counts, ev_ids = (np.concatenate(c) for c in zip(*self.parts, strict=True))
+        return _offsets(pf_counts), pf_ids, slots, _offsets(ev_counts), ev_ids
+
+
+PLAN_SCHEMA = pa.schema([("t", pa.int64()), ("prefetch_ids", pa.list_(pa.int64())),
+                         ("prefetch_slots", pa.list_(pa.int64())), ("evict_ids", pa.list_(pa.int64()))])
+
+
+class _DirectorySink(PlanSink):
+    """Parquet files of ``iterations_per_file`` consecutive iterations (the last one shorter), each written
+    row group by row group as its iterations come."""
+
+    def __init__(self, directory: Path, num_iterations: int, iterations_per_file: int) -> None:
+        self.directory, self.n, self.per_file = directory, num_iterations, iterations_per_file
+        self.files: list[dict[str, Any]] = []
+        self.writer: pq.ParquetWriter | None = None
+
+    def write(self, first, stop, prefetch_offsets, prefetch_ids, prefetch_slots, evict_offsets, evict_ids) -> None:
+        file_first = first - first % self.per_file
+        if stop > file_first + self.per_file:
+            raise ValueError(f"iterations {first}..{stop - 1} cross a plan file boundary")
+        if not self.files or self.files[-1]["first"] != file_first:
+            self.close()
+            file_stop = min(file_first + self.per_file, self.n)
+            name = f"iterations-{file_first:08d}-{file_stop:08d}.parquet"
+            self.writer = pq.ParquetWriter(self.directory / name, PLAN_SCHEMA, use_dictionary=False,
+                                           compression="none", column_encoding=DELTA_ENCODED)
+            self.files.append({"name": name, "first": file_first, "stop": file_stop})
+        self.writer.write_table(pa.table({
+            "t": pa.array(np.arange(first, stop), pa.int64()),
+            "prefetch_ids": _list_array(prefetch_offsets, prefetch_ids),
+            "prefetch_slots": _list_array(prefetch_offsets, prefetch_slots),
+            "evict_ids": _list_array(evict_offsets, evict_ids),
+        }, schema=PLAN_SCHEMA))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+@dataclass
+class _Stats:
+    num_slots: int
+    peak_occupancy: int
+    prefetched_rows: int
+    evicted_rows: int
+
+
+def assemble_stream(
+    config: PlanConfig,
+    n: int,
+    num_rows: int,
+    chunk_ranges: list[tuple[int, int]],
+    take_chunk: Callable[[int], RangeDecisions],
+    counts: _Counts,
+    sink: PlanSink,
+    *,
+    iterations_per_file: int,
+    capacity_error: Callable[[np.ndarray], Exception],
+    progress: Callable[[int], None] | None = None,
+    pieces_of_chunk: list[range] | None = None,
+) -> _Stats:
+    """The driver passes of :func:`assemble_plan`, chunk by chunk in iteration order, with the same result.
+
+    ``chunk_ranges`` are consecutive iteration ranges (the spool's pieces; ``take_chunk(i)`` gives piece
+    ``i``'s decisions); ``progress(k)`` is called when the ``k``-th chunk (``pieces_of_chunk``) is taken whole.
+    ``counts`` holds every chunk's per-iteration counts, so the capacity check and the unbounded plan's slot
+    count come first, as in :func:`assemble_plan`.
+    The driver holds the pieces that reach ``L`` iterations past the time it bounds (the candidate
+    intervals starting there end within ``L``), the intervals kept across that time, the slot state and one
+    row group of finished iterations.
+
+    The capacity bound runs :func:`farthest_first_drops` on one block of time at a time: its choice at time
+    ``u`` depends only on the kept intervals that contain ``u`` and the dropped ones still running, so a block
+    gets the intervals kept across its start and the over-capacity counts less the dropped intervals that
+    still run. Iteration ``v``'s write-backs are final once every interval starting at ``v+1`` is decided
+    (by ``v+L-P-1``); then slots are assigned as :func:`assign_slots` does, step by step.
+    """
+    distance, window, capacity = config.prefetch_distance, config.lookahead, config.capacity
+    over = None
+    if n:
+        occ = occupancy(counts.prefetch, counts.evict, distance)
+        if capacity is not None:
+            base = occ - np.cumsum(counts.cover[:n])
+            if base.max() > capacity:
+                raise capacity_error(base)
+            over = occ - capacity
+    num_slots = capacity if capacity is not None else (int(occ.max()) if n else 0)
+    occ = None
+    replay = _SlotReplay(n, distance, num_slots, num_rows)
+    next_chunk = 0
+    prefetch: dict[int, list[np.ndarray]] = {}  # iteration -> sorted ids + ids added by the capacity bound
+    evict: dict[int, list[np.ndarray]] = {}
+    pool = [np.zeros(0, np.int64)] * 3  # candidate intervals not yet reached: ids, start, end
+    kept = [np.zeros(0, np.int64)] * 3  # intervals kept across the time reached
+    dropped_ends = [np.zeros(0, np.int64)] * 2  # dropped intervals still running: start, end
+    finished, out = 0, []  # iterations assigned slots; those not yet written
+    stats = _Stats(num_slots, 0, 0, 0)
+    chunk_done = {r[-1]: k + 1 for k, r in enumerate(pieces_of_chunk or []) if len(r)}
+
+    def load(through: int) -> None:
+        nonlocal next_chunk
+        while next_chunk < len(chunk_ranges) and chunk_ranges[next_chunk][0] < through:
+            d = take_chunk(next_chunk)
+            next_chunk += 1
+            pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
+            for i, t in enumerate(range(d.first, d.stop)):
+                prefetch.setdefault(t, []).append(d.prefetch_ids[pf_off[i] : pf_off[i + 1]])
+                evict.setdefault(t, []).append(d.evict_ids[ev_off[i] : ev_off[i + 1]])
+            if capacity is not None:
+                for k, f in enumerate(("cand_ids", "cand_start", "cand_end")):
+                    pool[k] = np.concatenate([pool[k], getattr(d, f).astype(np.int64, copy=False)])
+            if progress and next_chunk - 1 in chunk_done:
+                progress(chunk_done[next_chunk - 1])
+
+    def bound(a: int, b: int) -> None:
+        """Capacity drops for times ``a .. b-1`` (every interval starting before b is in the pool)."""
+        nonlocal kept, dropped_ends
+        new = pool[1] < b
+        ids, start, end = (np.concatenate([kept[k], pool[k][new]]) for k in range(3))
+        for k in range(3):
+            pool[k] = pool[k][~new]
+        live = dropped_ends[1] >= a
+        ds, de = dropped_ends[0][live], dropped_ends[1][live]
+        hot = over[a:b] - coverage(np.maximum(ds, a) - a, np.minimum(de, b - 1) - a, b - a)
+        drop = np.zeros(len(ids), dtype=bool)
+        if (hot > 0).any():
+            origin = min(a, int(start.min())) if len(start) else a
+            span = max(b, int(end.max()) + 1 if len(end) else b) - origin
+            block = np.zeros(span, dtype=np.int64)
+            block[a - origin : b - origin] = hot
+            drop = farthest_first_drops(block, start - origin, end - origin, ids)
+        np.add.at(counts.evict, start[drop] - 1, 1)
+        np.add.at(counts.prefetch, end[drop] + distance + 1, 1)
+        for x, s, e in zip(ids[drop].tolist(), start[drop].tolist(), end[drop].tolist(), strict=True):
+            evict[s - 1].append(np.array([x], np.int64))  # give up the kept gap: evict after s-1 ...
+            prefetch.setdefault(e + distance + 1, []).append(np.array([x], np.int64))  # ... fetch again
+        stays = ~drop & (end >= b)
+        kept = [ids[stays], start[stays], end[stays]]
+        gone = drop & (end >= b)
+        dropped_ends = [np.concatenate([ds[de >= b], start[gone]]), np.concatenate([de[de >= b], end[gone]])]
+
+    def finish_through(stop: int) -> None:
+        nonlocal finished, out
+        while finished < stop:
+            t = finished
+            pf = _merged(prefetch.pop(t))
+            ev = _merged(evict.pop(t))
+            slots = replay.issue(t, pf, ev)
+            out.append((pf, slots, ev))
+            stats.prefetched_rows += len(pf)
+            stats.evicted_rows += len(ev)
+            finished += 1
+            if finished % iterations_per_file == 0 or finished % SPOOL_ITERATIONS == 0 or finished == n:
+                first = finished - len(out)
+                pf_off = _offsets(np.array([len(o[0]) for o in out], np.int64))
+                ev_off = _offsets(np.array([len(o[2]) for o in out], np.int64))
+                sink.write(first, finished, pf_off, _cat([o[0] for o in out]), _cat([o[1] for o in out]),
+                           ev_off, _cat([o[2] for o in out]))
+                out = []
+
+    for a, b in chunk_ranges:
+        if a >= b:
+            continue
+        if capacity is None:
+            load(b)
+            finish_through(b)
+            continue
+        load(min(n, b + window))  # decisions of every use within L of the block: its intervals' ends
+        bound(a, b)
+        finish_through(n if b == n else max(0, b - window + distance + 1))
+    finish_through(n)
+    sink.close()
+    replay.finish()
+    peak = int(occupancy(counts.prefetch, counts.evict, distance).max()) if n else 0
+    if replay.peak != peak:
+        raise RuntimeError(f"slot replay peaks at {replay.peak} rows, the occupancy count at {peak}")
+    stats.peak_occupancy = peak
+    return stats
+
+
+def _merged(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
+
+
 # ---- plan directories ---------------------------------------------------------------------------
 
 
@@ -441,11 +854,28 @@ def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets - offsets[0], pa.int64()), pa.array(values, pa.int64()))
 
 
-def write_plan(
-    plan: PlanArrays, output_dir: str | os.PathLike, *, iterations_per_file: int | None = None
-) -> dict[str, Any]:
-    """Write ``plan`` as a plan directory (atomically); return the ``plan.json`` contents."""
-    iterations_per_file = iterations_per_file or ITERATIONS_PER_FILE
+def _summary(config: PlanConfig, stream: BatchStream, stats: _Stats) -> dict[str, Any]:
+    n = len(stream)
+    rows = stream.stop_row - stream.start_row if not config.drop_last else n * config.batch_size
+    return {
+        "format_version": PLAN_FORMAT_VERSION,
+        "dataset_fingerprint": stream.meta.fingerprint,
+        **config.record(),
+        "num_iterations": n,
+        "num_rows": stream.meta.total_embedding_rows,
+        "num_slots": stats.num_slots,
+        "counts": {
+            "ids": rows * len(stream.meta.sparse_columns),
+            "prefetched_rows": stats.prefetched_rows,
+            "evicted_rows": stats.evicted_rows,
+            "peak_occupancy": stats.peak_occupancy,
+        },
+    }
+
+
+def _write_atomically(output_dir: str | os.PathLike, fill: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Fill a temporary directory beside ``output_dir`` (``fill`` returns plan.json's contents, which is written
+    last), then rename it into place: an interrupted run leaves no plan and keeps the old one."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise PlanError(f"plan output {str(out)!r} exists and is not a directory")
@@ -455,22 +885,7 @@ def write_plan(
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        files = []
-        for first in range(0, plan.num_iterations, iterations_per_file):
-            stop = min(first + iterations_per_file, plan.num_iterations)
-            pf = plan.prefetch_offsets[first : stop + 1]
-            ev = plan.evict_offsets[first : stop + 1]
-            table = pa.table({
-                "t": pa.array(np.arange(first, stop), pa.int64()),
-                "prefetch_ids": _list_array(pf, plan.prefetch_ids[pf[0] : pf[-1]]),
-                "prefetch_slots": _list_array(pf, plan.prefetch_slots[pf[0] : pf[-1]]),
-                "evict_ids": _list_array(ev, plan.evict_ids[ev[0] : ev[-1]]),
-            })
-            name = f"iterations-{first:08d}-{stop:08d}.parquet"
-            pq.write_table(table, tmp / name, use_dictionary=False, compression="none",
-                           column_encoding=DELTA_ENCODED)
-            files.append({"name": name, "first": first, "stop": stop})
-        summary = {**plan.summary(), "files": files}
+        summary = fill(tmp)
         (tmp / PLAN_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
         if out.exists():
@@ -483,6 +898,26 @@ def write_plan(
     return summary
 
 
+def write_plan(
+    plan: PlanArrays, output_dir: str | os.PathLike, *, iterations_per_file: int | None = None
+) -> dict[str, Any]:
+    """Write a whole ``plan`` held in memory as a plan directory (atomically); return the ``plan.json`` contents."""
+    iterations_per_file = iterations_per_file or ITERATIONS_PER_FILE
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        sink = _DirectorySink(tmp, plan.num_iterations, iterations_per_file)
+        for first in range(0, plan.num_iterations, iterations_per_file):
+            stop = min(first + iterations_per_file, plan.num_iterations)
+            pf = plan.prefetch_offsets[first : stop + 1]
+            ev = plan.evict_offsets[first : stop + 1]
+            sink.write(first, stop, pf, plan.prefetch_ids[pf[0] : pf[-1]], plan.prefetch_slots[pf[0] : pf[-1]],
+                       ev, plan.evict_ids[ev[0] : ev[-1]])
+        sink.close()
+        return {**plan.summary(), "files": sink.files}
+
+    return _write_atomically(output_dir, fill)
+
+
 def make_plan(
     dataset_dir: str | os.PathLike,
     config: PlanConfig,
@@ -493,12 +928,21 @@ def make_plan(
     table_groups: int | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Plan ``dataset_dir`` (a Dask job when ``client`` is given) into ``output_dir``; the plan.json contents."""
-    plan = plan_chunked(
-        dataset_dir, config, client=client, chunk_iterations=chunk_iterations,
-        table_groups=table_groups, progress=progress,
-    )
-    return write_plan(plan, output_dir)
+    """Plan ``dataset_dir`` (a Dask job when ``client`` is given) into ``output_dir``; the plan.json contents.
+
+    Streams: each task's decisions are spooled to disk as it finishes, and the chunks are assembled in
+    order into Parquet files of consecutive iterations, so the driver never holds the whole plan."""
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        stream = open_stream(dataset_dir, config)
+        sink = _DirectorySink(tmp, len(stream), ITERATIONS_PER_FILE)
+        spool = tmp / ".spool"
+        stream, stats = _stream_plan(dataset_dir, config, sink, spool, client=client,
+                                     chunk_iterations=chunk_iterations, table_groups=table_groups, progress=progress)
+        shutil.rmtree(spool, ignore_errors=True)
+        return {**_summary(config, stream, stats), "files": sink.files}
+
+    return _write_atomically(output_dir, fill)
 
 
 class Plan:
@@ -516,16 +960,23 @@ class Plan:
         self.num_slots: int = info["num_slots"]
         self.counts: dict[str, int] = info["counts"]
 
-    def iterations(self, first: int = 0) -> Iterator[IterationPlan]:
+    def iterations(self, first: int = 0, stop: int | None = None) -> Iterator[IterationPlan]:
+        """Iterations ``first .. stop-1`` (default: to the end), reading only the files that hold them, one
+        at a time: a trainer never holds more than one file's worth of the plan."""
+        stop = self.num_iterations if stop is None else min(stop, self.num_iterations)
         for f in self.info["files"]:
             if f["stop"] <= first:
                 continue
+            if f["first"] >= stop:
+                return
             table = pq.read_table(self.directory / f["name"])
             ts = table.column("t").to_numpy()
             lists = [table.column(c).combine_chunks() for c in ("prefetch_ids", "prefetch_slots", "evict_ids")]
             offsets = [a.offsets.to_numpy() for a in lists]
             values = [a.values.to_numpy() for a in lists]
             for i, t in enumerate(ts.tolist()):
+                if t >= stop:
+                    return
                 if t >= first:
                     yield IterationPlan(t, *(v[o[i] : o[i + 1]] for v, o in zip(values, offsets, strict=True)))
 

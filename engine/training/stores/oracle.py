@@ -73,9 +73,7 @@ class OracleRows(CachedRows):
         if t > 0:
             if rows is None:
                 raise ValueError(f"starting the oracle store at iteration {t} needs every row's value there")
-            for step in self.plan.iterations():
-                if step.t >= t:
-                    break
+            for step in self.plan.iterations(0, t):  # only the plan files of iterations 0 .. t-1
                 self.directory.place(np.asarray(step.prefetch_ids, dtype=np.int64),
                                      np.asarray(step.prefetch_slots, dtype=np.int64))
                 self.directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
