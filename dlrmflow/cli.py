@@ -14,10 +14,12 @@ import json
 import logging
 import os
 import sys
+import time
 from types import ModuleType
 
 from dlrmflow import __version__
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.training.timing import LAUNCHED_AT_ENV
 
 # How long a command waits for its temporary local Prefect API to answer. A cold start imports the
 # server and migrates its database: seconds on an idle machine, a minute or more on busy cores.
@@ -79,26 +81,60 @@ def prepare_prefect_api() -> None:
         raise UserInputError(f"no Prefect API: PREFECT_API_URL is not set and PREFECT_SERVER_ALLOW_EPHEMERAL_MODE "
                              f"is off; {SERVER_WAY_OUT}")
     prepare_temporary_api(max(API_STARTUP_TIMEOUT_S, settings.server.ephemeral.startup_timeout_seconds))
+    from dlrmflow.flows.prefect_internals import start_temporary_api_now
+
+    start_temporary_api_now()  # its seconds of start-up overlap the command's own imports
+
+
+def _progress_only_on_the_console() -> list[tuple[logging.Handler, logging.Filter]]:
+    """Prefect's console handlers show warnings and progress lines only; returns what to undo."""
+    import prefect.main  # noqa: F401
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from dlrmflow.tasks.reporting import is_progress
+
+    def only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or is_progress(record)
+
+    installed = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            handler.addFilter(only)
+            installed.append((handler, only))
+    return installed
+
+
+def _launched_at() -> float:
+    """This process's start (wall clock, seconds since the epoch): the interpreter's start-up counts too."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # no psutil, or no /proc: from here
+        return time.time()
 
 
 def main(argv: list[str] | None = None) -> int:
     # The local Prefect API would otherwise try to phone home and log an error on every run
     # on machines without internet access; a user's own setting wins.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # When this command started (summary.json's startup_seconds counts from it): the process's start when
+    # it is the command, else (main() called in-process: tests, notebooks) now.
+    launched = os.environ.get(LAUNCHED_AT_ENV)
+    os.environ[LAUNCHED_AT_ENV] = repr(_launched_at() if argv is None else time.time())
     args = build_parser().parse_args(argv)
     module: ModuleType = args._module
     _hide_user_error_tracebacks()
-    prefect_logger = logging.getLogger("prefect")
-    level = prefect_logger.level
-    if args.json:
-        # stdout carries the JSON object only; Prefect's own console output stays on stderr, quieter.
-        # Prefect configures its loggers when its flow API is first imported: do that first, or the
-        # configuration would undo the level set here.
-        import prefect.main  # noqa: F401
-
-        level = prefect_logger.level
-        prefect_logger.setLevel(logging.WARNING)
+    quiet: list[tuple[logging.Handler, logging.Filter]] = []
     try:
+        # The options' own checks (a command's ``check``) come before Prefect, torch, Dask or pandas load:
+        # a bad option is refused in a fraction of a second.
+        getattr(module, "check", lambda _: None)(args)
+        if args.json:
+            # stdout carries the JSON object only; on stderr, Prefect's console shows warnings and progress
+            # (tasks.reporting.PROGRESS: steps done, phases, engine events), not its other lines. Prefect
+            # configures its handlers when its flow API is first imported: do that first.
+            quiet = _progress_only_on_the_console()
         prepare_prefect_api()
         result = module.run(args)
     except UserInputError as exc:
@@ -108,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlrmflow {module.NAME}: interrupted", file=sys.stderr)
         return 130
     finally:
-        prefect_logger.setLevel(level)  # main() called in-process (tests, notebooks) leaves logging as it was
+        for handler, only in quiet:  # main() called in-process (tests, notebooks) leaves logging as it was
+            handler.removeFilter(only)
+        if launched is None:
+            os.environ.pop(LAUNCHED_AT_ENV, None)
+        else:
+            os.environ[LAUNCHED_AT_ENV] = launched
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import os
 import subprocess
+import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -122,9 +123,48 @@ def prepare_temporary_api(timeout_s: float) -> None:
             raise TemporaryApiError(f"the temporary local Prefect API did not start ({how}); {SERVER_WAY_OUT}, "
                                     "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from exc
 
+    starting = threading.Lock()  # one start at a time: start_temporary_api_now's thread and Prefect's call
+    failed: list[BaseException] = []
+
+    def start_once(self: Any, timeout: float | None = None) -> None:
+        with starting:  # Prefect marks the server running before it answers: wait for the start under way
+            if failed:
+                raise failed[0]
+            if self.running:
+                return
+            try:
+                start_or_explain(self, timeout)
+            except BaseException as exc:
+                failed.append(exc)  # the failure is the command's, wherever Prefect next asks for the API
+                raise
+
     server._run_uvicorn_command = types.MethodType(run_uvicorn_command, server)
-    server.start = types.MethodType(start_or_explain, server)
+    server.start = types.MethodType(start_once, server)
     server.dlrmflow_prepared = True
+
+
+def start_temporary_api_now() -> None:
+    """Start the temporary local API (prepared by :func:`prepare_temporary_api`) in a thread, now: its
+    seconds of start-up overlap the command's own imports and set-up instead of following them. A start
+    that fails fails where Prefect first asks for the API (one line, as before).
+
+    Relies on: the same ``SubprocessASGIServer`` singleton as :func:`prepare_temporary_api`, whose
+    ``start`` that function made safe to call from two threads."""
+    from prefect.server.api import server as server_module
+
+    server = server_module.SubprocessASGIServer()
+    if server.running or not getattr(server, "dlrmflow_prepared", False):
+        return
+
+    def start() -> None:
+        try:
+            server.start()
+        except BaseException:
+            # Its stop() took the server out of Prefect's registry: put it back, so that Prefect's own start()
+            # raises this failure (one line) instead of starting an unprepared server.
+            server_module.SubprocessASGIServer._instances.setdefault(None, server)
+
+    threading.Thread(target=start, name="dlrmflow-temporary-api", daemon=True).start()
 
 
 def server_command(args: Sequence[str]) -> list[str]:

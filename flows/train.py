@@ -27,7 +27,7 @@ from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.summary import train_summary
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
-from dlrmflow.tasks.reporting import artifact_key, dataset_label
+from dlrmflow.tasks.reporting import PHASES_LOGGER, PROGRESS, artifact_key, dataset_label, engine_events_to_run_log
 from dlrmflow.tasks.train import check_task, publish_train_report_task, train_task
 
 # One record, once the run's input check passed: a plain logger (not the run's), so that a listener in the
@@ -73,14 +73,17 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
         # With parity a LocalCluster gets one worker per shard (data and parity: separate fault
         # domains) plus a spare, so a rebuild starts at once on a fresh worker.
         workers = config.num_shards + config.parity + 1 if config.parity else None
-        with dask_scheduler(dask_address, n_workers=workers, trainers=config.trainers) as address:
+        with engine_events_to_run_log(logger, name=PHASES_LOGGER), \
+                dask_scheduler(dask_address, n_workers=workers, trainers=config.trainers) as address:
             logger.info("embedding servers: %d shards on the Dask cluster at %s", config.num_shards, address)
             if config.trainers > 1:
                 logger.info("%d trainers, each training %d rows of every batch", config.trainers,
                             config.batch_size // config.trainers)
             summary = train_task(setup, address, runner)
+    logger.info("publishing the run's tables and plots ...", extra=PROGRESS)
     publish_train_report_task(summary)
     done = train_summary(summary)
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",
-                done.mean_iteration_ms, 100 * done.stall_fraction, done.eval_auc, done.state_sha256[:16])
+                done.mean_iteration_ms, 100 * done.stall_fraction, done.eval_auc, done.state_sha256[:16],
+                extra=PROGRESS)
     return summary

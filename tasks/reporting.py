@@ -152,6 +152,16 @@ def publish_markdown(key: str, markdown: str, description: str) -> str:
 
 # ---- progress ----------------------------------------------------------------------------------------
 
+# Marks a run-log record as progress (``logger.info(..., extra=PROGRESS)``): ``dlrmflow COMMAND --json``
+# shows such lines on stderr while it keeps Prefect's other console lines below WARNING back.
+PROGRESS = {"dlrmflow_progress": True}
+
+
+def is_progress(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is a progress line (:data:`PROGRESS`)."""
+    return bool(getattr(record, "dlrmflow_progress", False))
+
+
 
 class FlowProgress:
     """The engine's ``(done, total)`` progress callback in a flow or task run: a progress artifact and log lines.
@@ -178,7 +188,7 @@ class FlowProgress:
             return
         self._last = now
         self._update(percent)
-        self.logger.info("%s: %d/%d (%.0f%%)", self.what, done, total, percent)
+        self.logger.info("%s: %d/%d (%.0f%%)", self.what, done, total, percent, extra=PROGRESS)
 
     def _update(self, percent: float) -> None:
         if percent == self.percent and self.updates:
@@ -196,6 +206,7 @@ class FlowProgress:
 # ---- engine events in a run's log ---------------------------------------------------------------------
 
 ENGINE_LOGGER = "dlrmflow.engine"
+PHASES_LOGGER = "dlrmflow.engine.phases"  # dlrmflow.engine.phases: a phase's start and its seconds
 
 
 class _ToRunLogger(logging.Handler):
@@ -205,19 +216,21 @@ class _ToRunLogger(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.run_logger.log(record.levelno, "%s", record.getMessage())
+            self.run_logger.log(record.levelno, "%s", record.getMessage(), extra=PROGRESS)  # an engine event or phase
         except Exception:  # a report must not break the training it reports on
             self.handleError(record)
 
 
 @contextmanager
-def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None) -> Iterator[None]:
+def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None, *,
+                             name: str = ENGINE_LOGGER) -> Iterator[None]:
     """Within the block, the engine's events (``dlrmflow.engine`` loggers at INFO and above: a worker
     killed, a shard lost, a rebuild done) go to ``run_logger`` (default: this run's Prefect logger),
     from whatever thread reports them; the Prefect logger carries the run's ids, so the lines land in
-    that run's log even from threads without a Prefect context."""
+    that run's log even from threads without a Prefect context. ``name``: those of one engine logger only
+    (``PHASES_LOGGER``: the phases, e.g. of a flow's Dask cluster)."""
     handler = _ToRunLogger(run_logger or get_run_logger())
-    engine = logging.getLogger(ENGINE_LOGGER)
+    engine = logging.getLogger(name)
     previous, propagate = engine.level, engine.propagate
     engine.addHandler(handler)
     engine.propagate = False  # the run logger prints them too: not twice on the console

@@ -35,10 +35,15 @@ def config_from_args(args: argparse.Namespace):
     return PipelineConfig(**values)
 
 
+def check(args: argparse.Namespace) -> None:
+    """The options' checks, before Prefect, torch or Dask load (the pipeline's config is a light module)."""
+    args.config = config_from_args(args)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.pipeline import pipeline_flow
 
-    return pipeline_flow(config_from_args(args))
+    return pipeline_flow(getattr(args, "config", None) or config_from_args(args))
 
 
 def summarize(r: dict[str, Any]) -> str:

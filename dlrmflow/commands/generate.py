@@ -22,11 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dask_argument(parser)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def check(args: argparse.Namespace) -> None:
+    """The options' checks, before Prefect or Dask load."""
     if args.rows < 1:
         raise UserInputError(f"--rows must be >= 1, got {args.rows}")
     if args.scale <= 0:
         raise UserInputError(f"--scale must be > 0, got {args.scale}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    check(args)
     from dlrmflow.flows.dataset import generate_flow
 
     return generate_flow(args.output, args.rows, args.seed, args.scale, args.dask_address)

@@ -82,3 +82,11 @@ def config_values(args: argparse.Namespace, model: Any) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace, model: Any) -> Any:
     """The ``model`` the options say (its error names a bad field)."""
     return model(**config_values(args, model))
+
+
+def checked_config(args: argparse.Namespace, model: Any) -> Any:
+    """The ``model`` the options say, made once (``args.config``): a command's ``check`` makes it before any
+    heavy import, its ``run`` uses it."""
+    if not isinstance(getattr(args, "config", None), model):
+        args.config = config_from_args(args, model)
+    return args.config

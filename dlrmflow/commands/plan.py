@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dlrmflow.commands.options import add_config_options, config_from_args
+from dlrmflow.commands.options import add_config_options, checked_config
 from dlrmflow.engine.planning.planner import PlanJobConfig
 
 NAME = "plan"
@@ -23,10 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dask_argument(parser)
 
 
+def check(args: argparse.Namespace) -> None:
+    """The options' checks, before Prefect or Dask load (PlanError names a bad field)."""
+    checked_config(args, PlanJobConfig)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.plan import plan_flow
 
-    config = config_from_args(args, PlanJobConfig)  # PlanError names a bad field, before a cluster starts
+    config = checked_config(args, PlanJobConfig)  # PlanError names a bad field, before a cluster starts
     return plan_flow(config, args.dask_address).as_dict()
 
 

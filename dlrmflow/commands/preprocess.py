@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dlrmflow.commands.options import add_config_options, config_from_args
+from dlrmflow.commands.options import add_config_options, checked_config
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 
 NAME = "preprocess"
@@ -23,10 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dask_argument(parser)
 
 
+def check(args: argparse.Namespace) -> None:
+    """The options' checks, before Prefect or Dask load (PreprocessConfigError names a bad field)."""
+    checked_config(args, PreprocessConfig)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.dataset import preprocess_flow
 
-    config = config_from_args(args, PreprocessConfig)  # PreprocessConfigError names a bad field
+    config = checked_config(args, PreprocessConfig)  # PreprocessConfigError names a bad field
     return preprocess_flow(config, force=args.force, dask_address=args.dask_address).as_dict()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dlrmflow.commands.options import add_config_options, config_from_args
+from dlrmflow.commands.options import add_config_options, checked_config
 from dlrmflow.engine.planning.profile import ProfileConfig
 
 NAME = "profile"
@@ -19,10 +19,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dask_argument(parser)
 
 
+def check(args: argparse.Namespace) -> None:
+    """The options' checks, before Prefect or Dask load."""
+    checked_config(args, ProfileConfig)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.dataset import profile_flow
 
-    result = profile_flow(config_from_args(args, ProfileConfig), args.dask_address)
+    result = profile_flow(checked_config(args, ProfileConfig), args.dask_address)
     return result.as_dict(coverage=False)  # the curve is in profile.json; keep the JSON line readable
 
 

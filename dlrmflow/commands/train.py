@@ -38,7 +38,12 @@ def config_from_args(args: argparse.Namespace):
     """The TrainConfig the options say (TrainConfigError names a bad field)."""
     from dlrmflow.engine.training.config import TrainConfig
 
-    return options.config_from_args(args, TrainConfig)
+    return options.checked_config(args, TrainConfig)
+
+
+def check(args: argparse.Namespace) -> None:
+    """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module)."""
+    config_from_args(args)
 
 
 class TrainingStopped(UserInputError):
@@ -134,6 +139,17 @@ def _trainer_lines(trainers: dict[str, Any] | None) -> list[str]:
             f"{100 * trainers['sync_fraction']:.1f}% of iteration time syncing rows"]
 
 
+def _timing_lines(r: dict[str, Any]) -> list[str]:
+    """Start-up (launch to the first iteration) and finish (last iteration to summary.json), by phase; a
+    summary written before they were recorded has neither."""
+    if "finish_seconds" not in r:
+        return []
+    startup = "" if r.get("startup_seconds") is None else f"start-up {r['startup_seconds']:.1f} s (launch to the " \
+        "first iteration); "
+    phases = ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s" for phase, seconds in r["finish"].items())
+    return [f"  outside iterations {startup}finish {r['finish_seconds']:.1f} s ({phases})"]
+
+
 def summarize(r: dict[str, Any]) -> str:
     auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
     logloss = "n/a" if r["eval_log_loss"] is None else f"{r['eval_log_loss']:.4f}"
@@ -152,6 +168,7 @@ def summarize(r: dict[str, Any]) -> str:
         f"  state SHA-256      {r['state_sha256']}",
         *_parity_lines(r.get("parity")),
         *_checkpoint_lines(r.get("checkpoint")),
+        *_timing_lines(r),
         f"  output             {r['output_dir']}/ (final_state.pt, summary.json, iterations.csv)",
     ]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ from pathlib import Path
 import dask
 from distributed import Client, LocalCluster
 
+from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.serving.placement import RESOURCE as SERVER_RESOURCE
 from dlrmflow.engine.serving.placement import TRAINER_RESOURCE
 from dlrmflow.engine.serving.shaped_link import ShapedLink, shaped_link
@@ -104,8 +105,20 @@ def dask_scheduler(address: str | None = None, *, n_workers: int | None = None, 
     if address:
         yield address
         return
-    with local_cluster(n_workers, trainers=trainers) as cluster:
+    with _reported(lambda: local_cluster(n_workers, trainers=trainers)) as cluster:
         yield cluster.scheduler_address
+
+
+@contextmanager
+def _reported(start: Callable[[], LocalCluster]) -> Iterator[LocalCluster]:
+    """A LocalCluster from ``start``, its start and its close reported as phases (seconds each)."""
+    with phase_reported("Dask: starting a LocalCluster"):
+        cluster = start()
+    try:
+        yield cluster
+    finally:
+        with phase_reported("Dask: closing the LocalCluster"):
+            cluster.close()
 
 
 @contextmanager
@@ -114,7 +127,8 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None, tra
     (with ``trainers`` trainer workers when > 1)."""
     address = resolve_address(address)
     if not address:
-        with local_cluster(n_workers, trainers=trainers) as cluster, Client(cluster, direct_to_workers=True) as client:
+        with _reported(lambda: local_cluster(n_workers, trainers=trainers)) as cluster, \
+                Client(cluster, direct_to_workers=True) as client:
             yield client
         return
     try:

@@ -20,6 +20,7 @@ from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.coding.start import start_coded_shards
 from dlrmflow.engine.coding.verify import parity_report
 from dlrmflow.engine.models import build_model
+from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.serving.dask_internals import bind_actor
 from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
@@ -38,6 +39,7 @@ from dlrmflow.engine.training.loop import LoopHooks, Report
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.prefetch import PrefetchError
 from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.timing import timed
 
 
 def start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_runner=None) -> ShardGroup | None:
@@ -48,6 +50,13 @@ def start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_run
         return None
     if client is None:
         raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
+    with phase_reported(f"embedding servers: initialising {config.num_shards} shards"
+                        f"{f' and {config.parity} parity shards' if config.parity else ''}"):
+        return _start_servers(setup, client, rows, recovery_runner)
+
+
+def _start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_runner) -> ShardGroup:
+    config = setup.config
     if config.parity:
         return start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
                                   rebuild_chunk=config.rebuild_chunk, parity_batches=config.parity_batches,
@@ -110,8 +119,9 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                                                  config_sha256=config_sha256(config.model_dump()),
                                                  reload_on_loss=not config.parity and group.size == 1,
                                                  resumed_at=None if resumed is None else start_at)
+            began_at = time.time()  # the first iteration starts (summary.json's startup_seconds)
             clock = loop.train_iterations(setup, group, model, optimizer, store, device, log, hooks)
-            start = time.perf_counter()
+            ended_at, start = time.time(), time.perf_counter()
             try:
                 store.finish()
             except PrefetchError as exc:  # the oracle's worker met the fatal loss first: name the loss
@@ -123,13 +133,18 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 "rank": group.rank, "worker": worker, "threads": torch.get_num_threads(),
                 "log": {**log.result(), "flush_seconds": time.perf_counter() - start},  # train_seconds counts it
                 "sync_seconds": clock.pop("row_sync"), "seconds": clock, "bytes_fetched": int(store.bytes_fetched),
-                "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent)}
+                "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent),
+                "began_at": began_at, "ended_at": ended_at}
             if lead:
-                outcome["metrics"] = evaluate(setup, model, store, device)
-                outcome["state"] = collect_state(setup, model, optimizer, store)
+                finish = outcome["finish"] = {}
+                with timed(finish, "evaluation"), phase_reported("final evaluation"):
+                    outcome["metrics"] = evaluate(setup, model, store, device)
+                with timed(finish, "state"):
+                    outcome["state"] = collect_state(setup, model, optimizer, store)
                 kills = hooks.injector.log if hooks.injector else []
                 if config.parity:
-                    report_ = parity_report(store.shards, output if config.save_state else None)
+                    with timed(finish, "parity_verify"), phase_reported("parity verify"):
+                        report_ = parity_report(store.shards, output if config.save_state else None)
                     outcome["parity"] = {**report_, "kills": kills_since(kills, store.shards.started_at)}
                 if hooks.checkpoints is not None:
                     outcome["checkpoint"] = {**hooks.checkpoints.report,

@@ -28,6 +28,7 @@ from dlrmflow.engine.training.checkpoint import finish_run_dir, start_run_dir, u
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.setup import RunSetup, prepare_run
+from dlrmflow.engine.training.timing import run_timing
 from dlrmflow.engine.training.workers import run_trainers
 
 Progress = Callable[[int, int], None]
@@ -79,6 +80,7 @@ def _record(setup: RunSetup, output: Path, results: list[dict[str, Any]]) -> dic
     for section in ("parity", "checkpoint"):
         if section in lead:
             summary[section] = lead[section]
+    summary.update(run_timing(lead))  # start-up and finish (launch to first iteration; last to here)
     write_summary(output, summary)
     if config.checkpoint_every:
         finish_run_dir(output)  # after summary.json: a crash in between leaves a resumable run

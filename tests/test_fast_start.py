@@ -1,0 +1,121 @@
+"""Fast start (issue 29, item 5): a bad option is refused before Prefect, torch, Dask or pandas load; the
+temporary Prefect API starts once, early, and every caller waits for that one start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+HEAVY = ("torch", "dask", "distributed", "prefect", "pandas")
+
+# In a fresh interpreter: main() on ARGV, then what it returned and which heavy packages were imported.
+PROBE = """
+import json, sys
+from dlrmflow import cli
+status = cli.main(json.loads(sys.argv[1]))
+print(json.dumps([status, sorted({m.split('.')[0] for m in sys.modules} & set(json.loads(sys.argv[2])))]))
+"""
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["train", "DATA", "--output", "X", "--mode", "remote", "--trainers", "0"],
+     "dlrmflow train: error: trainers: --trainers must be >= 1, got 0"),
+    (["train", "DATA", "--output", "X", "--mode", "remote", "--batch-size", "0", "--json"],
+     "dlrmflow train: error: batch_size: --batch-size must be >= 1, got 0"),
+    (["generate", "--rows", "0", "--output", "X"], "dlrmflow generate: error: --rows must be >= 1, got 0"),
+    (["plan", "DATA", "--batch-size", "0", "--output", "X"], "dlrmflow plan: error: "),
+    (["demo", "--rows", "0"], "dlrmflow demo: error: "),
+])
+def test_a_bad_option_is_refused_before_any_heavy_import(tmp_path, argv, error):
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv), json.dumps(HEAVY)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    status, heavy = json.loads(done.stdout)
+    assert status == 2
+    assert done.stderr.startswith(error) and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert heavy == [], f"imported before the options were checked: {heavy}"
+
+
+def test_the_early_start_is_waited_for_and_its_failure_raised_where_prefect_asks(monkeypatch):
+    """start_temporary_api_now starts the server in a thread; Prefect's own start() (get_client's) waits
+    for that start to end instead of using a server that does not answer yet; a failed start is raised
+    to every later caller, once per caller, and never retried."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from dlrmflow.flows import prefect_internals
+
+    events = []
+
+    def slow_start(self, timeout=None):
+        self.running = True  # as Prefect does, before its server answers
+        events.append("starting")
+        time.sleep(0.5)
+        events.append("answered")
+
+    monkeypatch.delitem(SubprocessASGIServer._instances, None, raising=False)
+    monkeypatch.setattr(SubprocessASGIServer, "start", slow_start)
+    prefect_internals.prepare_temporary_api(1.0)
+    prefect_internals.start_temporary_api_now()
+    while not events:
+        time.sleep(0.01)
+    SubprocessASGIServer().start()  # what get_client() calls
+    assert events == ["starting", "answered"]
+    assert threading.active_count() >= 1
+    SubprocessASGIServer._instances.pop(None)
+
+    def failing_start(self, timeout=None):
+        events.append("failed")
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(SubprocessASGIServer, "start", failing_start)
+    monkeypatch.setattr(SubprocessASGIServer, "stop", lambda self: None)
+    prefect_internals.prepare_temporary_api(1.0)
+    prefect_internals.start_temporary_api_now()
+    for _ in range(2):
+        with pytest.raises(prefect_internals.TemporaryApiError):
+            SubprocessASGIServer().start()
+    assert events.count("failed") == 1
+    SubprocessASGIServer._instances.pop(None)
+
+
+def _dlrmflow(argv: list[str], cwd) -> tuple[dict, str]:
+    """``dlrmflow ARGV --json`` as a user runs it, against the test harness's Prefect API: its one JSON
+    object (stdout holds nothing else) and its stderr."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    done = subprocess.run([sys.executable, "-m", "dlrmflow.cli", *argv, "--json"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be one JSON object, got {lines!r}"
+    return json.loads(lines[0]), done.stderr
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_json_keeps_stdout_to_one_object_and_shows_progress_on_stderr(tmp_path):
+    """preprocess and a remote train with --json: one JSON object on stdout; on stderr the steps, the Dask
+    cluster, the server initialisation, the iterations and the final evaluation; summary.json records the
+    start-up (launch to the first iteration) and the finish with its phases."""
+    raw = tmp_path / "day_0.tsv"
+    _dlrmflow(["generate", "--rows", "3000", "--output", str(raw), "--scale", "0.001"], tmp_path)
+    prep, err = _dlrmflow(["preprocess", str(raw), "--output", str(tmp_path / "ds")], tmp_path)
+    assert prep["rows"] == 3000
+    assert "preprocess steps: " in err and "(100%)" in err
+    run, err = _dlrmflow(["train", str(tmp_path / "ds"), "--output", str(tmp_path / "run"), "--mode", "remote",
+                          "--shards", "2", "--batch-size", "64", "--iterations", "10", "--embedding-dim", "4",
+                          "--bottom-mlp", "8-4", "--top-mlp", "8-1"], tmp_path)
+    for line in ("Dask: starting a LocalCluster ...", "embedding servers: initialising 2 shards ...",
+                 "embedding servers: initialising 2 shards: done in", "remote training iterations: 10/10 (100%)",
+                 "final evaluation: done in", "Dask: closing the LocalCluster: done in"):
+        assert line in err, f"{line!r} not on stderr:\n{err}"
+    assert "Beginning flow run" not in err  # Prefect's other INFO lines stay back with --json
+    assert 0 < run["startup_seconds"] < 600 and run["finish_seconds"] >= 0
+    assert set(run["finish"]) == {"flush", "evaluation", "state", "write"}
+    assert sum(run["finish"].values()) == pytest.approx(run["finish_seconds"], abs=1e-3)
