@@ -227,7 +227,9 @@ def _cap_values(values: pa.Array, max_rows: int | None) -> pa.Array:
     if max_rows is None:
         return values
     if pa.types.is_integer(values.type):
-        folded = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
+        # Nulls filled first: with nulls to_numpy gives float64, and one block's float values would not
+        # concatenate with another's integers in the vocabulary.
+        folded = pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
     else:
         import pandas as pd
 

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -304,3 +305,14 @@ def test_killed_run_leaves_nothing_that_looks_complete(tmp_path):
     summary = preprocess([src], out, block_bytes=1 << 20)
     assert summary["rows"] == 120_000 and not partial.exists()
     assert json.loads((out / "meta.json").read_text())["rows"] == 120_000
+
+
+def test_capped_integer_values_stay_integers_when_some_are_missing():
+    """A capped table's blocks must all fold to int64: a block with a missing value once gave float64, and
+    the vocabulary could not put it together with a block without one."""
+    from dlrmflow.datasets import preprocess as pp
+
+    with_missing = pp._cap_values(pa.array([5, None, 7], pa.int32()), 4)
+    without = pp._cap_values(pa.array([5, 6, 7], pa.int32()), 4)
+    assert with_missing.type == without.type == pa.int64()
+    assert with_missing.to_pylist() == [5 % 3, None, 7 % 3] and without.to_pylist() == [5 % 3, 6 % 3, 7 % 3]
