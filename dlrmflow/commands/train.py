@@ -12,7 +12,7 @@ from dlrmflow.engine.errors import UserInputError
 
 NAME = "train"
 HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, remote, lru or oracle; writes "
-        "final_state.pt and summary.json")
+        "final_state/ (one file per embedding server) and summary.json")
 
 
 # Metavars of the options whose value is not a plain word (the option names: train_config.cli_option).
@@ -190,6 +190,6 @@ def summarize(r: dict[str, Any]) -> str:
         f"  state SHA-256      {r['state_sha256']}",
         *_parity_lines(r.get("parity")),
         *_checkpoint_lines(r.get("checkpoint")),
-        f"  output             {r['output_dir']}/ (final_state.pt, summary.json, iterations.csv)",
+        f"  output             {r['output_dir']}/ (final_state/, summary.json, iterations.csv)",
     ]
     return "\n".join(lines)

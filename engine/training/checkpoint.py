@@ -32,7 +32,7 @@ A checkpointed run directory::
     run_config.json   written before any work: the TrainConfig, the dataset and plan fingerprints
     UNFINISHED        the run has not finished: removed once summary.json is written
     checkpoint.pt     the last checkpoint
-    final_state.pt, summary.json, iterations.csv   as for every run (:mod:`.run_state`)
+    final_state/, summary.json, iterations.csv   as for every run (:mod:`dlrmflow.engine.run_state`)
 
 ``dlrmflow train`` refuses an ``--output`` holding an unfinished run with a checkpoint (and names
 the ``dlrmflow resume`` command); a resume refuses a run without a checkpoint, a finished run, a
@@ -56,9 +56,8 @@ import numpy as np
 import torch
 from distributed import Client
 
-from dlrmflow.engine.coding.verify import PARITY_FILE
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.run_state import ITERATIONS_FILE, STATE_FILE, SUMMARY_FILE
+from dlrmflow.engine.run_state import ITERATIONS_FILE, PARITY_FILE, STATE_DIR, STATE_FILE, SUMMARY_FILE
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.placement import place
@@ -80,7 +79,8 @@ UNFINISHED_FILE = "UNFINISHED"
 CHECKPOINT_MODES = ("remote", "lru", "oracle")
 CHECKPOINT_FORMAT_VERSION = 1
 # Everything a run writes into its directory before summary.json (the leftovers of a run that stopped).
-RUN_FILES = frozenset({STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, RUN_CONFIG_FILE, UNFINISHED_FILE})
+RUN_FILES = frozenset({STATE_DIR, STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, RUN_CONFIG_FILE,
+                       UNFINISHED_FILE})
 # Not part of a run's identity: where its directory is now, the resume flag itself, and where the
 # data and plan lie (their fingerprints say whether they are the same).
 NOT_COMPARED = ("output_dir", "resume", "dataset_dir", "plan_dir")

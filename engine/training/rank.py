@@ -2,7 +2,8 @@
 
 Trainer 0 also owns what one trainer owns: the embedding servers (started through ``client``: plain,
 placed for checkpoints, or coded with parity), the kills, the checkpoints, the evaluation and the final
-state, which its result carries. The other trainers get a handle on trainer 0's servers.
+state, which the servers write to the run directory, each its own rows (:mod:`.final_state`); its result
+carries the state SHA-256. The other trainers get a handle on trainer 0's servers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dlrmflow.engine.training.checkpoint import (
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.common import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
 from dlrmflow.engine.training.faults import FaultInjector, kills_since
+from dlrmflow.engine.training.final_state import seal_final_state, write_final_state
 from dlrmflow.engine.training.loop import LoopHooks, Report
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.prefetch import PrefetchError
@@ -126,11 +128,18 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent)}
             if lead:
                 outcome["metrics"] = evaluate(setup, model, store, device)
-                outcome["state"] = collect_state(setup, model, optimizer, store)
+                if setup.whole_state:  # tests: the whole state, gathered as runs did before the shards wrote it
+                    outcome["whole_state"] = collect_state(setup, model, optimizer, store)
+                outcome["state"] = write_final_state(setup, model, optimizer, store,
+                                                     output if config.save_state else None)
                 kills = hooks.injector.log if hooks.injector else []
+                parity_files = None
                 if config.parity:
-                    report_ = parity_report(store.shards, output if config.save_state else None)
+                    staged = outcome["state"]["staged"]
+                    report_ = parity_report(store.shards, staged)
+                    parity_files = report_.pop("files", None)
                     outcome["parity"] = {**report_, "kills": kills_since(kills, store.shards.started_at)}
+                seal_final_state(outcome["state"], parity_files)
                 if hooks.checkpoints is not None:
                     outcome["checkpoint"] = {**hooks.checkpoints.report,
                                              "kills": kills_since(kills, hooks.checkpoints.begin)}
