@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,6 +20,7 @@ from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.coding.start import start_coded_shards
 from dlrmflow.engine.coding.verify import parity_report
 from dlrmflow.engine.models import build_model
+from dlrmflow.engine.row_files import ShardedRows
 from dlrmflow.engine.serving.dask_internals import bind_actor
 from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
@@ -42,9 +42,10 @@ from dlrmflow.engine.training.prefetch import PrefetchError
 from dlrmflow.engine.training.setup import RunSetup
 
 
-def start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_runner=None) -> ShardGroup | None:
+def start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_runner=None) -> ShardGroup | None:
     """Trainer 0's embedding servers (None for a mode without servers): coded with parity, placed for
-    checkpoints, plain otherwise; from ``rows`` when resuming."""
+    checkpoints, plain otherwise; from ``rows`` (a checkpoint's: each shard reads its own file) when
+    resuming."""
     config = setup.config
     if not MODES[config.mode].servers:
         return None
@@ -88,7 +89,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
     store = shards = None
     try:
         resumed = load_resume_point(output, config.model_dump(), setup.spec, n) if config.resume else None
-        rows = None if resumed is None else resumed.pop("rows").numpy()
+        rows = None if resumed is None else resumed.pop("rows")  # a view of the checkpoint's shard files
         start_at = 0 if resumed is None else int(resumed["iteration"])
         shards = share_servers(group, start_servers(setup, client, rows, recovery_runner) if lead else None,
                                setup.spec)
