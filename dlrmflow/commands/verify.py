@@ -33,7 +33,7 @@ def failure(r: dict[str, Any]) -> tuple[int, str] | None:
     """A mismatch is a failed verification: exit status 1 and one line, after the usual output."""
     if r["ok"]:
         return None
-    if not r.get("parity_ok", True) or r.get("files_ok", True):
+    if not r.get("parity_ok", r["ok"]):
         return MISMATCH_EXIT_STATUS, (f"parity of {r['run_dir']} does not match its data "
                                       f"({sum(r['mismatched_stripes']):,} mismatched stripes)")
     return MISMATCH_EXIT_STATUS, (f"the files of {r['run_dir']} do not match its manifest "

@@ -20,7 +20,7 @@ from dlrmflow.engine import row_files
 from dlrmflow.engine.coding.erasure import ErasureCode
 from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.row_files import RowFileReader, ShardedRows, chunk_stripes, interleave
+from dlrmflow.engine.row_files import RowFileReader, ShardedRows, chunk_stripes, file_sha256, interleave
 from dlrmflow.engine.run_state import (
     PARITY_FILE,
     STATE_DIR,
@@ -103,6 +103,8 @@ def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int) -> dict[s
             for p, found in enumerate(code.verify(data, pieces[code.k :])):
                 mismatches[p].append(found + start)
         bad = [e["file"] for e, reader in zip(entries, readers, strict=True) if reader.sha256() != e["sha256"]]
+        if file_sha256(directory / manifest["dense"]["file"]) != manifest["dense"]["sha256"]:
+            bad.append(manifest["dense"]["file"])
     finally:
         for reader in readers:
             reader.close()

@@ -237,7 +237,7 @@ class ShardGroup:
             mine = np.flatnonzero(ids % k == i)
             local = ids[mine] // k if len(mine) else None
             held = np.ascontiguousarray(np.asarray(rows, dtype=np.float32)[mine]) if len(mine) else None
-            calls.append(call_server(actor, "save_rows", str(Path(directory) / shard_file(i)), local, held, chunk))
+            calls.append(remote(actor, "save_rows", str(Path(directory) / shard_file(i)), local, held, chunk))
         return calls
 
     def load_rows(self, files: list[tuple[str, str | None]], *, chunk: int | None = None) -> None:
