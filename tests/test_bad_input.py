@@ -33,8 +33,9 @@ from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.engine.coding.erasure import ErasureCode
 from dlrmflow.engine.coding.verify import PARITY_FILE, save_parity, verify_run_dir
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.row_files import parity_file, write_rows_file
 from dlrmflow.engine.run_lock import OutputLockedError, lock_path, output_lock
-from dlrmflow.engine.run_state import save_state
+from dlrmflow.engine.run_state import MANIFEST_FILE, STATE_DIR, save_sharded_state, save_state
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint import refuse_to_overwrite
 from dlrmflow.engine.training.run import prepare_run, train
@@ -253,7 +254,8 @@ def test_the_cli_refuses_a_foreign_output_in_one_line(prefect_harness, tmp_path,
 
 
 def _parity_run_dir(path: Path) -> Path:
-    """A run directory as `dlrmflow train --parity 1` leaves it: final rows and their parity (K = 2)."""
+    """A run directory as `dlrmflow train --parity 1` left it before the servers wrote their own files:
+    final rows (final_state.pt) and their parity (parity_shards.pt), K = 2."""
     path.mkdir()
     rows = np.random.default_rng(0).standard_normal((20, 5)).astype(np.float32)
     save_state(path, {"embedding": {"rows": torch.from_numpy(rows)}})
@@ -275,3 +277,33 @@ def test_verify_exits_1_on_a_flipped_parity_bit(prefect_harness, tmp_path, capsy
     assert "MISMATCH" in captured.out
     assert captured.err.strip().splitlines()[-1] == (f"dlrmflow verify: parity of {run_dir} does not match its "
                                                      "data (1 mismatched stripes)")
+
+
+def _sharded_parity_run_dir(path: Path) -> Path:
+    """A run directory as `dlrmflow train --parity 1` leaves it: final_state/ with K = 2 shard files and
+    the parity file, listed in its manifest."""
+    path.mkdir()
+    rows = np.random.default_rng(1).standard_normal((21, 5)).astype(np.float32)
+    dense = {"w": torch.ones(2)}
+    save_sharded_state(path, {"dense": dense, "dense_optimizer": {}, "embedding": {"rows": torch.from_numpy(rows)}},
+                       2)
+    (parity,) = ErasureCode(2, 1).encode([np.ascontiguousarray(rows[i::2]) for i in range(2)])
+    entry = write_rows_file(path / STATE_DIR / parity_file(0), len(parity), 5, lambda a, b: parity[a:b])
+    manifest = json.loads((path / STATE_DIR / MANIFEST_FILE).read_text())
+    manifest["parity"] = {"k": 2, "r": 1, "files": [entry]}
+    (path / STATE_DIR / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return path
+
+
+def test_verify_names_a_file_that_differs_from_its_manifest(prefect_harness, tmp_path, capsys):
+    run_dir = _sharded_parity_run_dir(tmp_path / "run")
+    assert main(["verify", str(run_dir)]) == 0
+    assert "every file matches its manifest" in capsys.readouterr().out
+    manifest = json.loads((run_dir / STATE_DIR / MANIFEST_FILE).read_text())
+    manifest["shards"][1]["sha256"] = "0" * 64  # parity still matches: the file is not the one the run wrote
+    (run_dir / STATE_DIR / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert main(["verify", str(run_dir)]) == 1
+    captured = capsys.readouterr()
+    assert "DAMAGED: shard-1.npy" in captured.out
+    assert captured.err.strip().splitlines()[-1] == (f"dlrmflow verify: the files of {run_dir} do not match its "
+                                                     "manifest (shard-1.npy)")

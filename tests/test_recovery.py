@@ -25,7 +25,7 @@ from dlrmflow.engine.coding import start as start_module
 from dlrmflow.engine.coding.erasure import TooManyErasuresError
 from dlrmflow.engine.coding.members import CodedShard, shard_row_counts
 from dlrmflow.engine.coding.verify import PARITY_FILE, verify_run_dir
-from dlrmflow.engine.run_state import STATE_FILE, SUMMARY_FILE, load_state
+from dlrmflow.engine.run_state import STATE_DIR, STATE_FILE, SUMMARY_FILE, load_state
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
@@ -322,7 +322,7 @@ def test_losing_more_shards_than_parity_is_a_clear_error_and_writes_no_model(clu
     message = str(error.value)
     assert "data shards 0" in message and "parity shards 0" in message and "at most 1" in message
     assert "survivors (data shards 1)" in message
-    for name in (STATE_FILE, SUMMARY_FILE, PARITY_FILE):
+    for name in (STATE_FILE, STATE_DIR, SUMMARY_FILE, PARITY_FILE):
         assert not (tmp_path / "run" / name).exists()
 
 

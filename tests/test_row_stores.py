@@ -9,6 +9,7 @@ The stores are driven directly with a fixed sequence of id batches and a determi
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from test_trainers import EMPTY, FakePlanConfig, ListPlan, Step, _spec, lru_simu
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.checkpoint import (
+    checkpoint_rows,
     load_checkpoint,
     restore_checkpoint,
     save_checkpoint,
@@ -232,7 +234,10 @@ def test_a_reloaded_checkpoint_replays_on_the_same_store(client, tmp_path, mode)
         drive(store, uses, 0, CHECKPOINT_AT)
         save_checkpoint(path, CHECKPOINT_AT, store, model, optimizer)
         saved = load_checkpoint(path)
-        assert_rows_equal(saved["rows"].numpy(), reference_rows(spec, uses, CHECKPOINT_AT), mode)
+        rows = checkpoint_rows(path, saved)  # the shards' files, each written by its worker
+        writers = [f["pid"] for f in saved["rows_files"]["files"]]
+        assert writers == [s.pid().result() for s in store.shards.actors] and os.getpid() not in writers, mode
+        assert_rows_equal(rows.assemble(), reference_rows(spec, uses, CHECKPOINT_AT), mode)
         assert saved["traffic"] == expected_traffic(mode, spec, uses, CHECKPOINT_AT), mode
 
         drive(store, uses, CHECKPOINT_AT, FAILED_AT)

@@ -13,7 +13,7 @@ from dlrmflow.engine.training.faults import KILL_METAVAR
 
 NAME = "train"
 HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, remote, lru or oracle; writes "
-        "final_state.pt and summary.json")
+        "final_state/ (one file per embedding server) and summary.json")
 
 
 # Metavars of the options whose value is not a plain word (the option names: TrainConfig.cli_option).
@@ -169,6 +169,6 @@ def summarize(r: dict[str, Any]) -> str:
         *_parity_lines(r.get("parity")),
         *_checkpoint_lines(r.get("checkpoint")),
         *_timing_lines(r),
-        f"  output             {r['output_dir']}/ (final_state.pt, summary.json, iterations.csv)",
+        f"  output             {r['output_dir']}/ (final_state/, summary.json, iterations.csv)",
     ]
     return "\n".join(lines)

@@ -38,18 +38,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from distributed import Client
 
+from dlrmflow.engine import row_files
 from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
 from dlrmflow.engine.coding.checked_out import CheckedOutRows
 from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
 from dlrmflow.engine.coding.members import member_name, num_stripes, shard_row_counts
 from dlrmflow.engine.coding.parity_batches import ParityBatching, SendParity
 from dlrmflow.engine.coding.rebuild_state import RebuildState
+from dlrmflow.engine.row_files import chunk_stripes, interleave, parity_file
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import LostMembersError, ShardGroup, remote, wait_all
 
@@ -338,35 +341,75 @@ class CodedShardGroup(ShardGroup):
                 raise TimeoutError(f"the rebuild of {sorted(self.state.lost)} did not finish in {timeout} s")
 
     # ---- whole-group reads --------------------------------------------------------------------
-    def all_rows(self) -> np.ndarray:
-        while True:  # a member lost while its rows are read is rebuilt, then read again
+    def _on_members(self, calls: Callable[[], list[tuple[int, Any]]]) -> dict[int, Any]:
+        """The answers of ``calls()`` (actor calls of members, made under the lock once no member is lost
+        and every parity delta is acknowledged); a member lost meanwhile is rebuilt, then all are asked
+        again."""
+        while True:
             self.wait_recovered()
             with self.lock:
-                calls = [(s, remote(self.state.members[s], "local_rows")) for s in range(self.code.k)]
-                rows, error = wait_all(calls)
+                try:
+                    self.settle()
+                except LostMembersError as exc:
+                    self.on_lost(exc.members, exc)
+                    continue
+                results, error = wait_all(calls())
                 if error is None:
-                    break
+                    return results
                 self.on_lost(error.members, error)
+
+    def all_rows(self) -> np.ndarray:
+        rows = self._on_members(lambda: [(s, remote(self.state.members[s], "local_rows")) for s in range(self.code.k)])
         out = np.empty((self.spec.total_rows, self.spec.width), dtype=np.float32)
         for s in range(self.code.k):
             out[s :: self.code.k] = rows[s]
         return out
 
+    def read_stripes(self, start: int, stop: int) -> np.ndarray:
+        rows = self._on_members(lambda: [(s, remote(self.state.members[s], "read_stripes", start, stop))
+                                         for s in range(self.code.k)])
+        return interleave([rows[s] for s in range(self.code.k)], self.spec.width)
+
+    def row_chunks(self, chunk: int | None = None) -> Iterator[np.ndarray]:
+        per = chunk_stripes(self.code.k, chunk or row_files.ROW_CHUNK)
+        for start in range(0, self.n_stripes, per):
+            yield self.read_stripes(start, min(start + per, self.n_stripes))
+
+    def save_rows(self, directory: str | Path, overlay: tuple[np.ndarray, np.ndarray] | None = None, *,
+                  chunk: int | None = None) -> list[dict[str, Any]]:
+        files = self._on_members(lambda: list(enumerate(self._save_calls(directory, overlay, chunk,
+                                                                         self.state.members[: self.code.k]))))
+        return [files[s] for s in range(self.code.k)]
+
+    def save_parity(self, directory: str | Path, *, chunk: int | None = None) -> dict[str, Any]:
+        """Every parity shard writes its rows to ``directory/parity-<p>.npy`` on its worker (after the
+        pending deltas): the manifest's parity entry (``k``, ``r``, the files)."""
+        chunk = chunk or row_files.ROW_CHUNK
+        k = self.code.k
+        files = self._on_members(lambda: [(s, remote(self.state.members[s], "save_rows",
+                                                     str(Path(directory) / parity_file(s - k)), None, None, chunk))
+                                          for s in range(k, self.code.n_shards)])
+        return {"k": k, "r": self.code.r, "files": [files[s] for s in range(k, self.code.n_shards)]}
+
     def stats(self):
         self.wait_recovered()
         return super().stats()
 
-    def verify(self) -> dict[str, Any]:
-        """Recompute parity from the data shards and compare bit for bit with the parity shards."""
-        self.wait_recovered()
-        with self.lock:
-            self.settle()
-            calls = [self.state.members[s].all_local_rows() for s in range(self.code.n_shards)]
-            rows = [c.result() for c in calls]
-        data, parity = rows[: self.code.k], rows[self.code.k :]
-        mismatches = self.code.verify(data, parity)
-        return {"ok": all(len(m) == 0 for m in mismatches), "stripes": self.n_stripes,
-                "mismatched_stripes": [int(len(m)) for m in mismatches], "data": data, "parity": parity}
+    def verify(self, chunk: int | None = None) -> dict[str, Any]:
+        """Recompute parity from the data shards and compare bit for bit with the parity shards, a chunk
+        of stripes at a time (no process holds more than two chunks of the members' rows)."""
+        per = chunk_stripes(self.code.n_shards, chunk or row_files.ROW_CHUNK)
+        mismatched = [np.zeros(0, dtype=np.int64)] * self.code.r
+        for start in range(0, self.n_stripes, per):
+            stop = min(start + per, self.n_stripes)
+            rows = self._on_members(lambda start=start, stop=stop: [
+                (s, remote(self.state.members[s], "read_stripes", start, stop)) for s in range(self.code.n_shards)])
+            found = self.code.verify([rows[s] for s in range(self.code.k)],
+                                     [rows[s] for s in range(self.code.k, self.code.n_shards)])
+            mismatched = [np.concatenate([m, f + start]) for m, f in zip(mismatched, found, strict=True)]
+        return {"ok": all(len(m) == 0 for m in mismatched), "stripes": self.n_stripes,
+                "mismatched_stripes": [int(len(m)) for m in mismatched], "first_mismatches": [m[:5].tolist()
+                                                                                      for m in mismatched]}
 
     def close(self) -> None:
         with self.lock:

@@ -7,6 +7,13 @@ and applies sequenced writes); stripe ``j`` is local row ``j`` of every data sha
 bit patterns (:mod:`dlrmflow.engine.coding.erasure`). Member index ``s`` names both kinds: ``0..K-1`` data,
 ``K..K+R-1`` parity.
 
+A parity shard started by :func:`~dlrmflow.engine.coding.start.start_coded_shards` encodes its rows from
+the data shards' rows streamed to it a chunk of stripes at a time (:func:`encode_parity_from_members`,
+run on the parity shard's worker), never from every data shard's rows in one process: at a run's start
+those are the initial rows, on a resume the checkpoint's. ``ParityShard(initialise=True)`` instead
+generates the initial rows of every data shard itself, a chunk at a time (tests, and the rows of a
+replacement's fresh stripes).
+
 Each member owns its rows, the set of write-back batches it applied (so a resent batch is applied
 once), which of its rows are still *fresh* (to be generated from the seed when first read) and which
 rebuild it is the target of. Its actor thread is the only writer of these, except a rebuild's copy
@@ -24,8 +31,9 @@ from distributed import Client, Future
 from dlrmflow.engine.coding import gf256
 from dlrmflow.engine.coding.erasure import ErasureCode, gather_stripes
 from dlrmflow.engine.coding.prefault import prefault_in_background
+from dlrmflow.engine.row_files import ROW_CHUNK, chunk_stripes, write_rows_file
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.serving.shards import EmbeddingShard
+from dlrmflow.engine.serving.shards import EmbeddingShard, answer, call_server
 
 ENCODE_CHUNK_STRIPES = 1 << 16  # stripes encoded per step (bounds the temporaries)
 
@@ -127,6 +135,13 @@ class SequencedMember:
             self.overwritten(stripes)
         return len(stripes)
 
+    def save_rows(self, path: str, overlay_local: np.ndarray | None = None, overlay_rows: np.ndarray | None = None,
+                  chunk: int = ROW_CHUNK) -> dict:
+        """Write every row (fresh ones generated, a chunk at a time) to the rows file ``path`` in this
+        process, as :meth:`EmbeddingShard.save_rows`; the file's manifest entry."""
+        overlay = None if overlay_local is None else (overlay_local, overlay_rows)
+        return write_rows_file(path, len(self.rows), self.spec.width, self.read_stripes, overlay=overlay, chunk=chunk)
+
     def all_local_rows(self) -> np.ndarray:
         """Every row (fresh ones generated), a copy."""
         self.materialise(slice(None))
@@ -166,6 +181,12 @@ class CodedShard(SequencedMember, EmbeddingShard):
     def local_rows(self) -> np.ndarray:
         return self.all_local_rows()
 
+    def load_rows(self, path: str, sha256: str | None = None, chunk: int = ROW_CHUNK) -> int:
+        """Every row from a rows file (a checkpoint's): none is fresh afterwards."""
+        n = EmbeddingShard.load_rows(self, path, sha256, chunk)
+        self.fresh = None
+        return n
+
     def exchange_seq(self, seq: int, write_ids: np.ndarray, write_rows: np.ndarray, fetch_ids: np.ndarray,
                      gather: np.ndarray | None = None):
         """Apply write-back batch ``seq`` (once), fetch rows; with ``gather``, also return this shard's
@@ -201,6 +222,39 @@ def encode_parity_of_initial_rows(spec: RowSpec, code: ErasureCode, p: int,
                     gf256.mul_xor_into(part, code.coefficient(p, i), rows)
                     acc_bytes[lo:hi][inside] = part
     return out
+
+
+def encode_parity_from_members(code: ErasureCode, width: int, data: list, parity, p: int, n_stripes: int,
+                               chunk: int = 0) -> int:
+    """Encode parity shard ``p``'s rows from the data shards' rows as they are now, streamed: for each
+    chunk of ``chunk`` stripes (default: a chunk of rows, :data:`~dlrmflow.engine.row_files.ROW_CHUNK`,
+    over the K shards) read the K data shards' rows of those stripes (``data``: their actors; the next
+    chunk's reads go out before this chunk is encoded), XOR ``C[p, i] * rows`` together and install the
+    result on ``parity`` (its actor, or the member object itself when this process hosts it). At most
+    two chunks of data rows are held at once. Returns the stripes encoded."""
+    k = code.k
+    chunk = chunk or chunk_stripes(k, ROW_CHUNK)
+
+    def reads(start: int) -> list:
+        return [call_server(member, "read_stripes", start, min(start + chunk, n_stripes)) for member in data]
+
+    calls = reads(0) if n_stripes else []
+    for start in range(0, n_stripes, chunk):
+        stop = min(start + chunk, n_stripes)
+        pieces = [answer(call) for call in calls]
+        if stop < n_stripes:
+            calls = reads(stop)
+        acc = np.zeros((stop - start, width * 4), dtype=np.uint8)
+        for i, piece in enumerate(pieces):  # a shorter data shard adds zero rows past its end
+            if len(piece):
+                gf256.mul_xor_into(acc[: len(piece)], code.coefficient(p, i),
+                                   np.ascontiguousarray(piece).view(np.uint8))
+        rows = acc.view(np.float32)
+        if isinstance(parity, SequencedMember):
+            parity.install(start, rows)
+        else:
+            answer(call_server(parity, "install", start, rows))
+    return n_stripes
 
 
 class ParityShard(SequencedMember):

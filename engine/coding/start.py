@@ -1,4 +1,9 @@
-"""Starting a coded shard group: members placed on the cluster, standby replacements on a spare worker."""
+"""Starting a coded shard group: members placed on the cluster, standby replacements on a spare worker.
+
+The data shards start from their initial rows or, on a resume, each from its own checkpoint file; the
+parity shards then encode themselves from the data shards' rows streamed to their workers a chunk of
+stripes at a time (:func:`~dlrmflow.engine.coding.members.encode_parity_from_members`): the rows of the
+data shards never meet in one process."""
 
 from __future__ import annotations
 
@@ -7,15 +12,18 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
+from dlrmflow.engine import row_files
 from dlrmflow.engine.coding.erasure import ErasureCode
 from dlrmflow.engine.coding.group import PARITY_BATCHES, REBUILD_CHUNK, CodedShardGroup, RecoveryRunner
-from dlrmflow.engine.coding.members import start_member
+from dlrmflow.engine.coding.members import encode_parity_from_members, num_stripes, start_member
 from dlrmflow.engine.coding.rebuild import start_rebuild_thread
 from dlrmflow.engine.coding.rebuild_state import Standby
+from dlrmflow.engine.row_files import ShardedRows, as_sharded, chunk_stripes
 from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.dask_internals import local_actor
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.placement import choose_rebuild_worker, place
-from dlrmflow.engine.serving.shards import remote, wait_all, warm_up_workers
+from dlrmflow.engine.serving.shards import answer, remote, wait_all, warm_up_workers
 
 
 def place_members(client: Client, n: int) -> tuple[list[str], bool]:
@@ -30,20 +38,20 @@ def place_members(client: Client, n: int) -> tuple[list[str], bool]:
 def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: int, *,
                        rebuild_chunk: int = REBUILD_CHUNK, parity_batches: int = PARITY_BATCHES,
                        rebuild_rate: float = 0.0, recovery_runner: RecoveryRunner | None = None,
-                       rows: np.ndarray | None = None) -> CodedShardGroup:
+                       rows: np.ndarray | ShardedRows | None = None) -> CodedShardGroup:
     """K coded data shards and R parity shards: parity = the encoding of the initial rows, or of
-    ``rows`` ``[total_rows, width]`` when given (a resumed run's checkpoint)."""
+    ``rows`` when given (a resumed run's checkpoint: its shard files, each data shard reading its own,
+    or an older checkpoint's rows ``[total_rows, width]``), streamed from the data shards."""
     code = ErasureCode(num_shards, parity)
     workers, shared = place_members(client, code.n_shards)
     # Every worker, spares included, imports the copy tasks' code now: a rebuild starts at once.
     warm_up_workers(client, "dlrmflow.engine.coding.rebuild")
-    futures = [start_member(client, spec, code, s, w, initialise=rows is None) for s, w in enumerate(workers)]
+    futures = [start_member(client, spec, code, s, w, initialise=rows is None and s < code.k)
+               for s, w in enumerate(workers)]
     actors = [f.result() for f in futures]
     if rows is not None:
-        data = [np.ascontiguousarray(rows[i :: code.k]) for i in range(code.k)]
-        pieces = [*data, *code.encode(data)]  # shorter data shards count as zero-padded, as in the group
-        for call in [actors[s].install(0, piece) for s, piece in enumerate(pieces)]:
-            call.result()
+        restore_data_shards(code, as_sharded(rows), actors[: code.k])
+    encode_parity(client, spec, code, actors, workers)
     group = CodedShardGroup(spec, client, code, actors, futures, workers, rebuild_chunk=rebuild_chunk,
                             parity_batches=parity_batches, rebuild_rate=rebuild_rate, recovery_runner=recovery_runner,
                             start_rebuild=start_rebuild_thread)
@@ -52,6 +60,37 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
     group.shared_workers = shared
     group.state.standbys_set(start_standbys(client, spec, code, actors, workers))
     return group
+
+
+def restore_data_shards(code: ErasureCode, rows: ShardedRows, data: list) -> None:
+    """Each data shard's rows from a checkpoint: read by the shard from its own file, or (an older
+    checkpoint, whole rows in this process) installed from here."""
+    if rows.files is not None and rows.num_shards == code.k:
+        calls = [data[i].load_rows(path, sha, row_files.ROW_CHUNK) for i, (path, sha) in enumerate(rows.files)]
+    else:
+        calls = [data[i].install(0, rows.local_rows(i, code.k)) for i in range(code.k)]
+    for call in calls:
+        answer(call)
+
+
+def encode_parity(client: Client, spec: RowSpec, code: ErasureCode, members: list, workers: list[str]) -> None:
+    """Every parity shard encodes its rows from the data shards' current rows, on its own worker
+    (:func:`encode_parity_task`), all at once."""
+    n_stripes, chunk = num_stripes(spec, code.k), chunk_stripes(code.k, row_files.ROW_CHUNK)
+    futures = [client.submit(encode_parity_task, code.k, code.r, s - code.k, members[: code.k], members[s],
+                             spec.width, n_stripes, chunk, workers=[workers[s]], allow_other_workers=False,
+                             pure=False)
+               for s in range(code.k, code.n_shards)]
+    client.gather(futures)
+
+
+def encode_parity_task(k: int, r: int, p: int, data: list[Any], parity: Any, width: int, n_stripes: int,
+                       chunk: int) -> int:
+    """Runs as a Dask task on parity shard ``p``'s worker: its rows encoded from the data shards' rows,
+    streamed worker to worker (:func:`~dlrmflow.engine.coding.members.encode_parity_from_members`), and
+    installed in memory on the parity shard this worker hosts."""
+    return encode_parity_from_members(ErasureCode(k, r), width, data, local_actor(parity) or parity, p, n_stripes,
+                                      chunk)
 
 
 def start_standbys(client: Client, spec: RowSpec, code: ErasureCode, members: list,

@@ -1,5 +1,12 @@
 """Checking parity: at the end of a run (the group's parity shards against its data shards) and
-afterwards (a run directory's saved parity against its final rows, ``dlrmflow verify``)."""
+afterwards (a run directory's saved parity against its final rows, ``dlrmflow verify``).
+
+Both read a chunk of stripes at a time: the end-of-run check from the members (:meth:`CodedShardGroup.verify`),
+``dlrmflow verify`` from the files each member wrote (``final_state/shard-<i>.npy`` and
+``parity-<p>.npy``), checking on the way every file's SHA-256 against the manifest and the state
+SHA-256 (the rows of a chunk of stripes are consecutive ids). An older run's ``final_state.pt`` and
+``parity_shards.pt`` are read memory-mapped, a chunk at a time too.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +16,38 @@ from typing import Any
 
 import numpy as np
 
+from dlrmflow.engine import row_files
 from dlrmflow.engine.coding.erasure import ErasureCode
 from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.row_files import RowFileReader, ShardedRows, chunk_stripes, file_sha256, interleave
+from dlrmflow.engine.run_state import (
+    PARITY_FILE,
+    STATE_DIR,
+    STATE_FILE,
+    StateDigest,
+    load_dense,
+    read_manifest,
+)
 
-PARITY_FILE = "parity_shards.pt"
+__all__ = ["PARITY_FILE", "parity_report", "save_parity", "verify_run_dir"]
 
 
-def parity_report(group: CodedShardGroup, run_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+def parity_report(group: CodedShardGroup, state_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """The end-of-run check: parity recomputed from the data shards equals the parity shards, bit for
-    bit. With ``run_dir`` the parity shards are saved next to final_state.pt (``dlrmflow verify``)."""
+    bit. With ``state_dir`` (a final state being written) each parity shard writes its rows there
+    (``dlrmflow verify``): the report's ``files`` is the manifest's parity entry."""
     result = group.verify()
-    if run_dir is not None:
-        save_parity(run_dir, group.code, result["parity"])
     report = group.summary()
     report["verify"] = {"ok": result["ok"], "stripes": result["stripes"],
                         "mismatched_stripes": result["mismatched_stripes"]}
+    if state_dir is not None:
+        report["files"] = group.save_parity(state_dir)
     return report
 
 
 def save_parity(run_dir: str | os.PathLike, code: ErasureCode, parity: list[np.ndarray]) -> Path:
+    """Parity shards held whole, as an older run saved them (``parity_shards.pt``, next to final_state.pt)."""
     import torch
 
     path = Path(run_dir) / PARITY_FILE
@@ -39,22 +58,79 @@ def save_parity(run_dir: str | os.PathLike, code: ErasureCode, parity: list[np.n
     return path
 
 
-def verify_run_dir(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """Recompute parity from a finished run's embedding rows (final_state.pt, split into the K data
-    shards: row id on shard id % K) and compare it with the parity shards it saved."""
-    import torch
-
-    from dlrmflow.engine.run_state import STATE_FILE, load_state
-
+def verify_run_dir(run_dir: str | os.PathLike, chunk: int | None = None) -> dict[str, Any]:
+    """Recompute parity from a finished run's embedding rows and compare it with the parity shards it
+    saved, a chunk of stripes at a time (row id on data shard id % K). A run's ``final_state/``: each
+    file's SHA-256 and the state SHA-256 are checked on the same pass (``files_ok``, ``state_sha256_ok``);
+    an older run's final_state.pt and parity_shards.pt: the parity only."""
     run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir) if (run_dir / STATE_DIR).is_dir() else None
+    per_chunk = chunk or row_files.ROW_CHUNK
+    if manifest is not None:
+        if "parity" not in manifest:
+            raise UserInputError(f"{run_dir} was trained without --parity (its {STATE_DIR}/ holds no parity "
+                                 "shards): verify needs a finished run trained with --parity")
+        return _verify_files(run_dir, manifest, per_chunk)
     for name in (STATE_FILE, PARITY_FILE):
         if not (run_dir / name).is_file():
             raise UserInputError(f"{run_dir} has no {name}: verify needs a finished run trained with --parity")
-    saved = torch.load(run_dir / PARITY_FILE, map_location="cpu", weights_only=True)
-    rows = load_state(run_dir)["embedding"]["rows"].numpy()
+    return _verify_single_files(run_dir, per_chunk)
+
+
+def _result(run_dir: Path, code: ErasureCode, stripes: int, mismatches: list[list[np.ndarray]]) -> dict[str, Any]:
+    found = [np.concatenate(m) if m else np.zeros(0, dtype=np.int64) for m in mismatches]
+    return {"run_dir": str(run_dir), "k": code.k, "r": code.r, "stripes": int(stripes),
+            "ok": all(len(m) == 0 for m in found), "mismatched_stripes": [int(len(m)) for m in found],
+            "first_mismatches": [m[:5].tolist() for m in found]}
+
+
+def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int) -> dict[str, Any]:
+    directory = Path(manifest["dir"])
+    code = ErasureCode(int(manifest["parity"]["k"]), int(manifest["parity"]["r"]))
+    if manifest["num_shards"] != code.k:
+        raise UserInputError(f"{directory} holds {manifest['num_shards']} data shard files for k={code.k}")
+    entries = [*manifest["shards"], *manifest["parity"]["files"]]
+    readers = [RowFileReader(directory / e["file"]) for e in entries]
+    try:
+        stripes = readers[0].shape[0]
+        digest = StateDigest(load_dense(directory)).rows(manifest["total_rows"], manifest["width"])
+        mismatches: list[list[np.ndarray]] = [[] for _ in range(code.r)]
+        per = chunk_stripes(code.n_shards, chunk)
+        for start in range(0, stripes, per):
+            pieces = [reader.read(per) for reader in readers]
+            data = pieces[: code.k]
+            digest.update(interleave(data, manifest["width"]))
+            for p, found in enumerate(code.verify(data, pieces[code.k :])):
+                mismatches[p].append(found + start)
+        bad = [e["file"] for e, reader in zip(entries, readers, strict=True) if reader.sha256() != e["sha256"]]
+        if file_sha256(directory / manifest["dense"]["file"]) != manifest["dense"]["sha256"]:
+            bad.append(manifest["dense"]["file"])
+    finally:
+        for reader in readers:
+            reader.close()
+    result = _result(run_dir, code, stripes, mismatches)
+    state = digest.hexdigest()
+    result.update({"files_ok": not bad, "damaged_files": bad, "state_sha256": state,
+                   "state_sha256_ok": state == manifest["state_sha256"]})
+    result["parity_ok"] = result["ok"]
+    result["ok"] = result["parity_ok"] and result["files_ok"] and result["state_sha256_ok"]
+    return result
+
+
+def _verify_single_files(run_dir: Path, chunk: int) -> dict[str, Any]:
+    import torch
+
+    saved = torch.load(run_dir / PARITY_FILE, map_location="cpu", weights_only=True, mmap=True)
+    state = torch.load(run_dir / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     code = ErasureCode(int(saved["k"]), int(saved["r"]))
-    data = [np.ascontiguousarray(rows[i :: code.k]) for i in range(code.k)]
-    mismatches = code.verify(data, [p.numpy() for p in saved["parity"]])
-    return {"run_dir": str(run_dir), "k": code.k, "r": code.r, "stripes": int(len(data[0])),
-            "ok": all(len(m) == 0 for m in mismatches), "mismatched_stripes": [int(len(m)) for m in mismatches],
-            "first_mismatches": [m[:5].tolist() for m in mismatches]}
+    rows = ShardedRows.from_array(state["embedding"]["rows"].numpy(), code.k)
+    parity = [p.numpy() for p in saved["parity"]]
+    stripes = len(rows.shards[0])
+    mismatches: list[list[np.ndarray]] = [[] for _ in range(code.r)]
+    per = chunk_stripes(code.n_shards, chunk)
+    for start in range(0, stripes, per):
+        stop = min(start + per, stripes)
+        data = [np.ascontiguousarray(s[start:stop]) for s in rows.shards]
+        for p, found in enumerate(code.verify(data, [np.ascontiguousarray(q[start:stop]) for q in parity])):
+            mismatches[p].append(found + start)
+    return _result(run_dir, code, stripes, mismatches)

@@ -10,17 +10,36 @@ convert values.
 :class:`ShardGroup` is the trainer's side: it splits a sorted id array by shard, calls all
 shards concurrently, and reassembles the answers in the caller's order. It counts the bytes
 it moved.
+
+Whole-table reads never meet in one process: each shard writes its own rows to a file
+(:meth:`EmbeddingShard.save_rows`; a checkpoint's overlaid with the trainer's newer copies) and starts
+again from it (:meth:`EmbeddingShard.load_rows`), and :meth:`ShardGroup.row_chunks` streams the rows in
+global id order a chunk of stripes at a time (:mod:`dlrmflow.engine.row_files`). :meth:`ShardGroup.all_rows`
+gathers everything, for tests and small tables only.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from distributed import Actor, Client
 
+from dlrmflow.engine import row_files
+from dlrmflow.engine.row_files import (
+    ROW_CHUNK,
+    chunk_stripes,
+    interleave,
+    local_count,
+    read_rows_file,
+    shard_file,
+    write_rows_file,
+)
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
 from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
@@ -87,6 +106,31 @@ class EmbeddingShard:
     def local_rows(self) -> np.ndarray:
         """All rows of this shard in local-index order (a copy)."""
         return self.rows.copy()
+
+    def read_stripes(self, start: int, stop: int) -> np.ndarray:
+        """Local rows ``[start, stop)`` (in a coded group: stripes), not copied: read them while nothing
+        writes (the end of a run, a checkpoint)."""
+        return self.rows[start:stop]
+
+    def save_rows(self, path: str, overlay_local: np.ndarray | None = None, overlay_rows: np.ndarray | None = None,
+                  chunk: int = ROW_CHUNK) -> dict[str, Any]:
+        """Write this shard's rows to ``path`` (a rows file of :mod:`dlrmflow.engine.row_files`), in this
+        process, a chunk at a time; with the rows at the sorted local indices ``overlay_local`` replaced by
+        ``overlay_rows`` (a checkpoint's newer copies: this shard's own rows do not change). Returns the
+        file's manifest entry (its SHA-256 and the writer's pid among them)."""
+        overlay = None if overlay_local is None else (overlay_local, overlay_rows)
+        return write_rows_file(path, len(self.rows), self.spec.width, self.read_stripes, overlay=overlay, chunk=chunk)
+
+    def load_rows(self, path: str, sha256: str | None = None, chunk: int = ROW_CHUNK) -> int:
+        """Every row of this shard from the rows file ``path`` (one it wrote: a checkpoint's), copied as
+        bytes a chunk at a time; ValueError when the file holds another shape or, ``sha256`` given, other
+        bytes."""
+        read_rows_file(path, self.rows, sha256=sha256, chunk=chunk)
+        return len(self.rows)
+
+    def pid(self) -> int:
+        """The process holding this shard (a test checks who wrote a file)."""
+        return os.getpid()
 
     def stats(self) -> dict[str, int]:
         return {"shard": self.shard, "rows": len(self.rows), "rows_fetched": self.rows_fetched,
@@ -155,8 +199,57 @@ class ShardGroup:
         """Store ``rows`` for ``ids`` on their shards; returns once every shard acknowledged."""
         self.exchange(ids, rows, _NO_IDS)
 
+    def read_stripes(self, start: int, stop: int) -> np.ndarray:
+        """Rows of stripes ``[start, stop)`` (local rows ``start .. stop - 1`` of every shard: global ids
+        ``start*K .. min(stop*K, total_rows) - 1``) in id order; not counted as traffic."""
+        return interleave([answer(call) for call in self._stripe_calls(start, stop)], self.spec.width)
+
+    def _stripe_calls(self, start: int, stop: int) -> list[Any]:
+        return [call_server(actor, "read_stripes", start, stop) for actor in self.actors]
+
+    def row_chunks(self, chunk: int | None = None) -> Iterator[np.ndarray]:
+        """Every row in global id order, at most ``chunk`` rows (default :data:`~dlrmflow.engine.row_files.ROW_CHUNK`)
+        at a time, whole stripes; the next chunk's reads go out before a chunk is handed on. Not counted
+        as traffic."""
+        per = chunk_stripes(self.num_shards, chunk or row_files.ROW_CHUNK)
+        starts = list(range(0, local_count(self.spec.total_rows, 0, self.num_shards), per))
+        calls = self._stripe_calls(starts[0], starts[0] + per) if starts else []
+        for i in range(len(starts)):
+            pieces = [answer(call) for call in calls]
+            if i + 1 < len(starts):
+                calls = self._stripe_calls(starts[i + 1], starts[i + 1] + per)
+            yield interleave(pieces, self.spec.width)
+
+    def save_rows(self, directory: str | Path, overlay: tuple[np.ndarray, np.ndarray] | None = None, *,
+                  chunk: int | None = None) -> list[dict[str, Any]]:
+        """Every shard writes its rows to ``directory/shard-<k>.npy`` on its worker (``directory`` must be
+        that worker's path to it too), concurrently; ``overlay``: sorted global ids and rows written in
+        place of the shards' (:meth:`EmbeddingShard.save_rows`). The files' manifest entries, by shard."""
+        return [answer(call) for call in self._save_calls(directory, overlay, chunk, self.actors)]
+
+    def _save_calls(self, directory: str | Path, overlay: tuple[np.ndarray, np.ndarray] | None, chunk: int | None,
+                    actors: list[Any]) -> list[Any]:
+        k, chunk = len(actors), chunk or row_files.ROW_CHUNK
+        ids, rows = overlay if overlay is not None else (np.zeros(0, np.int64), np.zeros((0, self.spec.width)))
+        ids = np.asarray(ids, dtype=np.int64)
+        calls = []
+        for i, actor in enumerate(actors):
+            mine = np.flatnonzero(ids % k == i)
+            local = ids[mine] // k if len(mine) else None
+            held = np.ascontiguousarray(np.asarray(rows, dtype=np.float32)[mine]) if len(mine) else None
+            calls.append(remote(actor, "save_rows", str(Path(directory) / shard_file(i)), local, held, chunk))
+        return calls
+
+    def load_rows(self, files: list[tuple[str, str | None]], *, chunk: int | None = None) -> None:
+        """Every shard reads its own rows file (``files[k]``: path and SHA-256), concurrently."""
+        chunk = chunk or row_files.ROW_CHUNK
+        for call in [call_server(actor, "load_rows", path, sha, chunk)
+                     for actor, (path, sha) in zip(self.actors, files, strict=True)]:
+            answer(call)
+
     def all_rows(self) -> np.ndarray:
-        """Every row ``[total_rows, width]`` in global id order."""
+        """Every row ``[total_rows, width]`` in global id order, in this process: for tests and small tables
+        (a run streams them with :meth:`row_chunks` and has the shards write them with :meth:`save_rows`)."""
         out = np.empty((self.spec.total_rows, self.spec.width), dtype=np.float32)
         calls = [actor.local_rows() for actor in self.actors]
         for k, call in enumerate(calls):

@@ -1,24 +1,31 @@
 """Checkpoints: the baseline parity must beat, and what lets a crashed trainer resume.
 
 ``--checkpoint-every N`` (modes remote, lru and oracle, with or without ``--parity``): before
-iterations ``0, N, 2N, ...`` the trainer writes ``RUN_DIR/checkpoint.pt`` atomically (temp file +
-rename) with every embedding row (the shards' rows overlaid with the rows the trainer holds newer
-copies of: the pending write-back, the LRU cache, or the oracle's cache once its prefetch worker
-is idle, i.e. every eviction before the checkpoint written back), the dense parameters, the dense optimizer state,
-the plan position (the next iteration) and the training log so far (losses, timings, metrics).
-The rows, the traffic and the LRU cache's slots come from the row store's checkpoint view (``logical_rows``,
+iterations ``0, N, 2N, ...`` every embedding shard writes its rows, overlaid with the rows the trainer
+holds newer copies of (the pending write-back, the LRU cache, or the oracle's cache once its prefetch
+worker is idle, i.e. every eviction before the checkpoint written back), to its own file
+``RUN_DIR/checkpoint_rows/<slot>/shard-<k>.npy``, on its worker; then trainer 0 writes
+``RUN_DIR/checkpoint.pt`` atomically (temp file + rename) with those files' names and SHA-256s, the
+dense parameters, the dense optimizer state, the plan position (the next iteration) and the training
+log so far (losses, timings, metrics). No process holds every row. Checkpoints alternate between two
+slots (``a``, ``b``): the files of the checkpoint that ``checkpoint.pt`` names stay intact until the
+next ``checkpoint.pt`` has replaced it, so a crash at any point leaves one whole checkpoint.
+The rows, the traffic and the LRU cache's slots come from the row store's checkpoint view (``held_rows``,
 ``traffic``, ``cache_state``, ``drop_pending``, ``replace_shards``, ``restart_at``, ``restore_cache``:
 :mod:`.stores.base`), the same calls in every mode; a store restarted with the cache it had makes the
 uninterrupted run's fetches and write-backs, so a resumed run reports the same traffic totals.
+Restoring starts every shard from its own file (it reads it on its worker); the store reads the few
+rows it caches from the files too (:class:`~dlrmflow.engine.row_files.ShardedRows`). A checkpoint.pt of
+an older version (format 1: every row in the file) is still read.
 
 Two failures use it:
 
 - a lost shard without parity (a call to its actor fails because its worker died): the trainer
-  reloads the file into K fresh shards, drops its cache, restores the dense state and replays the
-  iterations since the checkpoint (:class:`Checkpointer`);
+  starts K fresh shards from the checkpoint's files, drops its cache, restores the dense state and
+  replays the iterations since the checkpoint (:class:`Checkpointer`);
 - the trainer itself dies (SIGKILL, a crashed flow-run process): ``dlrmflow resume RUN_DIR``
-  starts a new trainer from the file (with parity, the parity shards are re-encoded from the
-  restored rows).
+  starts a new trainer from the checkpoint (with parity, the parity shards are re-encoded from the
+  restored data shards, streamed to them).
 
 The oracle's cache is not in the file: at plan position ``t`` the plan alone says which ids are
 cached in which slots (replay its prefetches and evictions of ``0 .. t-1``), and the file holds
@@ -31,8 +38,9 @@ A checkpointed run directory::
 
     run_config.json   written before any work: the TrainConfig, the dataset and plan fingerprints
     UNFINISHED        the run has not finished: removed once summary.json is written
-    checkpoint.pt     the last checkpoint
-    final_state.pt, summary.json, iterations.csv   as for every run (:mod:`.run_state`)
+    checkpoint.pt     the last checkpoint (all but the rows; it names its rows files)
+    checkpoint_rows/a/, checkpoint_rows/b/   shard-<k>.npy: the rows of the last two checkpoints
+    final_state/, summary.json, iterations.csv   as for every run (:mod:`dlrmflow.engine.run_state`)
 
 ``dlrmflow train`` refuses an ``--output`` holding an unfinished run with a checkpoint (and names
 the ``dlrmflow resume`` command); a resume refuses a run without a checkpoint, a finished run, a
@@ -46,6 +54,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import socket
 import time
 from collections.abc import Collection
@@ -56,9 +65,9 @@ import numpy as np
 import torch
 from distributed import Client
 
-from dlrmflow.engine.coding.verify import PARITY_FILE
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.run_state import ITERATIONS_FILE, STATE_FILE, SUMMARY_FILE
+from dlrmflow.engine.row_files import ShardedRows, as_sharded
+from dlrmflow.engine.run_state import ITERATIONS_FILE, PARITY_FILE, STATE_DIR, STATE_FILE, SUMMARY_FILE
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.placement import place
@@ -75,12 +84,16 @@ from dlrmflow.engine.training.prefetch import PrefetchError
 from dlrmflow.engine.training.stores.base import ShardRows
 
 CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_ROWS_DIR = "checkpoint_rows"
+CHECKPOINT_SLOTS = ("a", "b")  # the rows of a checkpoint go to the slot the current checkpoint.pt does not name
 RUN_CONFIG_FILE = "run_config.json"
 UNFINISHED_FILE = "UNFINISHED"
 CHECKPOINT_MODES = ("remote", "lru", "oracle")
-CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 1  # run_config.json's
+CHECKPOINT_FILE_VERSION = 2  # checkpoint.pt's: 2 names per-shard rows files; 1 (still read) held every row
 # Everything a run writes into its directory before summary.json (the leftovers of a run that stopped).
-RUN_FILES = frozenset({STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, RUN_CONFIG_FILE, UNFINISHED_FILE})
+RUN_FILES = frozenset({STATE_DIR, STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, CHECKPOINT_ROWS_DIR,
+                       RUN_CONFIG_FILE, UNFINISHED_FILE})
 # Not part of a run's identity: where its directory is now, the resume flag itself, and where the
 # data and plan lie (their fingerprints say whether they are the same).
 NOT_COMPARED = ("output_dir", "resume", "dataset_dir", "plan_dir")
@@ -94,9 +107,11 @@ class ResumeError(UserInputError):
 
 
 class RestoredShard(EmbeddingShard):
-    """An embedding shard that starts from given rows (a checkpoint's) instead of the initial ones:
-    created empty, then :meth:`restore` receives its rows in an actor call, straight from the
-    trainer to the worker (as task arguments they would travel inside the graph, via the scheduler)."""
+    """An embedding shard that starts from a checkpoint's rows instead of the initial ones: created
+    empty, then it reads its own rows file (:meth:`~dlrmflow.engine.serving.shards.EmbeddingShard.load_rows`)
+    or, from an older checkpoint that held every row, :meth:`restore` receives its rows in an actor
+    call, straight from the trainer to the worker (as task arguments they would travel inside the
+    graph, via the scheduler)."""
 
     def __init__(self, spec: RowSpec, shard: int, num_shards: int) -> None:
         super().__init__(spec, shard, num_shards, initialise=False)
@@ -110,7 +125,7 @@ class RestoredShard(EmbeddingShard):
         return len(rows)
 
 
-def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | None = None, *,
+def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray | ShardedRows | None = None, *,
                         avoid: Collection[str] | None = None) -> ShardGroup:
     """K shards placed like every group's (:func:`~dlrmflow.engine.serving.placement.place`), remembering where
     each is (``worker_of``). At a run's start every worker is warmed up (spares included: a restore
@@ -126,8 +141,11 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
     futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)
                for i, w in enumerate(placed)]
     group = ShardGroup(spec, [f.result() for f in futures], futures, worker_of=list(placed))
-    if rows is not None:
-        for call in [actor.restore(np.ascontiguousarray(rows[i::k])) for i, actor in enumerate(group.actors)]:
+    rows = as_sharded(rows)
+    if rows is not None and rows.files is not None and rows.num_shards == k:
+        group.load_rows(rows.files)  # each shard reads its own file
+    elif rows is not None:
+        for call in [actor.restore(rows.local_rows(i, k)) for i, actor in enumerate(group.actors)]:
             answer(call)
     return group
 
@@ -148,20 +166,41 @@ def is_lost_shard(exc: BaseException) -> bool:
 # ---- the checkpoint file ----------------------------------------------------------------------------
 
 
+def rows_slot(path: Path) -> str:
+    """The slot of ``checkpoint_rows/`` the next checkpoint writes its rows to: the one the checkpoint
+    at ``path`` does not name."""
+    current = None
+    try:
+        current = (load_checkpoint(path, mmap=True).get("rows_files") or {}).get("dir")
+    except (FileNotFoundError, ResumeError):
+        pass
+    first, second = CHECKPOINT_SLOTS
+    return second if current == f"{CHECKPOINT_ROWS_DIR}/{first}" else first
+
+
 def save_checkpoint(path: Path, t: int, store: ShardRows, model: torch.nn.Module, optimizer, log=None,
                     config_sha256: str | None = None) -> dict[str, Any]:
-    """Write the checkpoint taken before iteration ``t``: the store's logical rows and traffic (its
-    checkpoint view, :mod:`.stores.base`), the dense state and the training log so far."""
+    """Write the checkpoint taken before iteration ``t``: every shard writes its rows overlaid with the
+    store's held rows (its checkpoint view, :mod:`.stores.base`) to its own file in the free slot, then
+    ``path`` (checkpoint.pt) names them, with the store's traffic, the dense state and the training log."""
     start = time.perf_counter()
-    state = {"format_version": CHECKPOINT_FORMAT_VERSION, "iteration": t, "config_sha256": config_sha256,
-             "rows": torch.from_numpy(store.logical_rows()),
+    path = Path(path)
+    relative = f"{CHECKPOINT_ROWS_DIR}/{rows_slot(path)}"
+    directory = path.parent.resolve() / relative
+    shutil.rmtree(directory, ignore_errors=True)  # an older checkpoint's: checkpoint.pt names the other slot
+    directory.mkdir(parents=True)
+    files = store.shards.save_rows(directory, store.held_rows())
+    state = {"format_version": CHECKPOINT_FILE_VERSION, "iteration": t, "config_sha256": config_sha256,
+             "rows_files": {"dir": relative, "total_rows": store.spec.total_rows, "width": store.spec.width,
+                            "num_shards": len(files), "files": files},
              "dense": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "dense_optimizer": optimizer.state_dict(), "traffic": store.traffic(),
              "cache": _as_tensors(store.cache_state()), "log": None if log is None else log.snapshot(t)}
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
-    return {"iteration": t, "seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
+    return {"iteration": t, "seconds": time.perf_counter() - start,
+            "bytes": path.stat().st_size + sum(int(f["bytes"]) for f in files)}
 
 
 def _as_tensors(arrays: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor] | None:
@@ -176,12 +215,28 @@ def cache_of(state: dict[str, Any]) -> dict[str, np.ndarray] | None:
 
 
 def load_checkpoint(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """checkpoint.pt as saved (its rows, format 2, are only named: :func:`checkpoint_rows` reads them)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise
     except Exception as exc:  # a truncated or foreign file: say which, not a pickle traceback
         raise ResumeError(f"{path} cannot be read as a checkpoint ({exc}); delete it to start the run over") from exc
+
+
+def checkpoint_rows(path: Path, state: dict[str, Any]) -> ShardedRows:
+    """The rows of the checkpoint ``state`` loaded from ``path``: a view of its shard files (memory-mapped:
+    a shard started from it reads its own file, a store reads the rows it caches), or of the rows an
+    older checkpoint holds."""
+    if "rows_files" not in state:  # format 1: every row in checkpoint.pt
+        return ShardedRows.from_array(state["rows"].numpy(), 1)
+    info = state["rows_files"]
+    try:
+        return ShardedRows.from_files(Path(path).parent / info["dir"], info["files"], info["total_rows"],
+                                      info["width"])
+    except (OSError, ValueError) as exc:
+        raise ResumeError(f"the rows files of {path} ({info['dir']}/) cannot be read ({exc}); delete "
+                          f"{Path(path).name} to start the run over") from exc
 
 
 def checkpoint_iteration(path: Path) -> int | None:
@@ -201,7 +256,7 @@ def restore_checkpoint(path: Path, client: Client, store: ShardRows, model: torc
     """Reload ``path`` into fresh shards, the store (restarted at the checkpoint's iteration, what it
     held dropped) and the dense model; the iteration to replay from."""
     state = load_checkpoint(path)
-    t, rows = int(state["iteration"]), state["rows"].numpy()
+    t, rows = int(state["iteration"]), checkpoint_rows(path, state)
     store.drop_pending()  # also stops background traffic (the oracle's worker) before the old shards go away
     restored = start_placed_shards(client, store.spec, store.shards.num_shards, rows,
                                    avoid=workers_not_answering(store.shards))
@@ -223,7 +278,8 @@ class Checkpointer:
         self.reload_on_loss = reload_on_loss
         self.saved_at = -1 if resumed_at is None else resumed_at  # the file already holds that iteration
         self.begin = time.perf_counter()
-        self.report: dict[str, Any] = {"every": every, "file": str(self.path), "checkpoints": [], "recoveries": [],
+        self.report: dict[str, Any] = {"every": every, "file": str(self.path), "rows_dir": str(self.path.parent /
+                                       CHECKPOINT_ROWS_DIR), "checkpoints": [], "recoveries": [],
                                        "clock_origin": self.begin}  # perf_counter() that detected_s counts from
         self._replaying: dict[str, Any] | None = None
 
@@ -290,6 +346,7 @@ def start_run_dir(run_dir: str | os.PathLike, config: dict[str, Any], *, dataset
     """Before any work of a fresh checkpointed run: its configuration, then the unfinished marker."""
     run_dir = Path(run_dir)
     (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)  # an earlier finished run's: not this run's state
+    shutil.rmtree(run_dir / CHECKPOINT_ROWS_DIR, ignore_errors=True)
     saved = {k: v for k, v in config.items() if k not in ("output_dir", "resume")}
     for key in ("dataset_dir", "plan_dir"):  # a resume from another working directory finds them
         if saved.get(key):
@@ -407,13 +464,16 @@ def check_resumable(run_dir: str | os.PathLike, config: dict[str, Any], *, datas
 
 def load_resume_point(run_dir: str | os.PathLike, config: dict[str, Any], spec: RowSpec,
                       iterations: int) -> dict[str, Any]:
-    """The checkpoint a resume starts from, checked against the run it belongs to."""
+    """The checkpoint a resume starts from, checked against the run it belongs to; its ``rows`` a
+    :class:`~dlrmflow.engine.row_files.ShardedRows` view (:func:`checkpoint_rows`)."""
     path = Path(run_dir) / CHECKPOINT_FILE
     state = load_checkpoint(path)
     if state.get("config_sha256") != config_sha256(config) or state.get("log") is None:
         raise ResumeError(f"{path} does not belong to the run in {run_dir} (another configuration); "
                           "start a new run with `dlrmflow train`")
-    if tuple(state["rows"].shape) != (spec.total_rows, spec.width) or not 0 <= state["iteration"] < iterations:
-        raise ResumeError(f"{path} does not fit the run: rows {tuple(state['rows'].shape)}, iteration "
+    rows = checkpoint_rows(path, state)
+    if rows.shape != (spec.total_rows, spec.width) or not 0 <= state["iteration"] < iterations:
+        raise ResumeError(f"{path} does not fit the run: rows {rows.shape}, iteration "
                           f"{state['iteration']} of {iterations}")
+    state["rows"] = rows
     return state

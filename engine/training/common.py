@@ -1,6 +1,6 @@
-"""What every trainer process uses, one trainer or several (:mod:`.trainer`, :mod:`.data_parallel`):
+"""What every trainer process uses, one trainer or several (:mod:`.rank`, :mod:`.workers`):
 deterministic kernels, the dense optimizer, a batch's tensors, the per-iteration log, the evaluation
-on the held-out rows and the final state's layout."""
+on the held-out rows and the final state's layout (its dense part; :mod:`.final_state` writes it)."""
 
 from __future__ import annotations
 
@@ -135,8 +135,9 @@ def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.
     }
 
 
-def collect_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
-    """The final state in the layout documented in :mod:`dlrmflow.engine.run_state`."""
+def dense_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The final state in the layout documented in :mod:`dlrmflow.engine.run_state`, but the embedding rows
+    (what dense.pt holds)."""
     spec = setup.spec
     return {
         "format_version": FORMAT_VERSION,
@@ -146,7 +147,6 @@ def collect_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
         "dense": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "dense_optimizer": to_cpu(optimizer.state_dict()),
         "embedding": {
-            "rows": torch.from_numpy(np.ascontiguousarray(store.all_rows())),
             "dim": spec.dim,
             "optimizer": spec.optimizer,
             "state_width": spec.state_width,
@@ -154,6 +154,15 @@ def collect_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
             "cardinalities": list(spec.cardinalities),
         },
     }
+
+
+def collect_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RowStore) -> dict:
+    """The whole final state, every embedding row gathered into this process (``store.all_rows()``): what a
+    run collected before each shard wrote its own file; tests compare the files with it."""
+    state = dense_state(setup, model, optimizer)
+    rows = torch.from_numpy(np.ascontiguousarray(store.all_rows()))
+    state["embedding"] = {"rows": rows, **state["embedding"]}
+    return state
 
 
 def to_cpu(obj):

@@ -102,7 +102,7 @@ class TrainConfig(ConfigModel):
         0.1, ge=0, lt=1, description="the last F of the dataset's rows are held out for AUC / log loss")
     eval_batch_size: int = Field(4096, ge=1, description="batch size of the evaluation")
     metrics_every: int = Field(50, ge=1, description="log loss and timings every N iterations")
-    save_state: bool = Field(True, description="write final_state.pt (its SHA-256 is always computed)")
+    save_state: bool = Field(True, description="write final_state/ (its SHA-256 is always computed)")
     parity: int = Field(
         0, ge=0, le=4, description="R erasure-coded parity shards (1: XOR, 2-4: Reed-Solomon; 0: none); a "
                                    "LocalCluster then gets one worker per shard plus a spare")

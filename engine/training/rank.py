@@ -2,7 +2,8 @@
 
 Trainer 0 also owns what one trainer owns: the embedding servers (started through ``client``: plain,
 placed for checkpoints, or coded with parity), the kills, the checkpoints, the evaluation and the final
-state, which its result carries. The other trainers get a handle on trainer 0's servers.
+state, which the servers write to the run directory, each its own rows (:mod:`.final_state`); its result
+carries the state SHA-256. The other trainers get a handle on trainer 0's servers.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,6 +21,7 @@ from dlrmflow.engine.coding.start import start_coded_shards
 from dlrmflow.engine.coding.verify import parity_report
 from dlrmflow.engine.models import build_model
 from dlrmflow.engine.phases import phase_reported
+from dlrmflow.engine.row_files import ShardedRows
 from dlrmflow.engine.serving.dask_internals import bind_actor
 from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
@@ -35,6 +36,7 @@ from dlrmflow.engine.training.checkpoint import (
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.common import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
 from dlrmflow.engine.training.faults import FaultInjector, kills_since
+from dlrmflow.engine.training.final_state import seal_final_state, write_final_state
 from dlrmflow.engine.training.loop import LoopHooks, Report
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.prefetch import PrefetchError
@@ -42,9 +44,10 @@ from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.timing import timed
 
 
-def start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_runner=None) -> ShardGroup | None:
+def start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_runner=None) -> ShardGroup | None:
     """Trainer 0's embedding servers (None for a mode without servers): coded with parity, placed for
-    checkpoints, plain otherwise; from ``rows`` when resuming."""
+    checkpoints, plain otherwise; from ``rows`` (a checkpoint's: each shard reads its own file) when
+    resuming."""
     config = setup.config
     if not MODES[config.mode].servers:
         return None
@@ -55,7 +58,7 @@ def start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_run
         return _start_servers(setup, client, rows, recovery_runner)
 
 
-def _start_servers(setup: RunSetup, client, rows: np.ndarray | None, recovery_runner) -> ShardGroup:
+def _start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_runner) -> ShardGroup:
     config = setup.config
     if config.parity:
         return start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
@@ -95,7 +98,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
     store = shards = None
     try:
         resumed = load_resume_point(output, config.model_dump(), setup.spec, n) if config.resume else None
-        rows = None if resumed is None else resumed.pop("rows").numpy()
+        rows = None if resumed is None else resumed.pop("rows")  # a view of the checkpoint's shard files
         start_at = 0 if resumed is None else int(resumed["iteration"])
         shards = share_servers(group, start_servers(setup, client, rows, recovery_runner) if lead else None,
                                setup.spec)
@@ -140,12 +143,19 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 with timed(finish, "evaluation"), phase_reported("final evaluation"):
                     outcome["metrics"] = evaluate(setup, model, store, device)
                 with timed(finish, "state"):
-                    outcome["state"] = collect_state(setup, model, optimizer, store)
+                    if setup.whole_state:  # tests: the whole state, gathered as runs did before the shards wrote it
+                        outcome["whole_state"] = collect_state(setup, model, optimizer, store)
+                    outcome["state"] = write_final_state(setup, model, optimizer, store,
+                                                         output if config.save_state else None)
                 kills = hooks.injector.log if hooks.injector else []
+                parity_files = None
                 if config.parity:
                     with timed(finish, "parity_verify"), phase_reported("parity verify"):
-                        report_ = parity_report(store.shards, output if config.save_state else None)
+                        staged = outcome["state"]["staged"]
+                        report_ = parity_report(store.shards, staged)
+                        parity_files = report_.pop("files", None)
                     outcome["parity"] = {**report_, "kills": kills_since(kills, store.shards.started_at)}
+                seal_final_state(outcome["state"], parity_files)
                 if hooks.checkpoints is not None:
                     outcome["checkpoint"] = {**hooks.checkpoints.report,
                                              "kills": kills_since(kills, hooks.checkpoints.begin)}

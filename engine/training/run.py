@@ -23,7 +23,7 @@ import numpy as np
 
 from dlrmflow.engine.models import architecture
 from dlrmflow.engine.run_lock import output_lock
-from dlrmflow.engine.run_state import ITERATIONS_FILE, save_state, state_hash, write_summary
+from dlrmflow.engine.run_state import ITERATIONS_FILE, commit_state_dir, write_summary
 from dlrmflow.engine.training.checkpoint import finish_run_dir, start_run_dir, unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
@@ -44,7 +44,7 @@ def train(
     setup: RunSetup | None = None,
     recovery_runner: Callable | None = None,
 ) -> dict[str, Any]:
-    """Run one training job; write final_state.pt, summary.json and iterations.csv; return the summary.
+    """Run one training job; write final_state/, summary.json and iterations.csv; return the summary.
 
     With ``parity``: ``recovery_runner(rebuild, info)`` runs each shard rebuild of a trainer in this
     process (the flow wraps it in a Prefect subflow); losing more shards than the parity covers raises
@@ -64,17 +64,17 @@ def train(
 
 
 def _record(setup: RunSetup, output: Path, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Write what the trainers produced (trainer 0 holds the state and the evaluation); the summary."""
+    """Record what the trainers produced (trainer 0's result: the state SHA-256, the final state its servers
+    and it wrote into a staged directory, the evaluation): the final state moved into place; the summary."""
     config, lead = setup.config, results[0]
     state = lead["state"]
-    digest = state_hash(state)
-    if config.save_state:
-        save_state(output, state)
+    digest = state["state_sha256"]
+    if state["staged"] is not None:
+        commit_state_dir(output, state["staged"])
     log = lead["log"]
     _write_iterations(output / ITERATIONS_FILE, log)
     traffic = {key: sum(r[key] for r in results) for key in ("bytes_fetched", "bytes_written")}
-    summary = _summary(setup, traffic, log, lead["metrics"], digest,
-                       dense_parameters=sum(value.numel() for value in state["dense"].values()))
+    summary = _summary(setup, traffic, log, lead["metrics"], digest, dense_parameters=state["dense_parameters"])
     if len(results) > 1:
         summary["trainers"] = trainers_report(results, log)
     for section in ("parity", "checkpoint"):

@@ -40,6 +40,9 @@ class RunSetup:
     kills: list[Kill] = field(default_factory=list)  # the parsed kills
     plan_fingerprint: str | None = None
     resume_at: int | None = None  # resume: the iteration of the checkpoint the run continues from
+    # Tests only: trainer 0 also gathers the whole final state into its result (``whole_state``), as runs
+    # did before each shard wrote its own rows: every row in one process.
+    whole_state: bool = False
 
 
 def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:

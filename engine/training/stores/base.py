@@ -23,12 +23,24 @@ traffic (``stall_seconds``) and, with several trainers, the seconds in row-gradi
 The checkpoint view. A checkpoint (:mod:`..checkpoint`) asks each store, through the same calls
 whatever the mode, for:
 
+- :meth:`RowStore.held_rows`: the rows the store holds newer copies of than its home (a pending
+  write-back, cached rows); the shards write their rows overlaid with these, each its own file, so
+  the checkpoint holds every row's *logical* value without any process holding them all;
 - :meth:`RowStore.logical_rows`: every row's value as the home (table or shards) would hold it
-  once every write the store still holds has landed;
+  once every write the store still holds has landed (the home's rows overlaid with
+  :meth:`RowStore.held_rows`: one array of every row, for tests and the local store);
 - :meth:`RowStore.traffic`: the bytes moved so far, counted as an uninterrupted run counts them;
 - :meth:`RowStore.restart_at`: continue at iteration ``t`` from a checkpoint's rows, after
   :meth:`RowStore.drop_pending` forgot what the store held and :meth:`ShardRows.replace_shards`
   swapped in shards restored from the checkpoint.
+
+A checkpoint's rows reach a store as anything indexable by an id array (``rows[ids]``): a
+:class:`~dlrmflow.engine.row_files.ShardedRows` view of the checkpoint's shard files, which reads only
+the rows asked for, or an array.
+
+The end of a run. After :meth:`RowStore.finish` every row is home: :meth:`RowStore.row_chunks` streams
+them in global id order a chunk at a time (the state SHA-256), :meth:`RowStore.save_rows` has the home
+write them, each shard its own file (the final state).
 
 Which store a mode uses is declared once, in :mod:`dlrmflow.engine.training.modes`.
 """
@@ -36,6 +48,9 @@ Which store a mode uses is declared once, in :mod:`dlrmflow.engine.training.mode
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,13 +105,31 @@ class RowStore:
         raise NotImplementedError
 
     def all_rows(self) -> np.ndarray:
-        """Every row ``[total_rows, width]`` in global id order, after :meth:`finish`."""
+        """Every row ``[total_rows, width]`` in global id order, after :meth:`finish`, in this process: for
+        tests and small tables (a run uses :meth:`row_chunks` and :meth:`save_rows`)."""
+        raise NotImplementedError
+
+    def row_chunks(self, chunk: int | None = None) -> Iterator[np.ndarray]:
+        """After :meth:`finish`: every row in global id order, at most ``chunk`` rows at a time (default
+        :data:`~dlrmflow.engine.row_files.ROW_CHUNK`); not counted as traffic."""
+        raise NotImplementedError
+
+    def save_rows(self, directory: str | Path, *, chunk: int | None = None) -> list[dict[str, Any]]:
+        """After :meth:`finish`: the home writes every row into ``directory``, one rows file per shard
+        (``shard-<k>.npy``) written by the process that holds the shard; the files' manifest entries."""
         raise NotImplementedError
 
     def close(self) -> None:
         """Stop background work (also on errors)."""
 
     # ---- the checkpoint view -------------------------------------------------------------------------
+
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows the store holds newer copies of than its home (a pending write-back, cached rows):
+        sorted distinct ids and their rows ``[len(ids), width]``, fresh arrays. :meth:`logical_rows` is the
+        home's rows overlaid with them. Sends nothing, is not counted as traffic; waits until background
+        work is idle."""
+        return np.zeros(0, dtype=np.int64), np.zeros((0, self.spec.width), dtype=np.float32)
 
     def logical_rows(self) -> np.ndarray:
         """Every row ``[total_rows, width]`` in global id order as the home would hold it after every
@@ -166,6 +199,19 @@ class ShardRows(OneTrainerRows):
 
     def all_rows(self) -> np.ndarray:
         return self.shards.all_rows()
+
+    def row_chunks(self, chunk: int | None = None) -> Iterator[np.ndarray]:
+        return self.shards.row_chunks(chunk)
+
+    def save_rows(self, directory: str | Path, *, chunk: int | None = None) -> list[dict[str, Any]]:
+        return self.shards.save_rows(directory, chunk=chunk)
+
+    def logical_rows(self) -> np.ndarray:
+        """The shards' rows overlaid with :meth:`held_rows` (every row in this process: tests)."""
+        ids, held = self.held_rows()
+        rows = self.shards.all_rows()
+        rows[ids] = held
+        return rows
 
     def close(self) -> None:
         self.shards.close()
@@ -260,12 +306,10 @@ class CachedRows(ShardRows):
         self.shards.fetch(ids, out=host.numpy())
         return host.to(self.device)
 
-    def logical_rows(self) -> np.ndarray:
-        """The shards' rows overlaid with every cached row (a cached row is at least as new)."""
-        rows = self.shards.all_rows()
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every cached row (a cached row is at least as new as its shard's)."""
         ids = self.directory.cached_ids()
-        rows[ids] = self._rows_in_slots(self.directory.slot_of[ids])
-        return rows
+        return ids, self._rows_in_slots(self.directory.slot_of[ids])
 
 
 class RowsForTrainers(RowStore):
@@ -310,6 +354,12 @@ class ServersCurrentRows(RowsForTrainers):
         return self.shards.all_rows()
 
     logical_rows = all_rows
+
+    def row_chunks(self, chunk: int | None = None) -> Iterator[np.ndarray]:
+        return self.shards.row_chunks(chunk)
+
+    def save_rows(self, directory: str | Path, *, chunk: int | None = None) -> list[dict[str, Any]]:
+        return self.shards.save_rows(directory, chunk=chunk)
 
     def traffic(self) -> dict[str, int]:
         return {"bytes_fetched": int(self.bytes_fetched), "bytes_written": int(self.bytes_written)}

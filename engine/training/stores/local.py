@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 
+from dlrmflow.engine import row_files
+from dlrmflow.engine.row_files import as_sharded, shard_file, write_rows_file
 from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.setup import RunSetup
@@ -39,11 +45,26 @@ class LocalRows(OneTrainerRows):
     def logical_rows(self) -> np.ndarray:
         return self.table.cpu().numpy().copy()
 
-    def restart_at(self, t: int, rows: np.ndarray) -> None:
-        """The table is the home: it takes ``rows``."""
-        if rows.shape != tuple(self.table.shape):
-            raise ValueError(f"the table holds rows of shape {tuple(self.table.shape)}, got {rows.shape}")
-        self.table.copy_(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)))
+    def _rows(self, start: int, stop: int) -> np.ndarray:
+        return self.table[start:stop].cpu().numpy()
+
+    def row_chunks(self, chunk: int | None = None) -> Iterator[np.ndarray]:
+        chunk = chunk or row_files.ROW_CHUNK
+        for start in range(0, self.spec.total_rows, chunk):
+            yield self._rows(start, min(start + chunk, self.spec.total_rows))
+
+    def save_rows(self, directory: str | Path, *, chunk: int | None = None) -> list[dict[str, Any]]:
+        """The table is the home, in this process: one file, as one shard holding every row."""
+        return [write_rows_file(Path(directory) / shard_file(0), self.spec.total_rows, self.spec.width, self._rows,
+                                chunk=chunk or row_files.ROW_CHUNK)]
+
+    def restart_at(self, t: int, rows) -> None:
+        """The table is the home: it takes ``rows`` (an array or a view of a checkpoint's shard files)."""
+        view = as_sharded(rows)
+        if view.shape != tuple(self.table.shape):
+            raise ValueError(f"the table holds rows of shape {tuple(self.table.shape)}, got {view.shape}")
+        for start, chunk in view.chunks(row_files.ROW_CHUNK):
+            self.table[start : start + len(chunk)] = torch.from_numpy(chunk)
 
 
 def make_store(setup: RunSetup, device: torch.device, shards: None, group: TrainerGroup, *, start: int = 0,

@@ -99,15 +99,13 @@ class OracleRows(CachedRows):
         """Wait until the worker has written back every posted eviction and has no round trip in flight."""
         self.worker.wait_idle()
 
-    def logical_rows(self) -> np.ndarray:
-        """With the worker idle (no write-back in flight, the shards' rows cannot change under the read):
-        the shards' rows overlaid with every row in the cache, as the worker places them. Rows
-        prefetched for iterations not yet computed equal the shards' copies; the others are newer."""
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """With the worker idle (no write-back in flight, the shards' rows cannot change while they are
+        read): every row in the cache, as the worker places them. Rows prefetched for iterations not yet
+        computed equal the shards' copies; the others are newer."""
         self._quiesce()
-        rows = self.shards.all_rows()
         ids = np.flatnonzero(self.worker.slot_of >= 0)
-        rows[ids] = self._rows_in_slots(self.worker.slot_of[ids])
-        return rows
+        return ids, self._rows_in_slots(self.worker.slot_of[ids])
 
     def traffic(self) -> dict[str, int]:
         """With the worker idle: its traffic so far, less what it fetched ahead for later iterations."""

@@ -55,10 +55,9 @@ class RemoteRows(ShardRows):
     def read(self, ids: np.ndarray) -> torch.Tensor:
         return self._fetch(ids, self._pending_ids[:0], self._pending_rows[:0])
 
-    def logical_rows(self) -> np.ndarray:
-        rows = self.shards.all_rows()
-        rows[self._pending_ids] = self._pending_rows
-        return rows
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pending write-back (sorted ids: a batch's distinct ids)."""
+        return self._pending_ids.copy(), np.array(self._pending_rows, dtype=np.float32)
 
     def traffic(self) -> dict[str, int]:
         """The pending write-back is in :meth:`logical_rows`: counted as written."""

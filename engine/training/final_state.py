@@ -1,0 +1,53 @@
+"""The end of a run on trainer 0: the final state written where it lies and its SHA-256 streamed.
+
+After the store's ``finish`` every row is home (the table, or the embedding shards). Trainer 0 then
+
+- streams the rows in global id order, a chunk at a time, into the state SHA-256
+  (:class:`~dlrmflow.engine.run_state.StateDigest`, after the dense entries), from the shards
+  (:meth:`~.stores.base.RowStore.row_chunks`): the same value as hashing the whole state;
+- with ``save_state``: has every shard write its own rows file into a staged ``final_state.<token>.tmp/``
+  on its worker (:meth:`~.stores.base.RowStore.save_rows`), writes ``dense.pt`` itself, and (after the
+  parity shards, with ``--parity``, wrote theirs) the manifest; the driver renames the directory into
+  place when it records the run (:func:`~dlrmflow.engine.run_state.commit_state_dir`).
+
+No process holds every row at any point. The layout is :mod:`dlrmflow.engine.run_state`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlrmflow.engine.run_state import StateDigest, stage_state_dir, write_dense, write_manifest
+from dlrmflow.engine.training.common import dense_state
+from dlrmflow.engine.training.stores.base import RowStore
+
+
+def write_final_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: RowStore,
+                      run_dir: str | Path | None) -> dict[str, Any]:
+    """Trainer 0, after ``store.finish()``: the state SHA-256 (streamed) and, with ``run_dir``, the final
+    state written into a staged directory there (module docstring). Returns ``state_sha256``,
+    ``dense_parameters``, and with ``run_dir`` the staged directory and the manifest's fields so far
+    (:func:`seal_final_state` adds the parity files and writes it)."""
+    spec = setup.spec
+    dense = dense_state(setup, model, optimizer)
+    digest = StateDigest(dense).rows(spec.total_rows, spec.width)
+    for chunk in store.row_chunks():
+        digest.update(chunk)
+    written: dict[str, Any] = {"state_sha256": digest.hexdigest(),
+                               "dense_parameters": sum(v.numel() for v in dense["dense"].values()), "staged": None}
+    if run_dir is not None:
+        staged = stage_state_dir(run_dir)
+        written["staged"] = str(staged)
+        written["manifest"] = {"state_sha256": written["state_sha256"], "total_rows": spec.total_rows,
+                               "width": spec.width, "shards": store.save_rows(staged),
+                               "dense": write_dense(staged, dense)}
+    return written
+
+
+def seal_final_state(written: dict[str, Any], parity: dict[str, Any] | None = None) -> None:
+    """The staged directory's manifest, its last file (``parity``: the parity shards' files)."""
+    if written["staged"] is not None:
+        write_manifest(written["staged"], **written.pop("manifest"), parity=parity)
