@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import Client
+from test_parity import InProcess
 from test_resume import Crash, crash_at
 from test_trainers import assert_bit_identical, make_dataset, small_config
 
@@ -57,23 +58,6 @@ from dlrmflow.engine.training.run import prepare_run, train
 from dlrmflow.engine.training.stores.base import ServersCurrentRows, ShardRows
 
 CARDS = (400, 5, 1201, 90)  # 1,696 rows: odd, and three chunks of 1 << 9
-
-
-class InProcess:
-    """A shard called in this process, answering as an actor call does (``result()``)."""
-
-    class Done:
-        def __init__(self, value) -> None:
-            self.value = value
-
-        def result(self):
-            return self.value
-
-    def __init__(self, member) -> None:
-        self.member = member
-
-    def __getattr__(self, name):
-        return lambda *args: self.Done(getattr(self.member, name)(*args))
 
 
 def odd_bits(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
