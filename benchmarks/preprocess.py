@@ -8,16 +8,27 @@ The pandas baseline does no per-row validation (dlrmflow does), so it is a gener
 
 Prints rows/s of each (median over repeats) and the ratio. Cluster start-up is measured and
 printed separately: a pipeline pays it once for all its steps.
+
+    .venv/bin/python benchmarks/preprocess.py --scales [--rows 1000000] [--memory-rows 1000000 3000000]
+        [--baseline OLD_preprocess.py]
+
+Real cardinalities instead: rows/s at generator scale 0.01 and 1.0 for the same rows, and the peak
+anonymous memory of all processes (driver + Dask workers, RssAnon summed, sampled every 50 ms, a fresh
+cluster per run) at each of --memory-rows at scale 1.0. With --baseline (an older
+datasets/preprocess.py, e.g. from `git show REV:datasets/preprocess.py`), the same runs of that
+code, interleaved with this code's, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,13 +61,126 @@ def pandas_preprocess(src: Path, out: Path, seed: int = 0) -> int:
     return len(df)
 
 
+class AnonMemory:
+    """Peak of the summed RssAnon of this process and all its descendants (the Dask workers), sampled."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> AnonMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
+            self.peak = max(self.peak, sum(_rss_anon(pid) for pid in pids))
+            self._stop.wait(self.interval)
+
+
+def _rss_anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # the process ended
+        pass
+    return 0
+
+
+def _load_baseline(path: str):
+    """An older preprocess module under its own name, importable by the Dask workers started after this
+    (they inherit PYTHONPATH; a module pickled by value loses its dataclasses' module)."""
+    folder = tempfile.mkdtemp(prefix="dlrmflow-baseline-")
+    shutil.copyfile(path, Path(folder) / "baseline_preprocess.py")
+    sys.path.insert(0, folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+    return importlib.import_module("baseline_preprocess")
+
+
+def _input(work: Path, rows: int, scale: float) -> Path:
+    src = work / f"criteo-{rows}-s{scale:g}.tsv"
+    if not src.exists():
+        print(f"generating {rows:,} rows at scale {scale:g} -> {src} ...", file=sys.stderr)
+        from distributed import Client
+
+        with local_cluster(2) as cluster, Client(cluster) as client:
+            generate(src, rows, seed=0, scale=scale, client=client)
+    return src
+
+
+def _measured_run(run, src: Path, out: Path, workers: int) -> tuple[float, int, dict]:
+    """(seconds, peak anonymous bytes of all processes, summary) of one run on a fresh cluster."""
+    from distributed import Client
+
+    with local_cluster(workers) as cluster, Client(cluster) as client, AnonMemory() as memory:
+        t0 = time.perf_counter()
+        summary = run([src], out, client=client, force=True)
+        seconds = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return seconds, memory.peak, summary
+
+
+def compare_scales(args) -> None:
+    """Rows/s at scale 0.01 and 1.0 for the same rows; peak memory at each of --memory-rows (scale 1.0)."""
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    runs = [(f"{args.rows:,} rows, scale 0.01", args.rows, 0.01)]
+    runs += [(f"{n:,} rows, scale 1.0", n, 1.0) for n in sorted({args.rows, *args.memory_rows})]
+    impls = {"this code": preprocess}
+    if args.baseline:
+        impls = {"baseline": _load_baseline(args.baseline).preprocess, **impls}
+    print(f"{os.cpu_count()} cores, {args.workers} Dask workers, load average {os.getloadavg()[0]:.1f} at the start")
+    results: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
+    for r in range(args.repeats):
+        for label, rows, scale in runs:
+            src = _input(work, rows, scale)
+            for name, run in impls.items():  # interleaved: the load of the moment hits both alike
+                seconds, peak, summary = _measured_run(run, src, work / "out", args.workers)
+                assert summary["rows"] == rows
+                results.setdefault((name, label), []).append((seconds, peak, summary["embedding_rows"]))
+                print(f"  repeat {r + 1}: {name}, {label}: {seconds:.2f} s, {rows / seconds:,.0f} rows/s, "
+                      f"peak {peak / 2**20:,.0f} MiB", file=sys.stderr)
+    print("\n| code | input | embedding rows | median s | rows/s | peak anon MiB (all processes) |")
+    print("|---|---|---|---|---|---|")
+    for (name, label), got in results.items():
+        rows = int(label.split()[0].replace(",", ""))
+        seconds = statistics.median(s for s, _, _ in got)
+        peak = max(p for _, p, _ in got)
+        print(f"| {name} | {label} | {got[0][2]:,} | {seconds:.2f} | {rows / seconds:,.0f} | {peak / 2**20:,.0f} |")
+    lo, hi = min(args.memory_rows), max(args.memory_rows)
+    for name in impls:
+        def med(label, name=name):
+            return statistics.median(s for s, _, _ in results[(name, label)])
+
+        small, full = med(f"{args.rows:,} rows, scale 0.01"), med(f"{args.rows:,} rows, scale 1.0")
+        peaks = {n: max(p for _, p, _ in results[(name, f"{n:,} rows, scale 1.0")]) for n in (lo, hi)}
+        print(f"{name}: rows/s at scale 1.0 / at scale 0.01 = {small / full:.2f}x; "
+              f"peak memory {hi:,} / {lo:,} rows = {peaks[hi] / peaks[lo]:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dlrmflow-bench"))
+    ap.add_argument("--scales", action="store_true", help="rows/s at scale 0.01 vs 1.0 and peak memory (see above)")
+    ap.add_argument("--memory-rows", type=int, nargs=2, default=[1_000_000, 3_000_000])
+    ap.add_argument("--baseline", help="with --scales: an older datasets/preprocess.py to run alongside")
     args = ap.parse_args()
+    if args.scales:
+        compare_scales(args)
+        return
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

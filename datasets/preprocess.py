@@ -1,18 +1,24 @@
 """Raw files -> a shuffled Parquet dataset with frequency-ordered categorical ids.
 
-The job runs in three parallel stages over a Dask cluster (or in-process without one):
+The job runs in parallel stages over a Dask cluster (or in-process without one). No task holds
+more than a block, a bucket or a vocabulary partition, whatever the number of rows:
 
-1. **parse** (one task per input piece: a byte range of a plain file, or a whole ``.gz``
-   file processed in pieces of the same size): parse and validate lines, transform dense
-   values, draw each row's output bucket (the first pass of a two-pass shuffle), factorize each
-   categorical column into piece-local codes, and write the piece as an Arrow IPC file
-   ordered by bucket. Rejected lines go to a per-piece file with their reasons.
-2. **vocabulary** (one task per table): add up the piece-local counts, order the values by
-   frequency (ties by value, so the order is deterministic), apply ``min_frequency``, and
-   translate every piece's local codes into final ids (0 = missing or rare).
-3. **write** (one task per output part): gather the part's bucket from every piece, map codes
-   to ids, permute the rows with a generator seeded by (seed, part) -- the second pass of the
-   shuffle -- and write ``part-NNNNN.parquet``.
+0. **split** (one task per ``.gz`` input): decompress it into a plain file cut where a single reader
+   would cut its blocks, so its pieces parse in parallel (gzip cannot be entered mid-stream).
+1. **parse** (one task per piece, a byte range of a plain file): parse and validate lines, transform
+   dense values, draw each row's output bucket (the first pass of a two-pass shuffle), and write the
+   block ordered by bucket. Per table it writes the block's distinct values in value order with
+   their counts, and the (value, bucket) pairs present; a row's categorical column holds its value's
+   code in its bucket's *slice* (the block's values present in that bucket). Rejected lines go to a
+   per-block file with their reasons.
+2. **vocabulary**, per table split into value ranges of about PARTITION_PAIRS pairs:
+   (a) one task per partition adds up its values' counts over every block, applies
+   ``min_frequency`` and ranks them (frequency, ties by value); the driver adds up the partitions'
+   count histograms into each partition's id offsets; (b) one task per partition writes the ids of
+   its values for every (bucket, block) slice, bucket-major.
+3. **write** (one task per output part): read the bucket's rows from every block and the bucket's
+   ids from every partition, map slice codes to ids, permute the rows with a generator seeded by
+   (seed, part) -- the second pass of the shuffle -- and write ``part-NNNNN.parquet``.
 
 Everything is written under a hidden ``.NAME.partial`` directory next to the output and
 renamed into place at the end, so an interrupted run never leaves a dataset that looks
@@ -21,7 +27,7 @@ fingerprint in ``meta.json`` and skips the work (:meth:`PreprocessConfig.saved_r
 <dlrmflow.datasets.preprocess_config.PreprocessConfig.saved_result>`).
 
 The result depends only on the inputs and parameters (including ``block_bytes``, which fixes
-the pieces), never on the number of workers.
+the pieces), never on the number of workers or of vocabulary partitions.
 """
 
 from __future__ import annotations
@@ -86,11 +92,15 @@ class BlockResult:
 
     file_index: int
     order: int  # block position within its file
-    ipc_path: str
+    ipc_path: str  # the rows, ordered by bucket; categorical columns as slice codes (see _encode_table)
     n_lines: int
     n_rows: int
     bucket_offsets: list[int]
-    uniques_path: str
+    uniques_path: str  # + ".NAME.arrow": table NAME's distinct values of the block, ascending, with counts
+    slices_path: str  # per table: the (value code, bucket) pairs present, see _encode_table
+    slice_bounds: list[int]  # table k's pairs are slices_path's entries [slice_bounds[k], slice_bounds[k + 1])
+    distinct: list[int]  # per table: the block's distinct values
+    samples: list[list]  # per table: a few of its values, evenly spaced in value order (for the splitters)
     reject_path: str | None
     rejects_by_reason: dict[str, int]
 
@@ -160,7 +170,8 @@ def _header_bytes(path: Path, fmt: RawFormat) -> int:
 
 
 def split_pieces(paths: list[Path], fmt: RawFormat, block_bytes: int) -> list[Piece]:
-    """Cut plain files at line ends about every ``block_bytes``; a gzip file is one piece."""
+    """Cut plain files at line ends about every ``block_bytes``; a gzip file is one piece until
+    :func:`split_gzip` cuts it."""
     pieces: list[Piece] = []
     for file_index, path in enumerate(paths):
         if _is_gzip(path):
@@ -247,34 +258,88 @@ def _write_block(
     n_buckets: int,
     rng_key: tuple[int, int],
     stem: Path,
-) -> tuple[int, list[int], str, str | None]:
+) -> BlockResult:
+    """Write one parsed block: its rows in bucket order, and per table its distinct values and slice pairs."""
     n = len(parsed.labels)
     rng = np.random.default_rng([params.seed, 0x0B0C, *rng_key])
     bucket = rng.integers(0, n_buckets, size=n) if n_buckets > 1 else np.zeros(n, dtype=np.int64)
     order = np.argsort(bucket, kind="stable")
-    offsets = np.searchsorted(bucket[order], np.arange(n_buckets + 1)).tolist()
+    row_bucket = bucket[order]
+    offsets = np.searchsorted(row_bucket, np.arange(n_buckets + 1)).tolist()
     columns: dict[str, pa.Array] = {"label": pa.array(parsed.labels[order])}
     for j, name in enumerate(fmt.dense):
         columns[name] = pa.array(np.ascontiguousarray(parsed.dense[order, j]))
-    uniques: dict[str, pa.Table] = {}
+    pairs, distinct, samples = [], [], []
     for name, values in zip(fmt.sparse, parsed.sparse, strict=True):
-        encoded = pc.dictionary_encode(_cap_values(values, params.max_rows_per_table))
-        codes = _codes(encoded.indices)
-        counts = np.bincount(codes + 1, minlength=len(encoded.dictionary) + 1)
-        columns[name] = pa.array(codes[order])
-        uniques[name] = pa.table({"value": encoded.dictionary, "count": pa.array(counts[1:])})
+        enc = _encode_table(_cap_values(values, params.max_rows_per_table), order, row_bucket)
+        columns[name] = pa.array(enc.slice_codes)
+        # One small file per table: a vocabulary task opens only its table's (a wide file costs ~1 ms an open).
+        uniques = pa.table({"value": enc.values, "count": pa.array(enc.counts)})
+        with ipc.new_file(f"{stem}.uniques.{name}.arrow", uniques.schema) as writer:
+            writer.write_table(uniques)
+        pairs.append(enc.pairs)
+        distinct.append(len(enc.values))
+        samples.append(enc.values.take(_sample_positions(len(enc.values))).to_pylist())
     table = pa.table(columns)
     with ipc.new_file(f"{stem}.arrow", table.schema) as writer:
         writer.write_table(table)
-    uniq_path = f"{stem}.uniques.arrow"
-    packed = _pack_uniques(uniques)
-    with ipc.new_file(uniq_path, packed.schema) as writer:
-        writer.write_table(packed)
+    np.save(f"{stem}.slices.npy", np.concatenate(pairs))
     reject_path = None
     if parsed.rejects:
         reject_path = f"{stem}.rejects.json"
         Path(reject_path).write_text(json.dumps(parsed.rejects))
-    return n, offsets, uniq_path, reject_path
+    return BlockResult(
+        file_index=rng_key[0], order=rng_key[1], ipc_path=f"{stem}.arrow", n_lines=parsed.n_lines, n_rows=n,
+        bucket_offsets=offsets, uniques_path=f"{stem}.uniques", slices_path=f"{stem}.slices.npy",
+        slice_bounds=np.concatenate([[0], np.cumsum([len(x) for x in pairs])]).tolist(), distinct=distinct,
+        samples=samples, reject_path=reject_path, rejects_by_reason=dict(Counter(r[1] for r in parsed.rejects)),
+    )
+
+
+SAMPLES_PER_BLOCK = 16  # values per table and block offered for choosing the vocabulary's partition bounds
+PAIR_SHIFT = 32  # a slice pair is value_code << PAIR_SHIFT | bucket
+BUCKET_MASK = (1 << PAIR_SHIFT) - 1
+
+
+def _sample_positions(n: int) -> pa.Array:
+    return pa.array(np.unique(np.linspace(0, n - 1, min(n, SAMPLES_PER_BLOCK)).astype(np.int64)), pa.int64())
+
+
+@dataclass
+class EncodedTable:
+    """One table of one block. ``values`` (distinct, ascending) and ``counts``; ``pairs``: the sorted
+    distinct (value code, bucket) pairs of its rows, value code = position in ``values``; ``slice_codes``
+    (rows in bucket order): the row's value's position among its bucket's values (-1: missing).
+
+    A bucket's rows of this block thus carry codes into a *slice* dictionary of that bucket alone,
+    so a write task needs the ids of its own bucket's slices only, never a whole block's map."""
+
+    values: pa.Array
+    counts: np.ndarray
+    pairs: np.ndarray
+    slice_codes: np.ndarray
+
+
+def _encode_table(values: pa.Array, order: np.ndarray, row_bucket: np.ndarray) -> EncodedTable:
+    encoded = pc.dictionary_encode(values)
+    codes = _codes(encoded.indices)
+    # Value order (not first appearance): a vocabulary partition is then a contiguous code range.
+    by_value = pc.sort_indices(encoded.dictionary).to_numpy()
+    rank = np.empty(len(by_value), dtype=np.int64)
+    rank[by_value] = np.arange(len(by_value))
+    counts = np.bincount(codes + 1, minlength=len(by_value) + 1)[1:][by_value]
+    row_codes = codes[order]
+    valid = row_codes >= 0
+    pairs, inverse = np.unique((rank[row_codes[valid]] << PAIR_SHIFT) | row_bucket[valid], return_inverse=True)
+    # Each pair's position among its bucket's pairs (stable sort keeps value order within a bucket).
+    pair_bucket = pairs & BUCKET_MASK
+    by_bucket = np.argsort(pair_bucket, kind="stable")
+    grouped = pair_bucket[by_bucket]
+    local = np.empty(len(pairs), dtype=np.int32)
+    local[by_bucket] = np.arange(len(pairs)) - np.searchsorted(grouped, grouped, side="left")
+    slice_codes = np.full(len(row_codes), -1, dtype=np.int32)
+    slice_codes[valid] = local[inverse.reshape(-1)]
+    return EncodedTable(encoded.dictionary.take(pa.array(by_value)), counts.astype(np.int64), pairs, slice_codes)
 
 
 def _codes(indices: pa.Array) -> np.ndarray:
@@ -284,18 +349,6 @@ def _codes(indices: pa.Array) -> np.ndarray:
     if indices.null_count:
         codes[~indices.is_valid().to_numpy(zero_copy_only=False)] = -1
     return codes
-
-
-def _pack_uniques(uniques: dict[str, pa.Table]) -> pa.Table:
-    """All tables' (value, count) lists in one table: columns NAME.value / NAME.count, padded."""
-    longest = max((t.num_rows for t in uniques.values()), default=0)
-    cols = {}
-    for name, t in uniques.items():
-        pad = longest - t.num_rows
-        cols[f"{name}.value"] = pa.concat_arrays([t["value"].combine_chunks(), pa.nulls(pad, t["value"].type)])
-        cols[f"{name}.count"] = pa.concat_arrays([pa.array(t["count"].to_numpy(), pa.int64()),
-                                                  pa.nulls(pad, pa.int64())])
-    return pa.table(cols)
 
 
 def parse_piece(
@@ -319,71 +372,248 @@ def _parse_piece(
         order = piece.first_order + k
         parsed = parse_block(data, fmt)
         stem = Path(work_dir) / f"f{piece.file_index:05d}-b{order:06d}"
-        n, offsets, uniq_path, reject_path = _write_block(
-            parsed, fmt, params, n_buckets, (piece.file_index, order), stem
-        )
-        results.append(BlockResult(
-            file_index=piece.file_index, order=order, ipc_path=f"{stem}.arrow", n_lines=parsed.n_lines,
-            n_rows=n, bucket_offsets=offsets, uniques_path=uniq_path, reject_path=reject_path,
-            rejects_by_reason=dict(Counter(r[1] for r in parsed.rejects)),
-        ))
+        results.append(_write_block(parsed, fmt, params, n_buckets, (piece.file_index, order), stem))
     return results
 
 
+def split_gzip(
+    piece: Piece, fmt_name: str, params: PreprocessParams, n_buckets: int, work_dir: str
+) -> list[Piece] | UserInputError:
+    """Stage 0 for a ``.gz`` input: decompress it once (gzip cannot be entered mid-stream) into a plain
+    file cut exactly where one reader cuts its blocks, so the pieces parse in parallel and the dataset is
+    the one a single reader makes. Errors are returned, as by :func:`parse_piece`."""
+    try:
+        header = _header_bytes(Path(piece.path), get_format(fmt_name))
+        target = Path(work_dir) / f"f{piece.file_index:05d}.text"
+        pieces, at = [], 0
+        with open(target, "wb") as out:
+            for k, data in enumerate(_iter_blocks(piece, params.block_bytes, header)):
+                out.write(data)
+                pieces.append(Piece(piece.index, piece.file_index, str(target), at, at + len(data), False, k))
+                at += len(data)
+        return pieces
+    except UserInputError as exc:
+        return exc
+
+
+def _parse_all(
+    client, pieces: list[Piece], fmt_name: str, params: PreprocessParams, n_buckets: int, work: str,
+    step: Callable[[], None], grow: Callable[[int], None],
+) -> list[BlockResult]:
+    """Stage 1 (and 0): parse every piece; a ``.gz`` input is split first and its pieces parsed as soon
+    as its split ends. Every task runs to its end before the first error is raised, so none still writes
+    into the work directory that the caller then removes."""
+    args = (fmt_name, params, n_buckets, work)
+    blocks: list[BlockResult] = []
+    errors: list[UserInputError] = []
+
+    def take(result) -> list[Piece]:
+        step()
+        if isinstance(result, UserInputError):
+            errors.append(result)
+        elif result and isinstance(result[0], Piece):
+            grow(len(result))
+            return result
+        else:
+            blocks.extend(result)
+        return []
+
+    def task(piece: Piece) -> Callable:
+        return split_gzip if piece.gzip else parse_piece
+
+    if client is None:
+        todo = list(pieces)
+        while todo:
+            piece = todo.pop(0)
+            todo[:0] = take(task(piece)(piece, *args))
+    else:
+        from distributed import as_completed
+
+        running = as_completed([client.submit(task(p), p, *args, pure=False) for p in pieces])
+        for future in running:
+            for piece in take(future.result()):
+                running.add(client.submit(parse_piece, piece, *args, pure=False))
+    if errors:
+        raise errors[0]
+    return blocks
+
+
 # --------------------------------------------------------------------------- stage 2: vocabulary
+#
+# Each table is split into value ranges (partitions) sized so that a task gathers about
+# PARTITION_PAIRS entries, whatever the number of rows. Ranges, not hashes: ids are ordered by
+# (count desc, value asc), so within one count the values of partition p all come before those of
+# p + 1, and a value's id is (values with a higher count, anywhere) + (values with its count in
+# earlier partitions) + (its rank among its count in its partition). The first two come from each
+# partition's count histogram (at most sqrt(2 x rows) distinct counts), so no process ever holds a
+# whole table: 2a counts each partition, the driver adds the histograms up, 2b gives the ids.
+
+PARTITION_PAIRS = 1 << 20  # (value, bucket) pairs per vocabulary partition: bounds a task's memory
+MAX_SAMPLED_BLOCKS = 1024  # blocks whose samples choose the partition bounds (the result never depends on them)
 
 
-def build_vocabulary(
-    table_name: str, uniques_paths: list[str], params: PreprocessParams, work_dir: str
-) -> tuple[int, str]:
-    """Stage 2 for one table: frequency-ordered ids; writes each block's code -> id map.
+@dataclass(frozen=True)
+class VocabPart:
+    """Partition ``index`` of table ``table`` (its position ``k`` among the tables): values in [lo, hi)
+    (None: unbounded)."""
 
-    Returns (cardinality including row 0, path of the maps file).
-    """
-    values, counts, lengths = [], [], []
+    table: str
+    k: int
+    index: int
+    lo: Any
+    hi: Any
+
+
+def plan_partitions(blocks: list[BlockResult], tables: list[str]) -> list[list[VocabPart]]:
+    """Per table, its partitions: as many as its slice pairs need, bounded at sampled value quantiles."""
+    step = -(-len(blocks) // MAX_SAMPLED_BLOCKS)
+    plan = []
+    for k, name in enumerate(tables):
+        pairs = sum(b.slice_bounds[k + 1] - b.slice_bounds[k] for b in blocks)
+        wanted = max(1, -(-pairs // PARTITION_PAIRS))
+        pool = sorted({v for b in blocks[::step] for v in b.samples[k]})
+        bounds = sorted({pool[len(pool) * j // wanted] for j in range(1, wanted)}) if pool else []
+        edges = [None, *bounds, None]
+        plan.append([VocabPart(name, k, i, edges[i], edges[i + 1]) for i in range(len(edges) - 1)])
+    return plan
+
+
+def _block_uniques(path: str, table: str) -> tuple[pa.Array, pa.Array]:
+    """One block's (distinct values ascending, counts) for ``table`` (memory-mapped)."""
+    with pa.memory_map(f"{path}.{table}.arrow") as source:
+        t = ipc.open_file(source).read_all()
+    return t["value"].combine_chunks(), t["count"].combine_chunks()
+
+
+def _value_range(values: pa.Array, part: VocabPart) -> tuple[int, int]:
+    """The positions [a, b) of ``part``'s values in ascending ``values``."""
+    if part.lo is None and part.hi is None:
+        return 0, len(values)
+    arr = values.to_numpy(zero_copy_only=False)
+    a = 0 if part.lo is None else int(np.searchsorted(arr, part.lo, side="left"))
+    b = len(arr) if part.hi is None else int(np.searchsorted(arr, part.hi, side="left"))
+    return a, b
+
+
+def count_partition(part: VocabPart, uniques_paths: list[str], params: PreprocessParams, work_dir: str):
+    """Stage 2a: add up one partition's counts over every block, rank its values (count desc, value asc),
+    keep the ranked values on disk and return (their path, the histogram: counts descending, values per count)."""
+    values, counts = [], []
     for path in uniques_paths:
-        with pa.memory_map(path) as source:
-            t = ipc.open_file(source).read_all()
-        v = t[f"{table_name}.value"].combine_chunks()
-        c = t[f"{table_name}.count"].combine_chunks()
-        m = len(v) - c.null_count
-        values.append(v.slice(0, m))
-        counts.append(c.slice(0, m))
-        lengths.append(m)
-    all_values = pa.concat_arrays(values) if values else pa.array([], pa.int64())
-    all_counts = pa.concat_arrays(counts) if counts else pa.array([], pa.int64())
-    totals = pa.table({"value": all_values, "count": all_counts}).group_by("value").aggregate(
-        [("count", "sum")]
-    )
+        v, c = _block_uniques(path, part.table)
+        a, b = _value_range(v, part)
+        values.append(v.slice(a, b - a))
+        counts.append(c.slice(a, b - a))
+    totals = pa.table({"value": pa.concat_arrays(values), "count": pa.concat_arrays(counts)}).group_by(
+        "value").aggregate([("count", "sum")])
     totals = totals.filter(pc.greater_equal(totals["count_sum"], params.min_frequency))
-    # Most frequent first; ties broken by the value itself so the order never depends on chunking.
-    ranked = totals.sort_by([("count_sum", "descending"), ("value", "ascending")])["value"].combine_chunks()
-    position = pc.index_in(all_values, value_set=ranked)
-    ids = (pc.fill_null(position, -1).to_numpy(zero_copy_only=False).astype(np.int32) + 1)
-    maps_path = str(Path(work_dir) / f"vocab-{table_name}.npz")
-    np.savez(maps_path, ids=ids, lengths=np.asarray(lengths, dtype=np.int64))
-    return len(ranked) + 1, maps_path
+    ranked = totals.sort_by([("count_sum", "descending"), ("value", "ascending")])
+    count = ranked["count_sum"].to_numpy()
+    first = np.searchsorted(-count, -count, side="left")  # where each value's count class starts
+    ranked = pa.table({"value": ranked["value"], "count": count,
+                       "tie_rank": np.arange(len(count), dtype=np.int64) - first})
+    path = str(Path(work_dir) / f"vocab-{part.table}-p{part.index:05d}.arrow")
+    with ipc.new_file(path, ranked.schema) as writer:
+        writer.write_table(ranked)
+    classes, sizes = np.unique(count, return_counts=True)
+    return path, (classes[::-1].tolist(), sizes[::-1].tolist())
+
+
+def id_bases(histograms: list[tuple[list[int], list[int]]]) -> list[dict[int, int]]:
+    """Per partition of one table: count -> the id before its first value of that count (ids start at 1)."""
+    per_count: dict[int, int] = Counter()
+    for classes, sizes in histograms:
+        per_count.update(dict(zip(classes, sizes, strict=True)))
+    higher, above = {}, 0
+    for c in sorted(per_count, reverse=True):
+        higher[c], above = above, above + per_count[c]
+    bases, earlier = [], Counter()
+    for classes, sizes in histograms:
+        bases.append({c: 1 + higher[c] + earlier[c] for c in classes})
+        earlier.update(dict(zip(classes, sizes, strict=True)))
+    return bases
+
+
+def map_partition(
+    part: VocabPart,
+    ranked_path: str,
+    bases: dict[int, int],
+    blocks: list[BlockResult],
+    n_buckets: int,
+    work_dir: str,
+) -> tuple[str, str]:
+    """Stage 2b: the ids of this partition's values in every (bucket, block) slice, bucket-major, so a
+    write task reads one contiguous range. Returns (ids path, offsets path: slice (b, i) is
+    ids[offsets[b * B + i]:offsets[b * B + i + 1]])."""
+    with pa.memory_map(ranked_path) as source:
+        ranked = ipc.open_file(source).read_all()
+    count = ranked["count"].to_numpy()
+    base = np.array([bases[c] for c in count.tolist()], dtype=np.int64)
+    ids_here = np.append((base + ranked["tie_rank"].to_numpy()).astype(np.int32), np.int32(0))
+    value_set = ranked["value"].combine_chunks()
+    chunks, lens = [], np.zeros((len(blocks), n_buckets), dtype=np.int64)
+    for i, block in enumerate(blocks):
+        v, _ = _block_uniques(block.uniques_path, part.table)
+        a, b = _value_range(v, part)
+        # Values under min_frequency are not in the set: index -1 picks the appended 0.
+        pos = pc.fill_null(pc.index_in(v.slice(a, b - a), value_set=value_set), -1).to_numpy(zero_copy_only=False)
+        block_ids = ids_here[pos]
+        pairs = np.load(block.slices_path, mmap_mode="r")[block.slice_bounds[part.k]:block.slice_bounds[part.k + 1]]
+        lo, hi = np.searchsorted(pairs, [a << PAIR_SHIFT, b << PAIR_SHIFT])
+        sel = np.asarray(pairs[lo:hi])
+        bucket = sel & BUCKET_MASK
+        by_bucket = np.argsort(bucket, kind="stable")  # value order kept within a bucket
+        chunks.append(block_ids[(sel[by_bucket] >> PAIR_SHIFT) - a])
+        lens[i] = np.bincount(bucket, minlength=n_buckets)
+    ids = _bucket_major(chunks, lens)
+    stem = Path(work_dir) / f"map-{part.table}-p{part.index:05d}"
+    np.save(f"{stem}.ids.npy", ids)
+    np.save(f"{stem}.offsets.npy", np.concatenate([[0], np.cumsum(lens.T.ravel())]))
+    return f"{stem}.ids.npy", f"{stem}.offsets.npy"
+
+
+def _bucket_major(chunks: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
+    """Block-major segments (block i's chunk: its buckets in order, ``lens[i, b]`` each) -> bucket-major."""
+    flat = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
+    src_start = np.concatenate([[0], np.cumsum(lens.ravel())[:-1]])
+    dst_start = np.concatenate([[0], np.cumsum(lens.T.ravel())[:-1]]).reshape(lens.T.shape).T.ravel()
+    dest = np.repeat(dst_start - src_start, lens.ravel()) + np.arange(len(flat))
+    out = np.empty(len(flat), dtype=np.int32)
+    out[dest] = flat
+    return out
 
 
 # --------------------------------------------------------------------------- stage 3: write
+
+
+def _slice_lookup(part: int, n_blocks: int, maps: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """One table's ids for bucket ``part``: (lookup, start of each block's slice in it). A block's slice
+    dictionary is its values in ascending order, so it is the partitions' fragments in partition order."""
+    segs, lens = [], np.zeros((n_blocks, len(maps)), dtype=np.int64)
+    for p, (ids_path, offsets_path) in enumerate(maps):
+        offsets = np.load(offsets_path, mmap_mode="r")[part * n_blocks:(part + 1) * n_blocks + 1]
+        segs.append(np.load(ids_path, mmap_mode="r")[offsets[0]:offsets[-1]])
+        lens[:, p] = np.diff(offsets)
+    starts = np.concatenate([[0], np.cumsum(lens.ravel())[:-1]]).reshape(lens.shape)
+    lookup = np.zeros(int(lens.sum()) + 1, dtype=np.int32)  # the extra last entry: missing -> 0
+    for p, seg in enumerate(segs):
+        within = np.arange(len(seg)) - np.repeat(np.concatenate([[0], np.cumsum(lens[:, p])[:-1]]), lens[:, p])
+        lookup[np.repeat(starts[:, p], lens[:, p]) + within] = seg
+    return lookup, starts[:, 0]
 
 
 def write_part(
     part: int,
     blocks: list[BlockResult],
     fmt_name: str,
-    maps_paths: dict[str, str],
+    maps_paths: dict[str, list[tuple[str, str]]],
     params: PreprocessParams,
     out_dir: str,
 ) -> tuple[str, int]:
-    """Stage 3 for one output part: gather bucket ``part`` from every block, map, permute, write."""
+    """Stage 3 for one output part: gather bucket ``part`` from every block, map its slice codes to ids
+    (reading this bucket's ids only), permute, write."""
     fmt = get_format(fmt_name)
-    maps = {}
-    for name, path in maps_paths.items():
-        with np.load(path) as z:
-            ids, lengths = z["ids"], z["lengths"]
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        maps[name] = [ids[bounds[i]:bounds[i + 1]] for i in range(len(lengths))]
+    lookups = {name: _slice_lookup(part, len(blocks), maps) for name, maps in maps_paths.items()}
     pieces = []
     for i, block in enumerate(blocks):
         lo, hi = block.bucket_offsets[part], block.bucket_offsets[part + 1]
@@ -396,9 +626,8 @@ def write_part(
             cols[name] = t[name]
         for name in fmt.sparse:
             codes = t[name].to_numpy()
-            # code -1 (missing) picks the appended 0.
-            lookup = np.append(maps[name][i], np.int32(0))
-            cols[name] = pa.array(lookup[codes])
+            lookup, starts = lookups[name]
+            cols[name] = pa.array(lookup[np.where(codes >= 0, starts[i] + codes, len(lookup) - 1)])
         pieces.append(pa.table(cols))
     name = f"part-{part:05d}.parquet"
     if not pieces:
@@ -430,6 +659,42 @@ def _map(client, fn: Callable, items: list, *args, progress: Callable[[], None] 
         if progress:
             progress()
     return client.gather(futures)
+
+
+def _vocabularies(
+    client, blocks: list[BlockResult], tables: list[str], params: PreprocessParams, work: str,
+    step: Callable[[], None], grow: Callable[[int], None],
+) -> tuple[list[int], dict[str, list[tuple[str, str]]]]:
+    """Stage 2 for every table: (cardinalities including row 0, per table its partitions' id maps)."""
+    plan = plan_partitions(blocks, tables)
+    parts = [part for table_parts in plan for part in table_parts]
+    grow(2 * (len(parts) - len(tables)))
+    counted = _map(client, count_partition, parts, [b.uniques_path for b in blocks], params, work, progress=step)
+    bases: list[dict[int, int]] = []
+    cardinalities = []
+    at = 0
+    for table_parts in plan:
+        histograms = [hist for _, hist in counted[at:at + len(table_parts)]]
+        bases += id_bases(histograms)
+        cardinalities.append(1 + sum(sum(sizes) for _, sizes in histograms))
+        at += len(table_parts)
+    mapped = _map_pairs(client, parts, [path for path, _ in counted], bases, blocks, work, step)
+    maps_paths: dict[str, list[tuple[str, str]]] = {name: [] for name in tables}
+    for part, paths in zip(parts, mapped, strict=True):
+        maps_paths[part.table].append(paths)
+    return cardinalities, maps_paths
+
+
+def _map_pairs(client, parts, ranked_paths, bases, blocks, work, step) -> list[tuple[str, str]]:
+    """map_partition for every partition (each with its own ranked file and bases)."""
+    n_buckets = len(blocks[0].bucket_offsets) - 1
+    items = list(zip(parts, ranked_paths, bases, strict=True))
+    return _map(client, _map_item, items, blocks, n_buckets, work, progress=step)
+
+
+def _map_item(item, blocks, n_buckets, work):
+    part, ranked_path, bases = item
+    return map_partition(part, ranked_path, bases, blocks, n_buckets, work)
 
 
 def _partial_dir(output: Path) -> Path:
@@ -550,7 +815,7 @@ def _preprocess_locked(
     pieces = split_pieces(paths, raw_format, block_bytes)
     n_buckets = n_buckets_for(paths, block_bytes)
     n_tables = len(raw_format.sparse)
-    total_steps = len(pieces) + n_tables + n_buckets
+    total_steps = len(pieces) + 2 * n_tables + n_buckets  # grows once the partitions are known
     done = 0
 
     def step() -> None:
@@ -559,12 +824,13 @@ def _preprocess_locked(
         if progress:
             progress(done, total_steps)
 
+    def grow(extra: int) -> None:
+        nonlocal total_steps
+        total_steps += extra
+
     try:
-        nested = _map(client, parse_piece, pieces, raw_format.name, params, n_buckets, str(work), progress=step)
-        for group in nested:
-            if isinstance(group, UserInputError):
-                raise group
-        blocks = sorted((b for group in nested for b in group), key=lambda b: (b.file_index, b.order))
+        parsed = _parse_all(client, pieces, raw_format.name, params, n_buckets, str(work), step, grow)
+        blocks = sorted(parsed, key=lambda b: (b.file_index, b.order))
         rows = sum(b.n_rows for b in blocks)
         reasons: Counter[str] = Counter()
         for b in blocks:
@@ -588,10 +854,7 @@ def _preprocess_locked(
         if rows == 0:
             raise UserInputError("the inputs hold no valid rows")
 
-        uniques_paths = [b.uniques_path for b in blocks]
-        vocab = _map(client, build_vocabulary, raw_format.sparse, uniques_paths, params, str(work), progress=step)
-        cardinalities = [c for c, _ in vocab]
-        maps_paths = {name: path for name, (_, path) in zip(raw_format.sparse, vocab, strict=True)}
+        cardinalities, maps_paths = _vocabularies(client, blocks, raw_format.sparse, params, str(work), step, grow)
         written = _map(
             client, write_part, list(range(n_buckets)), blocks, raw_format.name, maps_paths, params,
             str(partial), progress=step,

@@ -316,3 +316,84 @@ def test_capped_integer_values_stay_integers_when_some_are_missing():
     without = pp._cap_values(pa.array([5, 6, 7], pa.int32()), 4)
     assert with_missing.type == without.type == pa.int64()
     assert with_missing.to_pylist() == [5 % 3, None, 7 % 3] and without.to_pylist() == [5 % 3, 6 % 3, 7 % 3]
+
+
+def _reference_parts(paths: list[Path], *, seed: int, min_frequency: int, cap: int | None, block_bytes: int):
+    """The whole job in one process, plainly: the same blocks and bucket draws (they define the
+    shuffle; a ``.gz`` file read by one reader), one Counter per table over every row, ids by (count
+    desc, value asc), each part's rows gathered in block order and permuted. -> ({part: columns}, cards)."""
+    from dlrmflow.datasets import preprocess as pp
+    from dlrmflow.datasets.formats import get_format, parse_block
+
+    fmt = get_format("criteo")
+    n_buckets = pp.n_buckets_for(paths, block_bytes)
+    blocks = []
+    for piece in pp.split_pieces(paths, fmt, block_bytes):
+        header = pp._header_bytes(Path(piece.path), fmt) if piece.gzip else 0
+        for k, data in enumerate(pp._iter_blocks(piece, block_bytes, header)):
+            parsed = parse_block(data, fmt)
+            rng = np.random.default_rng([seed, 0x0B0C, piece.file_index, piece.first_order + k])
+            n = len(parsed.labels)
+            bucket = rng.integers(0, n_buckets, size=n) if n_buckets > 1 else np.zeros(n, np.int64)
+            values = [pp._cap_values(v, cap).to_pylist() for v in parsed.sparse]
+            blocks.append((parsed, bucket, values))
+    ids, cards = [], []
+    for t in range(len(fmt.sparse)):
+        counts = Counter(v for _, _, values in blocks for v in values[t] if v is not None)
+        ranked = sorted((v for v, c in counts.items() if c >= min_frequency), key=lambda v: (-counts[v], v))
+        ids.append({v: i + 1 for i, v in enumerate(ranked)})
+        cards.append(len(ranked) + 1)
+    parts = {}
+    for b in range(n_buckets):
+        cols: dict[str, list] = {}
+        for parsed, bucket, values in blocks:
+            rows = np.flatnonzero(bucket == b)
+            cols.setdefault("label", []).append(parsed.labels[rows])
+            for j, name in enumerate(fmt.dense):
+                cols.setdefault(name, []).append(parsed.dense[rows, j])
+            for t, name in enumerate(fmt.sparse):
+                cols.setdefault(name, []).append(np.array([ids[t].get(values[t][r], 0) for r in rows], np.int32))
+        merged = {name: np.concatenate(arrays) for name, arrays in cols.items()}
+        n = len(merged["label"])
+        if n:
+            perm = np.random.default_rng([seed, 0x5348, b]).permutation(n)
+            parts[f"part-{b:05d}.parquet"] = {name: a[perm] for name, a in merged.items()}
+    return parts, cards
+
+
+def _write_tied_tsv(path: Path, n: int, seed: int) -> None:
+    """Criteo TSV whose tables have many equal counts (few values, some missing) and a few bad lines."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(n):
+        dense = [str(x) if x >= 0 else "" for x in rng.integers(-1, 9, 13)]
+        pool = 3 + (i % 26) * 7
+        cats = [f"{x:08x}" if x else "" for x in (rng.integers(0, pool, 26) * 2654435761 % (1 << 32))]
+        lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
+    for i in range(7, n, 401):
+        lines[i] = "1\tnot\ta\trow"
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("seed, min_frequency, cap", [(0, 1, None), (3, 4, None), (5, 2, 13)])
+def test_partitioned_vocabulary_matches_a_single_process_reference(seed, min_frequency, cap, tmp_path, monkeypatch):
+    from dlrmflow.datasets import preprocess as pp
+
+    _write_tied_tsv(tmp_path / "day_0", 1300, seed=seed)
+    _write_tied_tsv(tmp_path / "day_1", 800, seed=seed + 1)
+    with open(tmp_path / "day_1", "rb") as f, gzip.open(tmp_path / "day_1.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    inputs = [tmp_path / "day_0", tmp_path / "day_1.gz"]
+    monkeypatch.setattr(pp, "PARTITION_PAIRS", 800)  # several value ranges per table, most of them tied
+    summary = preprocess(inputs, tmp_path / "ds", block_bytes=32 << 10, seed=seed, min_frequency=min_frequency,
+                         max_rows_per_table=cap, max_reject_fraction=0.05)
+    expected, cards = _reference_parts(inputs, seed=seed, min_frequency=min_frequency, cap=cap,
+                                       block_bytes=32 << 10)
+    meta = read_meta(tmp_path / "ds")
+    assert meta.rejected_rows == summary["rejected_rows"] == 4 + 2  # quarantined, as ever
+    assert meta.cardinalities == cards
+    assert [f.name for f in meta.files] == sorted(expected) and len(expected) > 1
+    for f in meta.files:
+        table = pq.read_table(tmp_path / "ds" / f.name)
+        for name, want in expected[f.name].items():
+            assert np.array_equal(table[name].to_numpy(), want), (f.name, name)
