@@ -62,11 +62,18 @@ def pandas_preprocess(src: Path, out: Path, seed: int = 0) -> int:
 
 
 class AnonMemory:
-    """Peak of the summed RssAnon of this process and all its descendants (the Dask workers), sampled."""
+    """Peak of the summed RssAnon of this process and all its descendants (the Dask workers), sampled; and
+    the CPU seconds they spent meanwhile (user + system, per process from the first to the last sample),
+    which a loaded machine inflates far less than the wall time."""
 
     def __init__(self, interval: float = 0.05):
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._cpu: dict[int, list[float]] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(last - first for first, last in self._cpu.values())
 
     def __enter__(self) -> AnonMemory:
         self._thread.start()
@@ -80,9 +87,17 @@ class AnonMemory:
         import psutil
 
         me = psutil.Process()
-        while not self._stop.is_set():
-            pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
-            self.peak = max(self.peak, sum(_rss_anon(pid) for pid in pids))
+        while True:
+            procs = [me, *me.children(recursive=True)]
+            self.peak = max(self.peak, sum(_rss_anon(p.pid) for p in procs))
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                except psutil.Error:  # the process ended
+                    continue
+                self._cpu.setdefault(p.pid, [t.user + t.system] * 2)[1] = t.user + t.system
+            if self._stop.is_set():
+                return
             self._stop.wait(self.interval)
 
 
@@ -118,16 +133,18 @@ def _input(work: Path, rows: int, scale: float) -> Path:
     return src
 
 
-def _measured_run(run, src: Path, out: Path, workers: int) -> tuple[float, int, dict]:
-    """(seconds, peak anonymous bytes of all processes, summary) of one run on a fresh cluster."""
+def _measured_run(run, src: Path, out: Path, workers: int) -> tuple[float, int, float, dict]:
+    """(seconds, peak anonymous bytes of all processes, their CPU seconds, summary) of one run on a fresh
+    cluster (started before the measurement)."""
     from distributed import Client
 
-    with local_cluster(workers) as cluster, Client(cluster) as client, AnonMemory() as memory:
-        t0 = time.perf_counter()
-        summary = run([src], out, client=client, force=True)
-        seconds = time.perf_counter() - t0
+    with local_cluster(workers) as cluster, Client(cluster) as client:
+        with AnonMemory() as memory:
+            t0 = time.perf_counter()
+            summary = run([src], out, client=client, force=True)
+            seconds = time.perf_counter() - t0
     shutil.rmtree(out)
-    return seconds, memory.peak, summary
+    return seconds, memory.peak, memory.cpu_seconds, summary
 
 
 def compare_scales(args) -> None:
@@ -140,30 +157,34 @@ def compare_scales(args) -> None:
     if args.baseline:
         impls = {"baseline": _load_baseline(args.baseline).preprocess, **impls}
     print(f"{os.cpu_count()} cores, {args.workers} Dask workers, load average {os.getloadavg()[0]:.1f} at the start")
-    results: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
+    results: dict[tuple[str, str], list[tuple[float, int, int, float]]] = {}
     for r in range(args.repeats):
         for label, rows, scale in runs:
             src = _input(work, rows, scale)
             for name, run in impls.items():  # interleaved: the load of the moment hits both alike
-                seconds, peak, summary = _measured_run(run, src, work / "out", args.workers)
+                seconds, peak, cpu, summary = _measured_run(run, src, work / "out", args.workers)
                 assert summary["rows"] == rows
-                results.setdefault((name, label), []).append((seconds, peak, summary["embedding_rows"]))
+                results.setdefault((name, label), []).append((seconds, peak, summary["embedding_rows"], cpu))
                 print(f"  repeat {r + 1}: {name}, {label}: {seconds:.2f} s, {rows / seconds:,.0f} rows/s, "
-                      f"peak {peak / 2**20:,.0f} MiB", file=sys.stderr)
-    print("\n| code | input | embedding rows | median s | rows/s | peak anon MiB (all processes) |")
-    print("|---|---|---|---|---|---|")
+                      f"{cpu:.1f} CPU s, peak {peak / 2**20:,.0f} MiB, load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr)
+    print("\n| code | input | embedding rows | median s | rows/s | CPU s (all processes) | rows per CPU s "
+          "| peak anon MiB (all processes) |")
+    print("|---|---|---|---|---|---|---|---|")
     for (name, label), got in results.items():
         rows = int(label.split()[0].replace(",", ""))
-        seconds = statistics.median(s for s, _, _ in got)
-        peak = max(p for _, p, _ in got)
-        print(f"| {name} | {label} | {got[0][2]:,} | {seconds:.2f} | {rows / seconds:,.0f} | {peak / 2**20:,.0f} |")
+        seconds = statistics.median(g[0] for g in got)
+        cpu = statistics.median(g[3] for g in got)
+        peak = max(g[1] for g in got)
+        print(f"| {name} | {label} | {got[0][2]:,} | {seconds:.2f} | {rows / seconds:,.0f} | {cpu:.1f} "
+              f"| {rows / cpu:,.0f} | {peak / 2**20:,.0f} |")
     lo, hi = min(args.memory_rows), max(args.memory_rows)
     for name in impls:
         def med(label, name=name):
-            return statistics.median(s for s, _, _ in results[(name, label)])
+            return statistics.median(g[0] for g in results[(name, label)])
 
         small, full = med(f"{args.rows:,} rows, scale 0.01"), med(f"{args.rows:,} rows, scale 1.0")
-        peaks = {n: max(p for _, p, _ in results[(name, f"{n:,} rows, scale 1.0")]) for n in (lo, hi)}
+        peaks = {n: max(g[1] for g in results[(name, f"{n:,} rows, scale 1.0")]) for n in (lo, hi)}
         print(f"{name}: rows/s at scale 1.0 / at scale 0.01 = {small / full:.2f}x; "
               f"peak memory {hi:,} / {lo:,} rows = {peaks[hi] / peaks[lo]:.2f}x")
 

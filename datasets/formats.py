@@ -96,6 +96,26 @@ def transform_dense(values: np.ndarray) -> np.ndarray:
     return np.log1p(np.maximum(x, 0.0)).astype(np.float32)
 
 
+_LOG1P_TABLE_SIZE = 1 << 16  # Criteo's integer features are mostly small: their transform is a table lookup
+_log1p_table: np.ndarray | None = None
+
+
+def transform_dense_integers(values: np.ndarray) -> np.ndarray:
+    """:func:`transform_dense` of integer features (missing ones given as 0), bit for bit: values
+    below 2**16 read ``np.log1p`` of their float64 from a table, the rest compute it (every element goes
+    through the same float64 log1p either way; a test compares both)."""
+    global _log1p_table
+    if _log1p_table is None:
+        _log1p_table = np.log1p(np.arange(_LOG1P_TABLE_SIZE, dtype=np.float64)).astype(np.float32)
+    x = np.maximum(values, 0)
+    small = x < _LOG1P_TABLE_SIZE
+    out = _log1p_table[np.where(small, x, 0)]
+    if not small.all():
+        big = ~small
+        out[big] = np.log1p(x[big].astype(np.float64)).astype(np.float32)
+    return out
+
+
 _ONES = np.uint64(0x0101010101010101)
 _HIGHS = np.uint64(0x8080808080808080)
 
@@ -240,10 +260,18 @@ def _count_lines(data: bytes) -> int:
     return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
 
 
-def _read_csv(data: bytes, fmt: RawFormat, types: dict[str, pa.DataType], on_invalid) -> pa.Table:
+# Arrow's parse buffer for clean blocks: 1 MiB stays in cache (2-3x less CPU than one buffer for the block).
+CLEAN_READ_BLOCK = 1 << 20
+
+
+def _read_csv(
+    data: bytes, fmt: RawFormat, types: dict[str, pa.DataType], on_invalid, block_size: int = 1 << 30
+) -> pa.Table:
+    """One Arrow CSV read of ``data``. The validating path keeps the whole block in one buffer, so that
+    ``on_invalid`` sees row numbers counted from the block's start."""
     return pa_csv.read_csv(
         pa.py_buffer(data),
-        read_options=pa_csv.ReadOptions(column_names=fmt.fields, use_threads=False, block_size=1 << 30),
+        read_options=pa_csv.ReadOptions(column_names=fmt.fields, use_threads=False, block_size=block_size),
         parse_options=pa_csv.ParseOptions(
             delimiter=fmt.delimiter,
             quote_char=False if fmt.name == "criteo" else '"',
@@ -293,17 +321,24 @@ def _parse_clean_hex_block(data: bytes, fmt: RawFormat) -> ParsedBlock | None:
     types |= {c: pa.int64() if fmt.name == "criteo" else pa.float64() for c in fmt.dense}
     types |= {c: pa.binary(8) for c in fmt.sparse}
     try:
-        table = _read_csv(data, fmt, types, lambda row: "error")
+        table = _read_csv(data, fmt, types, lambda row: "error", CLEAN_READ_BLOCK)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
     label = table.column(fmt.label).combine_chunks()
     if label.null_count or (len(label) and (pc.min(label).as_py() < 0 or pc.max(label).as_py() > 1)):
         return None
-    dense = np.zeros((table.num_rows, len(fmt.dense)), dtype=np.float64)
-    for j, name in enumerate(fmt.dense):
-        dense[:, j] = table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
-    if fmt.name != "criteo" and not dense_in_range(dense).all():
-        return None  # a non-integral or out-of-range float: the validating path names it
+    if fmt.name == "criteo":
+        dense_out = np.empty((table.num_rows, len(fmt.dense)), dtype=np.float32)
+        for j, name in enumerate(fmt.dense):
+            col = pc.fill_null(table.column(name).combine_chunks(), 0)
+            dense_out[:, j] = transform_dense_integers(col.to_numpy())
+    else:
+        dense = np.zeros((table.num_rows, len(fmt.dense)), dtype=np.float64)
+        for j, name in enumerate(fmt.dense):
+            dense[:, j] = table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
+        if not dense_in_range(dense).all():
+            return None  # a non-integral or out-of-range float: the validating path names it
+        dense_out = transform_dense(dense)
     sparse = []
     for name in fmt.sparse:
         col = table.column(name).combine_chunks()
@@ -320,7 +355,7 @@ def _parse_clean_hex_block(data: bytes, fmt: RawFormat) -> ParsedBlock | None:
     return ParsedBlock(
         n_lines=_count_lines(data),
         labels=label.to_numpy(zero_copy_only=False).astype(np.int8),
-        dense=transform_dense(dense),
+        dense=dense_out,
         sparse=sparse,
     )
 

@@ -141,3 +141,19 @@ def test_swar_hex_decoder_rejects_every_non_hex_byte():
             expected.append(byte in hexdigits)
     _, ok = hex8_words_to_int(np.frombuffer(b"".join(cases), dtype="<u8"))
     assert ok.tolist() == expected
+
+
+def test_integer_dense_transform_is_the_float_transform_bit_for_bit():
+    """The clean path's table lookup gives exactly transform_dense's bits, on both sides of the table's end."""
+    from dlrmflow.datasets.formats import _LOG1P_TABLE_SIZE, transform_dense, transform_dense_integers
+
+    rng = np.random.default_rng(7)
+    edge = _LOG1P_TABLE_SIZE
+    values = np.concatenate([
+        np.arange(-5, 2000), np.arange(edge - 50, edge + 50), rng.integers(-(1 << 40), 1 << 40, 20_000),
+        rng.integers(0, edge, 20_000), np.array([(1 << 53) + 1, (1 << 62), -(1 << 62)]),
+    ]).astype(np.int64)
+    got = transform_dense_integers(values.copy())
+    want = transform_dense(values.astype(np.float64))
+    assert got.dtype == want.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
