@@ -14,9 +14,11 @@ printed separately: a pipeline pays it once for all its steps.
 
 Real cardinalities instead: rows/s at generator scale 0.01 and 1.0 for the same rows, and the peak
 anonymous memory of all processes (driver + Dask workers, RssAnon summed, sampled every 50 ms, a fresh
-cluster per run) at each of --memory-rows at scale 1.0. With --baseline (an older
-datasets/preprocess.py, e.g. from `git show REV:datasets/preprocess.py`), the same runs of that
-code, interleaved with this code's, in the same run.
+cluster per run) at each of --memory-rows at scale 1.0, with the CPU seconds of all those processes
+(robust to a loaded machine where the wall time is not). With --baseline (an older
+datasets/preprocess.py, e.g. from `git show REV:datasets/preprocess.py`; it runs on this checkout's
+parser and cluster), the same runs of that code, interleaved with this code's, in the same run; with
+--dask-trim, this code again on workers with the malloc trim threshold that Dask's nannies set.
 """
 
 from __future__ import annotations
@@ -133,12 +135,20 @@ def _input(work: Path, rows: int, scale: float) -> Path:
     return src
 
 
-def _measured_run(run, src: Path, out: Path, workers: int) -> tuple[float, int, float, dict]:
+def _measured_run(run, src: Path, out: Path, workers: int, *, dask_trim: bool = False
+                  ) -> tuple[float, int, float, dict]:
     """(seconds, peak anonymous bytes of all processes, their CPU seconds, summary) of one run on a fresh
-    cluster (started before the measurement)."""
+    cluster (started before the measurement). ``dask_trim``: its workers get the MALLOC_TRIM_THRESHOLD_
+    that Dask's nannies set by default and dlrmflow's LocalCluster leaves out (engine/serving/cluster.py)."""
     from distributed import Client
 
-    with local_cluster(workers) as cluster, Client(cluster) as client:
+    if dask_trim:
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"  # the workers inherit it; this process's malloc is set up
+    try:
+        cluster = local_cluster(workers)
+    finally:
+        os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    with cluster, Client(cluster) as client:
         with AnonMemory() as memory:
             t0 = time.perf_counter()
             summary = run([src], out, client=client, force=True)
@@ -153,16 +163,18 @@ def compare_scales(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     runs = [(f"{args.rows:,} rows, scale 0.01", args.rows, 0.01)]
     runs += [(f"{n:,} rows, scale 1.0", n, 1.0) for n in sorted({args.rows, *args.memory_rows})]
-    impls = {"this code": preprocess}
+    impls: dict[str, tuple] = {"this code": (preprocess, False)}
     if args.baseline:
-        impls = {"baseline": _load_baseline(args.baseline).preprocess, **impls}
+        impls = {"baseline": (_load_baseline(args.baseline).preprocess, False), **impls}
+    if args.dask_trim:
+        impls["this code, Dask's malloc trim"] = (preprocess, True)
     print(f"{os.cpu_count()} cores, {args.workers} Dask workers, load average {os.getloadavg()[0]:.1f} at the start")
     results: dict[tuple[str, str], list[tuple[float, int, int, float]]] = {}
     for r in range(args.repeats):
         for label, rows, scale in runs:
             src = _input(work, rows, scale)
-            for name, run in impls.items():  # interleaved: the load of the moment hits both alike
-                seconds, peak, cpu, summary = _measured_run(run, src, work / "out", args.workers)
+            for name, (run, trim) in impls.items():  # interleaved: the load of the moment hits both alike
+                seconds, peak, cpu, summary = _measured_run(run, src, work / "out", args.workers, dask_trim=trim)
                 assert summary["rows"] == rows
                 results.setdefault((name, label), []).append((seconds, peak, summary["embedding_rows"], cpu))
                 print(f"  repeat {r + 1}: {name}, {label}: {seconds:.2f} s, {rows / seconds:,.0f} rows/s, "
@@ -198,6 +210,8 @@ def main() -> None:
     ap.add_argument("--scales", action="store_true", help="rows/s at scale 0.01 vs 1.0 and peak memory (see above)")
     ap.add_argument("--memory-rows", type=int, nargs=2, default=[1_000_000, 3_000_000])
     ap.add_argument("--baseline", help="with --scales: an older datasets/preprocess.py to run alongside")
+    ap.add_argument("--dask-trim", action="store_true",
+                    help="with --scales: also this code on workers with Dask's default MALLOC_TRIM_THRESHOLD_")
     args = ap.parse_args()
     if args.scales:
         compare_scales(args)

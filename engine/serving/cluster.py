@@ -48,10 +48,17 @@ ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
 # thread every 10 ms) cost an idle trainer process (which hosts a LocalCluster's scheduler) about 50 ms
 # of CPU per second, taken from compute when the trainer and the servers share a few cores; with these,
 # about 20 ms (docs/oracle-overhead.md). Nothing dlrmflow does reads the profiles or the tick health.
+#
+# And no MALLOC_TRIM_THRESHOLD_ in the workers' environment: Dask's nannies set it to 64 KiB to hand freed
+# memory back to the OS, but any explicit trim threshold also turns off glibc's adaptive mmap threshold, so
+# that every NumPy/Arrow temporary over 128 KiB is a fresh mmap whose pages fault in, zeroed, on first
+# touch: a preprocess block then costs 2.3x its in-process time (380k page faults instead of 5k per 64 MiB
+# block; benchmarks/RESULTS.md). dlrmflow's stages bound their memory by block and partition instead.
 HOUSEKEEPING = {
     "distributed.admin.tick.interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
     "distributed.worker.profile.enabled": False,
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,  # None: unset (Dask's convention)
 }
 
 
