@@ -5,6 +5,7 @@ A dataset directory holds::
     part-00000.parquet ...   rows, already shuffled; read them in the order meta.files lists
     meta.json                this file's contents (DatasetMeta)
     rejected/                rejected.csv: every input row that was quarantined, with reason
+    vocabulary/              each table's (raw value, id) pairs, by value range (datasets/vocabulary.py)
     profile.json, *.png      written later by the profile flow
 
 Parquet columns: ``label`` int8 (0/1), one float32 column per dense feature
@@ -55,6 +56,9 @@ class DatasetMeta:
     fingerprint: str
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # Its files per table and the dataset whose ids it kept (datasets/vocabulary.py); None: made by a dlrmflow
+    # that kept no vocabulary.
+    vocabulary: dict[str, Any] | None = None
 
     @property
     def table_offsets(self) -> list[int]:

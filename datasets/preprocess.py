@@ -54,6 +54,14 @@ import pyarrow.parquet as pq
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
 from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, write_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
+from dlrmflow.datasets.vocabulary import (
+    ParentVocabulary,
+    VocabularyFile,
+    load_parent,
+    read_range,
+    vocabulary_record,
+    write_partition,
+)
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.run_lock import output_lock
 from dlrmflow.engine.up_to_date import file_identity
@@ -512,9 +520,14 @@ def _value_range(values: pa.Array, part: VocabPart) -> tuple[int, int]:
     return a, b
 
 
-def count_partition(part: VocabPart, uniques_paths: list[str], params: PreprocessParams, work_dir: str):
+def count_partition(part: VocabPart, uniques_paths: list[str], params: PreprocessParams, work_dir: str,
+                    parent: ParentVocabulary | None = None):
     """Stage 2a: add up one partition's counts over every block, rank its values (count desc, value asc),
-    keep the ranked values on disk and return (their path, the histogram: counts descending, values per count)."""
+    keep the ranked values on disk and return (their path, the histogram: counts descending, values per count).
+
+    With a ``parent`` vocabulary, its values in this range keep their ids (``prev_id``; they are in the
+    file whether this data has them or not) and only the values new to it are ranked and counted in the
+    histogram."""
     values, counts = [], []
     for path in uniques_paths:
         v, c = _block_uniques(path, part.table)
@@ -523,12 +536,23 @@ def count_partition(part: VocabPart, uniques_paths: list[str], params: Preproces
         counts.append(c.slice(a, b - a))
     totals = pa.table({"value": pa.concat_arrays(values), "count": pa.concat_arrays(counts)}).group_by(
         "value").aggregate([("count", "sum")])
+    known_values, known_ids = (None, None) if parent is None else read_range(
+        parent.directory, parent.files[part.table], part.lo, part.hi)
+    if known_values is not None:
+        known_values = known_values.cast(totals["value"].type)
+        totals = totals.filter(pc.is_null(pc.index_in(totals["value"], value_set=known_values)))
     totals = totals.filter(pc.greater_equal(totals["count_sum"], params.min_frequency))
     ranked = totals.sort_by([("count_sum", "descending"), ("value", "ascending")])
     count = ranked["count_sum"].to_numpy()
     first = np.searchsorted(-count, -count, side="left")  # where each value's count class starts
-    ranked = pa.table({"value": ranked["value"], "count": count,
-                       "tie_rank": np.arange(len(count), dtype=np.int64) - first})
+    ranked = pa.table({"value": ranked["value"].combine_chunks(), "count": count,
+                       "tie_rank": np.arange(len(count), dtype=np.int64) - first,
+                       "prev_id": np.full(len(count), -1, dtype=np.int64)})
+    if known_values is not None:
+        n = len(known_values)
+        known = pa.table({"value": known_values, "count": np.zeros(n, np.int64), "tie_rank": np.zeros(n, np.int64),
+                          "prev_id": known_ids})
+        ranked = pa.concat_tables([ranked, known])
     path = str(Path(work_dir) / f"vocab-{part.table}-p{part.index:05d}.arrow")
     with ipc.new_file(path, ranked.schema) as writer:
         writer.write_table(ranked)
@@ -536,8 +560,9 @@ def count_partition(part: VocabPart, uniques_paths: list[str], params: Preproces
     return path, (classes[::-1].tolist(), sizes[::-1].tolist())
 
 
-def id_bases(histograms: list[tuple[list[int], list[int]]]) -> list[dict[int, int]]:
-    """Per partition of one table: count -> the id before its first value of that count (ids start at 1)."""
+def id_bases(histograms: list[tuple[list[int], list[int]]], first_id: int = 1) -> list[dict[int, int]]:
+    """Per partition of one table: count -> the id of its first value of that count (the ranked values'
+    ids start at ``first_id``: 1, or the next id after a kept vocabulary)."""
     per_count: dict[int, int] = Counter()
     for classes, sizes in histograms:
         per_count.update(dict(zip(classes, sizes, strict=True)))
@@ -546,7 +571,7 @@ def id_bases(histograms: list[tuple[list[int], list[int]]]) -> list[dict[int, in
         higher[c], above = above, above + per_count[c]
     bases, earlier = [], Counter()
     for classes, sizes in histograms:
-        bases.append({c: 1 + higher[c] + earlier[c] for c in classes})
+        bases.append({c: first_id + higher[c] + earlier[c] for c in classes})
         earlier.update(dict(zip(classes, sizes, strict=True)))
     return bases
 
@@ -558,16 +583,20 @@ def map_partition(
     blocks: list[BlockResult],
     n_buckets: int,
     work_dir: str,
-) -> tuple[str, str]:
+    dataset_dir: str,
+) -> tuple[str, str, VocabularyFile | None]:
     """Stage 2b: the ids of this partition's values in every (bucket, block) slice, bucket-major, so a
-    write task reads one contiguous range. Returns (ids path, offsets path: slice (b, i) is
-    ids[offsets[b * B + i]:offsets[b * B + i + 1]])."""
+    write task reads one contiguous range; and the partition's vocabulary file in the dataset. Returns
+    (ids path, offsets path: slice (b, i) is ids[offsets[b * B + i]:offsets[b * B + i + 1]], the file)."""
     with pa.memory_map(ranked_path) as source:
         ranked = ipc.open_file(source).read_all()
-    count = ranked["count"].to_numpy()
-    base = np.array([bases[c] for c in count.tolist()], dtype=np.int64)
-    ids_here = np.append((base + ranked["tie_rank"].to_numpy()).astype(np.int32), np.int32(0))
+    count, prev_id = ranked["count"].to_numpy(), ranked["prev_id"].to_numpy()
+    new = prev_id < 0
+    ids = prev_id.copy()
+    ids[new] = np.array([bases[c] for c in count[new].tolist()], dtype=np.int64) + ranked["tie_rank"].to_numpy()[new]
     value_set = ranked["value"].combine_chunks()
+    vocabulary_file = write_partition(dataset_dir, part.table, part.index, value_set, ids)
+    ids_here = np.append(ids.astype(np.int32), np.int32(0))
     chunks, lens = [], np.zeros((len(blocks), n_buckets), dtype=np.int64)
     for i, block in enumerate(blocks):
         v, _ = _block_uniques(block.uniques_path, part.table)
@@ -586,7 +615,7 @@ def map_partition(
     stem = Path(work_dir) / f"map-{part.table}-p{part.index:05d}"
     np.save(f"{stem}.ids.npy", ids)
     np.save(f"{stem}.offsets.npy", np.concatenate([[0], np.cumsum(lens.T.ravel())]))
-    return f"{stem}.ids.npy", f"{stem}.offsets.npy"
+    return f"{stem}.ids.npy", f"{stem}.offsets.npy", vocabulary_file
 
 
 def _bucket_major(chunks: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
@@ -679,39 +708,45 @@ def _map(client, fn: Callable, items: list, *args, progress: Callable[[], None] 
 
 
 def _vocabularies(
-    client, blocks: list[BlockResult], tables: list[str], params: PreprocessParams, work: str,
-    step: Callable[[], None], grow: Callable[[int], None],
-) -> tuple[list[int], dict[str, list[tuple[str, str]]]]:
-    """Stage 2 for every table: (cardinalities including row 0, per table its partitions' id maps)."""
+    client, blocks: list[BlockResult], tables: list[str], params: PreprocessParams, work: str, dataset_dir: str,
+    parent: ParentVocabulary | None, step: Callable[[], None], grow: Callable[[int], None],
+) -> tuple[list[int], dict[str, list[tuple[str, str]]], dict[str, list[VocabularyFile]]]:
+    """Stage 2 for every table: (cardinalities including row 0, per table its partitions' id maps, per
+    table its vocabulary files)."""
     plan = plan_partitions(blocks, tables)
     parts = [part for table_parts in plan for part in table_parts]
     grow(2 * (len(parts) - len(tables)))
-    counted = _map(client, count_partition, parts, [b.uniques_path for b in blocks], params, work, progress=step)
+    counted = _map(client, count_partition, parts, [b.uniques_path for b in blocks], params, work, parent,
+                   progress=step)
     bases: list[dict[int, int]] = []
     cardinalities = []
     at = 0
-    for table_parts in plan:
+    for k, table_parts in enumerate(plan):
         histograms = [hist for _, hist in counted[at:at + len(table_parts)]]
-        bases += id_bases(histograms)
-        cardinalities.append(1 + sum(sum(sizes) for _, sizes in histograms))
+        first_id = parent.cardinalities[k] if parent else 1
+        bases += id_bases(histograms, first_id)
+        cardinalities.append(first_id + sum(sum(sizes) for _, sizes in histograms))
         at += len(table_parts)
-    mapped = _map_pairs(client, parts, [path for path, _ in counted], bases, blocks, work, step)
+    mapped = _map_pairs(client, parts, [path for path, _ in counted], bases, blocks, work, dataset_dir, step)
     maps_paths: dict[str, list[tuple[str, str]]] = {name: [] for name in tables}
-    for part, paths in zip(parts, mapped, strict=True):
-        maps_paths[part.table].append(paths)
-    return cardinalities, maps_paths
+    files: dict[str, list[VocabularyFile]] = {name: [] for name in tables}
+    for part, (ids_path, offsets_path, vocabulary_file) in zip(parts, mapped, strict=True):
+        maps_paths[part.table].append((ids_path, offsets_path))
+        if vocabulary_file is not None:
+            files[part.table].append(vocabulary_file)
+    return cardinalities, maps_paths, files
 
 
-def _map_pairs(client, parts, ranked_paths, bases, blocks, work, step) -> list[tuple[str, str]]:
+def _map_pairs(client, parts, ranked_paths, bases, blocks, work, dataset_dir, step) -> list[tuple]:
     """map_partition for every partition (each with its own ranked file and bases)."""
     n_buckets = len(blocks[0].bucket_offsets) - 1
     items = list(zip(parts, ranked_paths, bases, strict=True))
-    return _map(client, _map_item, items, blocks, n_buckets, work, progress=step)
+    return _map(client, _map_item, items, blocks, n_buckets, work, dataset_dir, progress=step)
 
 
-def _map_item(item, blocks, n_buckets, work):
+def _map_item(item, blocks, n_buckets, work, dataset_dir):
     part, ranked_path, bases = item
-    return map_partition(part, ranked_path, bases, blocks, n_buckets, work)
+    return map_partition(part, ranked_path, bases, blocks, n_buckets, work, dataset_dir)
 
 
 def _partial_dir(output: Path) -> Path:
@@ -784,6 +819,8 @@ def run_preprocess(
     output = Path(config.output).resolve()
     paths = [p.resolve() for p in check_inputs(config.inputs, raw_format)]
     identity = file_identity(paths)
+    parent = None if config.vocabulary is None else load_parent(
+        config.vocabulary, source_format=raw_format.name, max_rows_per_table=params.max_rows_per_table)
     fp = config.fingerprint(identity)
 
     try:
@@ -791,8 +828,8 @@ def run_preprocess(
     except OSError as exc:
         raise UserInputError(f"cannot create the directory of --output {str(output)!r}: {exc}") from exc
     with output_lock(output, "preprocess"):  # two runs never write one output at once
-        return _preprocess_locked(paths, output, config, raw_format, identity, fp, started, client, progress,
-                                  force)
+        return _preprocess_locked(paths, output, config, raw_format, identity, fp, parent, started, client,
+                                  progress, force)
 
 
 def _preprocess_locked(
@@ -802,6 +839,7 @@ def _preprocess_locked(
     raw_format: RawFormat,
     identity: list[dict[str, Any]],
     fp: str,
+    parent: ParentVocabulary | None,
     started: float,
     client,
     progress: Callable[[int, int], None] | None,
@@ -871,7 +909,8 @@ def _preprocess_locked(
         if rows == 0:
             raise UserInputError("the inputs hold no valid rows")
 
-        cardinalities, maps_paths = _vocabularies(client, blocks, raw_format.sparse, params, str(work), step, grow)
+        cardinalities, maps_paths, vocabulary_files = _vocabularies(
+            client, blocks, raw_format.sparse, params, str(work), str(partial), parent, step, grow)
         written = _map(
             client, write_part, list(range(n_buckets)), blocks, raw_format.name, maps_paths, params,
             str(partial), progress=step,
@@ -889,7 +928,8 @@ def _preprocess_locked(
             rejected_by_reason=dict(sorted(reasons.items())),
             transform={
                 "dense": "log(max(x, 0) + 1) as float32; missing -> 0",
-                "categorical": "contiguous ids by descending frequency (ties by value); 0 = missing or rare",
+                "categorical": "contiguous ids by descending frequency (ties by value); 0 = missing or rare" + (
+                    "; the ids of the vocabulary's dataset kept, new values after them" if parent else ""),
                 "min_frequency": min_frequency,
                 "max_rows_per_table": max_rows_per_table,
                 "shuffle": "two-pass: seeded bucket per row, then seeded permutation per part",
@@ -899,6 +939,7 @@ def _preprocess_locked(
             inputs=identity,
             fingerprint=fp,
             extra={"input_lines": lines, "reject_examples": examples},
+            vocabulary=vocabulary_record(vocabulary_files, parent),
         )
         for name, n in written:
             if n == 0 and (partial / name).exists():

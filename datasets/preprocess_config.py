@@ -49,11 +49,14 @@ class PreprocessConfig(ConfigModel):
                                 "included)")
     max_reject_fraction: float = Field(
         0.01, ge=0, le=1, description="fail when more than this fraction of rows is malformed")
+    vocabulary: str | None = Field(
+        None, description="a dataset made earlier (e.g. yesterday's) whose ids to keep: its values keep their ids, "
+                          "new values take the next ones (by frequency, ties by value), so tables only grow")
     block_bytes: int = Field(
         64 << 20, ge=1024, description="bytes of raw text per parse task (it fixes the pieces, so the dataset "
                                        "depends on it; it never depends on the number of workers)")
 
-    @field_validator("inputs", "output", mode="before")
+    @field_validator("inputs", "output", "vocabulary", mode="before")
     @classmethod
     def _paths_as_text(cls, value: Any) -> Any:
         if isinstance(value, (list, tuple)):
@@ -70,7 +73,17 @@ class PreprocessConfig(ConfigModel):
         """The dataset's key (``meta.json``'s ``fingerprint``): the inputs' identity
         (:func:`~dlrmflow.engine.up_to_date.file_identity`, computed when not given) and :meth:`params`."""
         identity = file_identity(self.inputs) if identity is None else identity
-        return fingerprint({"version": FINGERPRINT_VERSION, "inputs": identity, "params": self.params()})
+        key: dict[str, Any] = {"version": FINGERPRINT_VERSION, "inputs": identity, "params": self.params()}
+        if self.vocabulary is not None:  # the parent's ids are part of the result
+            key["vocabulary"] = self.parent_fingerprint()
+        return fingerprint(key)
+
+    def parent_fingerprint(self) -> str | None:
+        """The fingerprint of the --vocabulary dataset (None when it has no readable meta.json)."""
+        try:
+            return read_meta(Path(self.vocabulary)).fingerprint
+        except UserInputError:
+            return None
 
     def saved_result(self) -> PreprocessResult | None:
         """The dataset at ``output`` (as a skipped result) when it was made from these inputs, unchanged, with

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
@@ -318,7 +319,8 @@ def test_capped_integer_values_stay_integers_when_some_are_missing():
     assert with_missing.to_pylist() == [5 % 3, None, 7 % 3] and without.to_pylist() == [5 % 3, 6 % 3, 7 % 3]
 
 
-def _reference_parts(paths: list[Path], *, seed: int, min_frequency: int, cap: int | None, block_bytes: int):
+def _reference_parts(paths: list[Path], *, seed: int, min_frequency: int, cap: int | None, block_bytes: int,
+                     kept: list[dict] | None = None, kept_cards: list[int] | None = None):
     """The whole job in one process, plainly: the same blocks and bucket draws (they define the
     shuffle; a ``.gz`` file read by one reader), one Counter per table over every row, ids by (count
     desc, value asc), each part's rows gathered in block order and permuted. -> ({part: columns}, cards)."""
@@ -340,9 +342,12 @@ def _reference_parts(paths: list[Path], *, seed: int, min_frequency: int, cap: i
     ids, cards = [], []
     for t in range(len(fmt.sparse)):
         counts = Counter(v for _, _, values in blocks for v in values[t] if v is not None)
-        ranked = sorted((v for v, c in counts.items() if c >= min_frequency), key=lambda v: (-counts[v], v))
-        ids.append({v: i + 1 for i, v in enumerate(ranked)})
-        cards.append(len(ranked) + 1)
+        known = kept[t] if kept else {}
+        first = kept_cards[t] if kept else 1
+        ranked = sorted((v for v, c in counts.items() if c >= min_frequency and v not in known),
+                        key=lambda v: (-counts[v], v))
+        ids.append({**known, **{v: first + i for i, v in enumerate(ranked)}})
+        cards.append(first + len(ranked))
     parts = {}
     for b in range(n_buckets):
         cols: dict[str, list] = {}
@@ -397,3 +402,85 @@ def test_partitioned_vocabulary_matches_a_single_process_reference(seed, min_fre
         table = pq.read_table(tmp_path / "ds" / f.name)
         for name, want in expected[f.name].items():
             assert np.array_equal(table[name].to_numpy(), want), (f.name, name)
+
+
+def _stored_vocabulary(dataset: Path) -> list[dict]:
+    """Each table's {raw value: id} as the dataset's vocabulary files hold them."""
+    meta = read_meta(dataset)
+    out = []
+    for name in meta.sparse_columns:
+        pairs: dict = {}
+        for f in meta.vocabulary["tables"][name]:
+            t = feather.read_table(dataset / f["name"])
+            values = t["value"].to_pylist()
+            assert values == sorted(values) and values[0] == f["first"] and values[-1] == f["last"]
+            pairs.update(zip(values, t["id"].to_pylist(), strict=True))
+        out.append(pairs)
+    return out
+
+
+@pytest.mark.parametrize("seed, min_frequency, cap", [(0, 1, None), (3, 3, None), (5, 2, 13)])
+def test_a_vocabulary_kept_from_the_day_before_keeps_its_ids_and_grows(seed, min_frequency, cap, tmp_path,
+                                                                        monkeypatch):
+    """Day 1 preprocessed with day 0's dataset as its vocabulary: every id of day 0 kept, values new on day 1
+    numbered after them by day 1's counts (ties by value), min_frequency on the new ones; a capped table
+    folds into its existing rows. Checked against the single-process reference given day 0's ids."""
+    from dlrmflow.datasets import preprocess as pp
+
+    _write_tied_tsv(tmp_path / "day_0", 1100, seed=seed)
+    _write_tied_tsv(tmp_path / "day_1", 900, seed=seed + 10)
+    monkeypatch.setattr(pp, "PARTITION_PAIRS", 500)  # several ranges per table, unlike the day before's
+    settings = dict(block_bytes=32 << 10, seed=seed, min_frequency=min_frequency, max_rows_per_table=cap,
+                    max_reject_fraction=0.05)
+    preprocess([tmp_path / "day_0"], tmp_path / "ds0", **settings)
+    day0 = _stored_vocabulary(tmp_path / "ds0")
+    monkeypatch.setattr(pp, "PARTITION_PAIRS", 800)
+    preprocess([tmp_path / "day_1"], tmp_path / "ds1", vocabulary=tmp_path / "ds0", **settings)
+    meta0, meta1 = read_meta(tmp_path / "ds0"), read_meta(tmp_path / "ds1")
+    expected, cards = _reference_parts([tmp_path / "day_1"], seed=seed, min_frequency=min_frequency, cap=cap,
+                                       block_bytes=32 << 10, kept=day0, kept_cards=meta0.cardinalities)
+    assert meta1.cardinalities == cards
+    assert all(c1 >= c0 for c0, c1 in zip(meta0.cardinalities, meta1.cardinalities, strict=True))
+    assert sum(meta1.cardinalities) > sum(meta0.cardinalities) or cap  # new values did arrive
+    if cap:
+        assert max(meta1.cardinalities) <= cap
+    assert meta1.vocabulary["parent"] == {"dataset": str((tmp_path / "ds0").resolve()),
+                                          "fingerprint": meta0.fingerprint}
+    day1 = _stored_vocabulary(tmp_path / "ds1")
+    for t, (old, new) in enumerate(zip(day0, day1, strict=True)):
+        assert {v: new[v] for v in old} == old, t  # every id of day 0, unchanged
+        assert sorted(new.values()) == list(range(1, cards[t]))  # contiguous, nothing lost
+    for f in meta1.files:
+        table = pq.read_table(tmp_path / "ds1" / f.name)
+        for name, want in expected[f.name].items():
+            assert np.array_equal(table[name].to_numpy(), want), (f.name, name)
+
+
+def test_a_day_preprocessed_with_its_own_dataset_as_vocabulary_gets_the_same_ids(tmp_path):
+    _write_tied_tsv(tmp_path / "day_0", 1500, seed=2)
+    preprocess([tmp_path / "day_0"], tmp_path / "ds", block_bytes=32 << 10, min_frequency=2,
+               max_reject_fraction=0.05)
+    before = {f.name: (tmp_path / "ds" / f.name).read_bytes() for f in read_meta(tmp_path / "ds").files}
+    preprocess([tmp_path / "day_0"], tmp_path / "again", block_bytes=32 << 10, min_frequency=2,
+               max_reject_fraction=0.05, vocabulary=tmp_path / "ds")
+    assert {f.name: (tmp_path / "again" / f.name).read_bytes() for f in read_meta(tmp_path / "again").files} == before
+    assert read_meta(tmp_path / "again").cardinalities == read_meta(tmp_path / "ds").cardinalities
+
+
+def test_a_vocabulary_that_cannot_serve_is_a_clear_error(tmp_path, data_dir):
+    _write_tied_tsv(tmp_path / "day_0", 300, seed=1)
+    preprocess([tmp_path / "day_0"], tmp_path / "ds", max_reject_fraction=0.05)
+    run = dict(max_reject_fraction=0.05)
+    with pytest.raises(UserInputError, match="does not exist"):
+        preprocess([tmp_path / "day_0"], tmp_path / "x", vocabulary=tmp_path / "nowhere", **run)
+    with pytest.raises(UserInputError, match="max-rows-per-table None, this run has 50"):
+        preprocess([tmp_path / "day_0"], tmp_path / "x", vocabulary=tmp_path / "ds", max_rows_per_table=50, **run)
+    with pytest.raises(UserInputError, match="'criteo', this run is --format 'criteo-csv'"):
+        preprocess([data_dir / "criteo_kaggle_sample.csv"], tmp_path / "x", vocabulary=tmp_path / "ds",
+                   fmt="criteo-csv", **run)
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    meta.pop("vocabulary")  # as an older dlrmflow wrote it
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserInputError, match="keeps no vocabulary"):
+        preprocess([tmp_path / "day_0"], tmp_path / "x", vocabulary=tmp_path / "ds", **run)
+    assert not (tmp_path / "x").exists()

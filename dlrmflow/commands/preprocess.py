@@ -24,8 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """The options' checks, before Prefect or Dask load (PreprocessConfigError names a bad field)."""
-    checked_config(args, PreprocessConfig)
+    """The options' checks, before Prefect or Dask load (PreprocessConfigError names a bad field; a
+    --vocabulary that cannot serve is a DatasetError naming why)."""
+    config = checked_config(args, PreprocessConfig)
+    if config.vocabulary is not None:
+        from dlrmflow.datasets.vocabulary import load_parent
+
+        load_parent(config.vocabulary, source_format=config.format, max_rows_per_table=config.max_rows_per_table)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
