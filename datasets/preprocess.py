@@ -15,7 +15,9 @@ more than a block, a bucket or a vocabulary partition, whatever the number of ro
    (a) one task per partition adds up its values' counts over every block, applies
    ``min_frequency`` and ranks them (frequency, ties by value); the driver adds up the partitions'
    count histograms into each partition's id offsets; (b) one task per partition writes the ids of
-   its values for every (bucket, block) slice, bucket-major.
+   its values for every (bucket, block) slice, bucket-major, and its part of the dataset's vocabulary
+   (datasets/vocabulary.py). With ``--vocabulary`` (an earlier dataset), the values it has keep their
+   ids and only the new ones are ranked, after them.
 3. **write** (one task per output part): read the bucket's rows from every block and the bucket's
    ids from every partition, map slice codes to ids, permute the rows with a generator seeded by
    (seed, part) -- the second pass of the shuffle -- and write ``part-NNNNN.parquet``.
