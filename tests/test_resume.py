@@ -190,10 +190,21 @@ def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(tmp_path, 
     assert 0 < recovery["replay_from"] == at // every * every <= at <= recovery["failed_at"]
 
 
-def test_resume_with_parity_re_encodes_parity_from_the_restored_rows(cluster, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["remote", "lru", "oracle"])
+def test_resume_with_parity_re_encodes_parity_from_the_restored_rows(mode, cluster, tmp_path, monkeypatch):
+    """With parity, a resume whose cache starts warm (lru, oracle) must know the cached rows' values as the
+    servers hold them: their first write-back's parity delta is computed from them."""
+    from dlrmflow.engine.planning import planner
+
     dataset = make_dataset(tmp_path / "data", 50)
-    config = small_config(dataset, tmp_path / "full", "remote", iterations=14, checkpoint_every=4, parity=1,
-                          embedding_lr=0.05)
+    extra = {}
+    if mode == "lru":
+        extra = dict(capacity=120)
+    elif mode == "oracle":
+        planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=4), tmp_path / "plan")
+        extra = dict(plan_dir=str(tmp_path / "plan"))
+    config = small_config(dataset, tmp_path / "full", mode, iterations=14, checkpoint_every=4, parity=1,
+                          embedding_lr=0.05, **extra)
     full = train(config, client=cluster)
     crashed = replace(config, output_dir=str(tmp_path / "crashed"))
     with monkeypatch.context() as patch:

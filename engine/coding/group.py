@@ -166,6 +166,10 @@ class CodedShardGroup(ShardGroup):
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
 
+    def held_by_trainer(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        with self.lock:
+            self.checked_out.put(np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.float32))
+
     def stripes_to_copy(self, lost: list[int]) -> np.ndarray:
         """Stripes where a member of ``lost`` may hold anything but its initial rows
         (:meth:`ParityBatching.stripes_to_copy`): every other stripe a replacement generates."""

@@ -191,6 +191,11 @@ class ShardGroup:
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
 
+    def held_by_trainer(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """A resumed trainer's cache starts with ``ids`` holding ``rows``, the values its shards hold too, as
+        if it had fetched them: nothing for plain shards (a coded group keeps them as the old rows of their
+        write-backs' parity deltas)."""
+
     def fetch(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``ids`` into ``out`` (or a new array) ``[len(ids), width]``, all shards at once."""
         return self.exchange(_NO_IDS, _no_rows(self.spec), ids, out)

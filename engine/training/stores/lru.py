@@ -89,8 +89,9 @@ class LruRows(CachedRows):
         slots = np.flatnonzero(owner >= 0)
         ids = owner[slots]
         self.directory.place(ids, slots)
-        self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
-                               torch.from_numpy(np.ascontiguousarray(rows[ids])).to(self.device))
+        held = np.ascontiguousarray(rows[ids])
+        self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device), torch.from_numpy(held).to(self.device))
+        self.shards.held_by_trainer(ids, held)  # with parity: the old rows of their first write-backs
         self.last_used[:] = last_used
 
 

@@ -80,8 +80,10 @@ class OracleRows(CachedRows):
             ids = self.directory.cached_ids()
             slots = self.directory.slot_of[ids]
             if len(ids):
+                held = np.ascontiguousarray(rows[ids])
                 self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
-                                       torch.from_numpy(np.ascontiguousarray(rows[ids])).to(self.device))
+                                       torch.from_numpy(held).to(self.device))
+                self.shards.held_by_trainer(ids, held)  # with parity: the old rows of their first write-backs
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the worker's side stream must not race the loads above
         self.worker = self.make_worker(t, ids, slots)
