@@ -600,11 +600,12 @@ def map_partition(
     vocabulary_file = write_partition(dataset_dir, part.table, part.index, value_set, ids)
     ids_here = np.append(ids.astype(np.int32), np.int32(0))
     chunks, lens = [], np.zeros((len(blocks), n_buckets), dtype=np.int64)
+    find = _PositionsIn(value_set)  # built once: a lookup per block would cost blocks x partition values
     for i, block in enumerate(blocks):
         v, _ = _block_uniques(block.uniques_path, part.table)
         a, b = _value_range(v, part)
         # Values under min_frequency are not in the set: index -1 picks the appended 0.
-        pos = pc.fill_null(pc.index_in(v.slice(a, b - a), value_set=value_set), -1).to_numpy(zero_copy_only=False)
+        pos = find(v.slice(a, b - a))
         block_ids = ids_here[pos]
         pairs = np.load(block.slices_path, mmap_mode="r")[block.slice_bounds[part.k]:block.slice_bounds[part.k + 1]]
         lo, hi = np.searchsorted(pairs, [a << PAIR_SHIFT, b << PAIR_SHIFT])
@@ -618,6 +619,28 @@ def map_partition(
     np.save(f"{stem}.ids.npy", ids)
     np.save(f"{stem}.offsets.npy", np.concatenate([[0], np.cumsum(lens.T.ravel())]))
     return f"{stem}.ids.npy", f"{stem}.offsets.npy", vocabulary_file
+
+
+class _PositionsIn:
+    """Each query value's position in ``values`` (-1 when absent), for many queries against one set: integer
+    values are sorted once and searched (``pc.index_in`` would hash the whole set again for every query)."""
+
+    def __init__(self, values: pa.Array) -> None:
+        self.values = values
+        self.sorted = None
+        if pa.types.is_integer(values.type):
+            arr = values.to_numpy()
+            self.order = np.argsort(arr, kind="stable")
+            self.sorted = arr[self.order]
+
+    def __call__(self, query: pa.Array) -> np.ndarray:
+        if self.sorted is None:
+            return pc.fill_null(pc.index_in(query, value_set=self.values), -1).to_numpy(zero_copy_only=False)
+        q = query.to_numpy()
+        if len(self.sorted) == 0:
+            return np.full(len(q), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self.sorted, q), len(self.sorted) - 1)
+        return np.where(self.sorted[at] == q, self.order[at], -1)
 
 
 def _bucket_major(chunks: list[np.ndarray], lens: np.ndarray) -> np.ndarray:
