@@ -30,6 +30,8 @@ print(json.dumps([status, sorted({m.split('.')[0] for m in sys.modules} & set(js
     (["generate", "--rows", "0", "--output", "X"], "dlrmflow generate: error: --rows must be >= 1, got 0"),
     (["plan", "DATA", "--batch-size", "0", "--output", "X"], "dlrmflow plan: error: "),
     (["demo", "--rows", "0"], "dlrmflow demo: error: "),
+    (["resume", "X"], "dlrmflow resume: error: X does not exist"),
+    (["resume", "."], "dlrmflow resume: error: . has no run_config.json: nothing to resume"),
 ])
 def test_a_bad_option_is_refused_before_any_heavy_import(tmp_path, argv, error):
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv), json.dumps(HEAVY)], cwd=tmp_path,
