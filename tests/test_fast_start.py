@@ -103,13 +103,14 @@ def _dlrmflow(argv: list[str], cwd) -> tuple[dict, str]:
 @pytest.mark.usefixtures("prefect_harness")
 def test_json_keeps_stdout_to_one_object_and_shows_progress_on_stderr(tmp_path):
     """preprocess and a remote train with --json: one JSON object on stdout; on stderr the steps, the Dask
-    cluster, the server initialisation, the iterations and the final evaluation; summary.json records the
-    start-up (launch to the first iteration) and the finish with its phases."""
+    cluster (preprocess's too), the server initialisation, the iterations and the final evaluation; summary.json
+    records the start-up (launch to the first iteration) and the finish with its phases."""
     raw = tmp_path / "day_0.tsv"
     _dlrmflow(["generate", "--rows", "3000", "--output", str(raw), "--scale", "0.001"], tmp_path)
     prep, err = _dlrmflow(["preprocess", str(raw), "--output", str(tmp_path / "ds")], tmp_path)
     assert prep["rows"] == 3000
     assert "preprocess steps: " in err and "(100%)" in err
+    assert "Dask: starting a LocalCluster: done in" in err  # the wait for the cluster is said too
     run, err = _dlrmflow(["train", str(tmp_path / "ds"), "--output", str(tmp_path / "run"), "--mode", "remote",
                           "--shards", "2", "--batch-size", "64", "--iterations", "10", "--embedding-dim", "4",
                           "--bottom-mlp", "8-4", "--top-mlp", "8-1"], tmp_path)
