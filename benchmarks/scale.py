@@ -54,6 +54,7 @@ class Measured:
     peak_process_bytes: int  # the largest RssAnon of one process (a Dask worker's need)
     processes: int  # the most processes seen at once
     result: dict = field(default_factory=dict)  # the command's --json object
+    output_bytes: int | None = None  # what the stage wrote to disk (its output file or directory; None: not measured)
 
     @property
     def rows_per_second(self) -> float:
@@ -110,6 +111,13 @@ def dlrmflow_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "dlrmflow.cli"]
 
 
+def disk_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory (0 if absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
 def run_stage(stage: str, argv: list[str], rows: int, log: Path) -> Measured:
     """``dlrmflow STAGE ARGV --json`` in a fresh process: its wall time, peak memory and JSON object."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -146,11 +154,13 @@ def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
                   "--shards", str(args.shards), "--parity", str(args.parity)],
         "verify": [str(run)],
     }
+    outputs = {"generate": raw, "preprocess": ds, "plan": plan, "train": run}
     stages = [s for s in STAGES if s != "verify" or args.parity > 0]
     measured = []
     for stage in stages:
         print(f"{rows:,} rows: dlrmflow {stage} ...", file=sys.stderr, flush=True)
         m = run_stage(stage, argvs[stage], rows, work / "logs" / f"{rows}-{stage}.log")
+        m.output_bytes = disk_bytes(outputs[stage]) if stage in outputs else None
         print(f"{rows:,} rows: dlrmflow {stage}: {m.seconds:.1f} s, peak {m.peak_anon_bytes / 2**20:,.0f} MiB "
               f"(largest process {m.peak_process_bytes / 2**20:,.0f} MiB)", file=sys.stderr, flush=True)
         measured.append(m)
@@ -177,16 +187,17 @@ def table(results: dict[int, list[Measured]], target: int = KAGGLE_ROWS) -> str:
     """The measured stages side by side, then the linear extrapolation to ``target`` rows."""
     mib = 2**20
     out = ["| rows | embedding rows | stage | wall s | rows/s | peak anon MiB (all processes) "
-           "| largest process MiB |",
-           "|---:|---:|---|---:|---:|---:|---:|"]
+           "| largest process MiB | output MB |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for rows, measured in sorted(results.items()):
         emb = embedding_rows(measured)
         for m in measured:
             out.append(f"| {rows:,} | {emb if emb is None else format(emb, ',')} | {m.stage} | {m.seconds:.1f} "
                        f"| {m.rows_per_second:,.0f} | {m.peak_anon_bytes / mib:,.0f} | "
-                       f"{m.peak_process_bytes / mib:,.0f} |")
+                       f"{m.peak_process_bytes / mib:,.0f} | "
+                       f"{'-' if m.output_bytes is None else format(m.output_bytes / 1e6, ',.0f')} |")
         total = sum(m.seconds for m in measured)
-        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | {rows / total:,.0f} | | |")
+        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | {rows / total:,.0f} | | | |")
     sizes = sorted(results)
     if len(sizes) < 2:  # a line through one point would be a guess at the fixed costs
         return "\n".join([*out, "", "(no extrapolation: it needs at least two row counts)"])

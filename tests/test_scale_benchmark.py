@@ -46,12 +46,12 @@ def test_the_extrapolation_is_the_least_squares_line(scale):
     assert scale.linear_fit([1.0, 2.0, 3.0], [3.0, 5.0, 7.0]) == pytest.approx((1.0, 2.0))
 
     def stage(name: str, rows: int, seconds: float) -> object:
-        return scale.Measured(name, rows, seconds, rows * 100, rows * 10, 4, {"embedding_rows": rows // 2})
+        return scale.Measured(name, rows, seconds, rows * 100, rows * 10, 4, {"embedding_rows": rows // 2}, 0)
 
     results = {n: [stage("generate", n, 10 + n / 1e5), stage("preprocess", n, 5 + n / 2e5)]
                for n in (1_000_000, 4_000_000)}
     text = scale.table(results, target=10_000_000)
-    assert "| 4,000,000 | 2,000,000 | preprocess | 25.0 | 160,000 |" in text
+    assert "| 4,000,000 | 2,000,000 | preprocess | 25.0 | 160,000 | 381 | 38 | 0 |" in text
     assert "| generate | 10.00 | 10.0 | 110 |" in text  # s per 1M rows, fixed s, wall s at 10M rows
     assert "| **all stages** | | | 165 | | |" in text
     assert "no extrapolation" in scale.table({1_000_000: results[1_000_000]})
