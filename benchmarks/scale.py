@@ -55,6 +55,7 @@ class Measured:
     processes: int  # the most processes seen at once
     result: dict = field(default_factory=dict)  # the command's --json object
     output_bytes: int | None = None  # what the stage wrote to disk (its output file or directory; None: not measured)
+    load: float | None = None  # the 1-minute load average when the stage ended (other work on the machine)
 
     @property
     def rows_per_second(self) -> float:
@@ -133,7 +134,8 @@ def run_stage(stage: str, argv: list[str], rows: int, log: Path) -> Measured:
         raise SystemExit(f"dlrmflow {stage} failed (exit {proc.returncode}); its stderr: {log}")
     lines = out.strip().splitlines()
     result = json.loads(lines[-1]) if lines else {}
-    return Measured(stage, rows, seconds, memory.peak_sum, memory.peak_one, memory.processes, result)
+    return Measured(stage, rows, seconds, memory.peak_sum, memory.peak_one, memory.processes, result,
+                    load=os.getloadavg()[0])
 
 
 def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
@@ -187,17 +189,18 @@ def table(results: dict[int, list[Measured]], target: int = KAGGLE_ROWS) -> str:
     """The measured stages side by side, then the linear extrapolation to ``target`` rows."""
     mib = 2**20
     out = ["| rows | embedding rows | stage | wall s | rows/s | peak anon MiB (all processes) "
-           "| largest process MiB | output MB |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+           "| largest process MiB | output MB | load |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for rows, measured in sorted(results.items()):
         emb = embedding_rows(measured)
         for m in measured:
             out.append(f"| {rows:,} | {emb if emb is None else format(emb, ',')} | {m.stage} | {m.seconds:.1f} "
                        f"| {m.rows_per_second:,.0f} | {m.peak_anon_bytes / mib:,.0f} | "
                        f"{m.peak_process_bytes / mib:,.0f} | "
-                       f"{'-' if m.output_bytes is None else format(m.output_bytes / 1e6, ',.0f')} |")
+                       f"{'-' if m.output_bytes is None else format(m.output_bytes / 1e6, ',.0f')} | "
+                       f"{'-' if m.load is None else format(m.load, '.1f')} |")
         total = sum(m.seconds for m in measured)
-        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | {rows / total:,.0f} | | | |")
+        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | {rows / total:,.0f} | | | | |")
     sizes = sorted(results)
     if len(sizes) < 2:  # a line through one point would be a guess at the fixed costs
         return "\n".join([*out, "", "(no extrapolation: it needs at least two row counts)"])

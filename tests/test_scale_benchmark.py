@@ -51,7 +51,7 @@ def test_the_extrapolation_is_the_least_squares_line(scale):
     results = {n: [stage("generate", n, 10 + n / 1e5), stage("preprocess", n, 5 + n / 2e5)]
                for n in (1_000_000, 4_000_000)}
     text = scale.table(results, target=10_000_000)
-    assert "| 4,000,000 | 2,000,000 | preprocess | 25.0 | 160,000 | 381 | 38 | 0 |" in text
+    assert "| 4,000,000 | 2,000,000 | preprocess | 25.0 | 160,000 | 381 | 38 | 0 | - |" in text
     assert "| generate | 10.00 | 10.0 | 110 |" in text  # s per 1M rows, fixed s, wall s at 10M rows
     assert "| **all stages** | | | 165 | | |" in text
     assert "no extrapolation" in scale.table({1_000_000: results[1_000_000]})
