@@ -122,3 +122,19 @@ def test_json_keeps_stdout_to_one_object_and_shows_progress_on_stderr(tmp_path):
     assert 0 < run["startup_seconds"] < 600 and run["finish_seconds"] >= 0
     assert set(run["finish"]) == {"flush", "evaluation", "state", "write"}
     assert sum(run["finish"].values()) == pytest.approx(run["finish_seconds"], abs=1e-3)
+
+
+def test_a_long_phase_reports_its_progress_at_most_once_an_interval_and_always_at_the_end(caplog):
+    import logging
+
+    from dlrmflow.engine.phases import PhaseProgress
+
+    with caplog.at_level(logging.INFO, logger="dlrmflow.engine.phases"):
+        every = PhaseProgress("rows", 30, interval_s=0.0)
+        for done in (10, 20, 30):
+            every(done)
+        seldom = PhaseProgress("more rows", 30, interval_s=3600.0)
+        for done in (10, 20, 30):
+            seldom(done)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rows: 10/30 (33%)", "rows: 20/30 (67%)", "rows: 30/30 (100%)", "more rows: 30/30 (100%)"]

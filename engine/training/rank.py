@@ -142,7 +142,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 finish = outcome["finish"] = {}
                 with timed(finish, "evaluation"), phase_reported("final evaluation"):
                     outcome["metrics"] = evaluate(setup, model, store, device)
-                with timed(finish, "state"):
+                with timed(finish, "state"), phase_reported("final state: the servers write their rows"):
                     if setup.whole_state:  # tests: the whole state, gathered as runs did before the shards wrote it
                         outcome["whole_state"] = collect_state(setup, model, optimizer, store)
                     outcome["state"] = write_final_state(setup, model, optimizer, store,
