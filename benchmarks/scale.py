@@ -56,6 +56,7 @@ class Measured:
     result: dict = field(default_factory=dict)  # the command's --json object
     output_bytes: int | None = None  # what the stage wrote to disk (its output file or directory; None: not measured)
     load: float | None = None  # the 1-minute load average when the stage ended (other work on the machine)
+    largest: str | None = None  # which process was the largest: the command itself, a Dask worker, ...
 
     @property
     def rows_per_second(self) -> float:
@@ -79,6 +80,7 @@ class TreeMemory:
     def __init__(self, pid: int, interval: float = 0.05) -> None:
         self.pid, self.interval = pid, interval
         self.peak_sum = self.peak_one = self.processes = 0
+        self.largest = ""  # the role of the process of peak_one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -97,13 +99,31 @@ class TreeMemory:
                 return
             sizes = [_rss_anon(pid) for pid in pids]
             self.peak_sum = max(self.peak_sum, sum(sizes))
-            self.peak_one = max(self.peak_one, max(sizes))
+            if max(sizes) > self.peak_one:
+                self.peak_one = max(sizes)
+                self.largest = _role(pids[sizes.index(self.peak_one)], self.pid)
             self.processes = max(self.processes, len(pids))
             self._stop.wait(self.interval)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _role(pid: int, command_pid: int) -> str:
+    """What a process of the command is: the command itself (the CLI: driver, trainer 0), a Dask worker or
+    nanny (both start through multiprocessing's spawn), or another (the Prefect API server)."""
+    import psutil
+
+    if pid == command_pid:
+        return "command"
+    try:
+        line = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return "?"
+    if "multiprocessing" in line:
+        return "dask worker"
+    return "prefect server" if "prefect" in line or "exit_with_parent" in line else "other"
 
 
 def dlrmflow_command() -> list[str]:
@@ -135,7 +155,7 @@ def run_stage(stage: str, argv: list[str], rows: int, log: Path) -> Measured:
     lines = out.strip().splitlines()
     result = json.loads(lines[-1]) if lines else {}
     return Measured(stage, rows, seconds, memory.peak_sum, memory.peak_one, memory.processes, result,
-                    load=os.getloadavg()[0])
+                    load=os.getloadavg()[0], largest=memory.largest)
 
 
 def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
@@ -164,7 +184,7 @@ def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
         m = run_stage(stage, argvs[stage], rows, work / "logs" / f"{rows}-{stage}.log")
         m.output_bytes = disk_bytes(outputs[stage]) if stage in outputs else None
         print(f"{rows:,} rows: dlrmflow {stage}: {m.seconds:.1f} s, peak {m.peak_anon_bytes / 2**20:,.0f} MiB "
-              f"(largest process {m.peak_process_bytes / 2**20:,.0f} MiB)", file=sys.stderr, flush=True)
+              f"(largest process {m.peak_process_bytes / 2**20:,.0f} MiB: {m.largest})", file=sys.stderr, flush=True)
         measured.append(m)
     if not args.keep:
         for path in (ds, plan, run):
