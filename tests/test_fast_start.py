@@ -115,8 +115,11 @@ def test_json_keeps_stdout_to_one_object_and_shows_progress_on_stderr(tmp_path):
                           "--shards", "2", "--batch-size", "64", "--iterations", "10", "--embedding-dim", "4",
                           "--bottom-mlp", "8-4", "--top-mlp", "8-1"], tmp_path)
     for line in ("Dask: starting a LocalCluster ...", "embedding servers: initialising 2 shards ...",
-                 "embedding servers: initialising 2 shards: done in", "remote training iterations: 10/10 (100%)",
-                 "final evaluation: done in", "Dask: closing the LocalCluster: done in"):
+                 "embedding servers: initialising 2 shards: done in",
+                 "trainer: importing torch's compiler settings (deterministic algorithms): done in",
+                 "remote training iterations: 10/10 (100%)", "final evaluation: done in",
+                 "final evaluation rows: ", "final state: the servers write their rows: done in",
+                 "Dask: closing the LocalCluster: done in"):
         assert line in err, f"{line!r} not on stderr:\n{err}"
     assert "Beginning flow run" not in err  # Prefect's other INFO lines stay back with --json
     assert 0 < run["startup_seconds"] < 600 and run["finish_seconds"] >= 0
