@@ -21,3 +21,20 @@ def phase_reported(what: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     logger.info("%s: done in %.1f s", what, time.perf_counter() - start)
+
+
+class PhaseProgress:
+    """``what: done/total (p%)`` lines of a long phase, at most one per ``interval_s`` and always the last:
+    a phase of minutes (the final evaluation of a Terabyte-sized held-out set) shows that it moves."""
+
+    def __init__(self, what: str, total: int, interval_s: float = 5.0) -> None:
+        self.what, self.total, self.interval_s = what, total, interval_s
+        self._last = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if done < self.total and now - self._last < self.interval_s:
+            return
+        self._last = now
+        percent = 100.0 * done / self.total if self.total else 100.0
+        logger.info("%s: %d/%d (%.0f%%)", self.what, done, self.total, percent)

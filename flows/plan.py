@@ -8,10 +8,10 @@ from prefect import flow
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.planning.planner import PlanConfig, PlanJobConfig, PlanResult
-from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.flows.run_names import compare_caches_run_name, plan_run_name
 from dlrmflow.tasks.plan import compare_task, plan_task, publish_comparison_task, publish_plan_task
+from dlrmflow.tasks.reporting import reported_dask_scheduler
 
 
 @flow(name="plan", flow_run_name=plan_run_name)
@@ -19,7 +19,7 @@ def plan_flow(config: PlanJobConfig, dask_address: str | None = None) -> PlanRes
     """Dataset -> plan directory (per-iteration prefetches, slots, evictions) + a summary artifact, as
     ``config`` says (a PlanJobConfig: needs ``dataset_dir``, ``output_dir`` and ``batch_size``)."""
     read_meta(config.dataset_dir)  # a clear error before a cluster starts
-    with dask_scheduler(dask_address) as address:
+    with reported_dask_scheduler(dask_address) as address:
         plan = plan_task(config, address)
     publish_plan_task(plan, config.dataset_dir)
     return plan

@@ -100,8 +100,11 @@ def run_recovery_subflow(rebuild: Callable[..., dict[str, Any]], info: dict[str,
 def verify_flow(run_dir: str) -> dict[str, Any]:
     """Re-encode a finished run's data shards and compare with the parity shards it saved."""
     from dlrmflow.engine.coding.verify import verify_run_dir
+    from dlrmflow.tasks.reporting import FlowProgress
 
-    result = verify_run_dir(run_dir)
+    progress = FlowProgress("verify stripes")  # on stderr with --json too: a long pass is never silent
+    result = verify_run_dir(run_dir, progress=progress)
+    progress.finish()
     status = "OK" if result["ok"] else f"MISMATCH {result['mismatched_stripes']}"
     get_run_logger().info("verify %s: %s", run_dir, status)
     return result

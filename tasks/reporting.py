@@ -242,3 +242,14 @@ def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None, *,
         engine.removeHandler(handler)
         engine.setLevel(previous)
         engine.propagate = propagate
+
+
+@contextmanager
+def reported_dask_scheduler(address: str | None = None, **cluster: Any) -> Iterator[str]:
+    """:func:`~dlrmflow.engine.serving.cluster.dask_scheduler` in a flow run, its phases (a LocalCluster's
+    start and close: seconds each, more on busy cores) in the run's log, so on stderr with ``--json`` too:
+    the wait for the cluster is never silent. Not for a flow that already sends the phases (train)."""
+    from dlrmflow.engine.serving.cluster import dask_scheduler
+
+    with engine_events_to_run_log(name=PHASES_LOGGER), dask_scheduler(address, **cluster) as scheduler:
+        yield scheduler

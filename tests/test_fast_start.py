@@ -30,6 +30,8 @@ print(json.dumps([status, sorted({m.split('.')[0] for m in sys.modules} & set(js
     (["generate", "--rows", "0", "--output", "X"], "dlrmflow generate: error: --rows must be >= 1, got 0"),
     (["plan", "DATA", "--batch-size", "0", "--output", "X"], "dlrmflow plan: error: "),
     (["demo", "--rows", "0"], "dlrmflow demo: error: "),
+    (["resume", "X"], "dlrmflow resume: error: X does not exist"),
+    (["resume", "."], "dlrmflow resume: error: . has no run_config.json: nothing to resume"),
 ])
 def test_a_bad_option_is_refused_before_any_heavy_import(tmp_path, argv, error):
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argv), json.dumps(HEAVY)], cwd=tmp_path,
@@ -101,21 +103,41 @@ def _dlrmflow(argv: list[str], cwd) -> tuple[dict, str]:
 @pytest.mark.usefixtures("prefect_harness")
 def test_json_keeps_stdout_to_one_object_and_shows_progress_on_stderr(tmp_path):
     """preprocess and a remote train with --json: one JSON object on stdout; on stderr the steps, the Dask
-    cluster, the server initialisation, the iterations and the final evaluation; summary.json records the
-    start-up (launch to the first iteration) and the finish with its phases."""
+    cluster (preprocess's too), the server initialisation, the iterations and the final evaluation; summary.json
+    records the start-up (launch to the first iteration) and the finish with its phases."""
     raw = tmp_path / "day_0.tsv"
     _dlrmflow(["generate", "--rows", "3000", "--output", str(raw), "--scale", "0.001"], tmp_path)
     prep, err = _dlrmflow(["preprocess", str(raw), "--output", str(tmp_path / "ds")], tmp_path)
     assert prep["rows"] == 3000
     assert "preprocess steps: " in err and "(100%)" in err
+    assert "Dask: starting a LocalCluster: done in" in err  # the wait for the cluster is said too
     run, err = _dlrmflow(["train", str(tmp_path / "ds"), "--output", str(tmp_path / "run"), "--mode", "remote",
                           "--shards", "2", "--batch-size", "64", "--iterations", "10", "--embedding-dim", "4",
                           "--bottom-mlp", "8-4", "--top-mlp", "8-1"], tmp_path)
     for line in ("Dask: starting a LocalCluster ...", "embedding servers: initialising 2 shards ...",
-                 "embedding servers: initialising 2 shards: done in", "remote training iterations: 10/10 (100%)",
-                 "final evaluation: done in", "Dask: closing the LocalCluster: done in"):
+                 "embedding servers: initialising 2 shards: done in",
+                 "trainer: importing torch's compiler settings (deterministic algorithms): done in",
+                 "remote training iterations: 10/10 (100%)", "final evaluation: done in",
+                 "final evaluation rows: ", "final state: the servers write their rows: done in",
+                 "Dask: closing the LocalCluster: done in"):
         assert line in err, f"{line!r} not on stderr:\n{err}"
     assert "Beginning flow run" not in err  # Prefect's other INFO lines stay back with --json
     assert 0 < run["startup_seconds"] < 600 and run["finish_seconds"] >= 0
     assert set(run["finish"]) == {"flush", "evaluation", "state", "write"}
     assert sum(run["finish"].values()) == pytest.approx(run["finish_seconds"], abs=1e-3)
+
+
+def test_a_long_phase_reports_its_progress_at_most_once_an_interval_and_always_at_the_end(caplog):
+    import logging
+
+    from dlrmflow.engine.phases import PhaseProgress
+
+    with caplog.at_level(logging.INFO, logger="dlrmflow.engine.phases"):
+        every = PhaseProgress("rows", 30, interval_s=0.0)
+        for done in (10, 20, 30):
+            every(done)
+        seldom = PhaseProgress("more rows", 30, interval_s=3600.0)
+        for done in (10, 20, 30):
+            seldom(done)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rows: 10/30 (33%)", "rows: 20/30 (67%)", "rows: 30/30 (100%)", "more rows: 30/30 (100%)"]

@@ -22,6 +22,7 @@ from dlrmflow.engine.coding.members import CodedShard, ParityShard
 from dlrmflow.engine.coding.start import place_members, start_coded_shards
 from dlrmflow.engine.coding.verify import PARITY_FILE, save_parity, verify_run_dir
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.row_files import chunk_stripes
 from dlrmflow.engine.run_state import STATE_DIR, load_state, read_manifest, read_summary, save_state
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
@@ -342,8 +343,11 @@ def test_verify_run_dir_finds_a_flipped_bit(client, tmp_path):
     dataset = make_dataset(tmp_path / "data", 6)
     _run(tmp_path, dataset, "run", "remote", client, num_shards=2, parity=1)
     run_dir = tmp_path / "run"
-    result = verify_run_dir(run_dir, chunk=8)  # 4 stripes of K + R = 3 members a chunk
+    reported: list[tuple[int, int]] = []
+    result = verify_run_dir(run_dir, chunk=8, progress=lambda done, total: reported.append((done, total)))
     assert result["ok"] and result["files_ok"] and result["state_sha256_ok"], result
+    stripes, per = result["stripes"], chunk_stripes(3, 8)  # K + R = 3 members: a report after each chunk
+    assert reported == [(min(done, stripes), stripes) for done in range(per, stripes + per, per)]
     assert result["state_sha256"] == read_summary(run_dir)["state_sha256"]
     # The old format of the same run (one final_state.pt, parity_shards.pt) verifies too.
     old = tmp_path / "old"
@@ -353,7 +357,9 @@ def test_verify_run_dir_finds_a_flipped_bit(client, tmp_path):
     manifest = read_manifest(run_dir)
     parity = [np.load(run_dir / STATE_DIR / f["file"]) for f in manifest["parity"]["files"]]
     save_parity(old, ErasureCode(2, 1), parity)
-    assert verify_run_dir(old, chunk=8)["ok"]
+    reported.clear()
+    assert verify_run_dir(old, chunk=8, progress=lambda done, total: reported.append((done, total)))["ok"]
+    assert reported[-1] == (stripes, stripes) and len(reported) == len(range(0, stripes, per))
     # One bit of row 11 = stripe 5 of data shard 1, flipped in the file shard 1's worker wrote.
     shard = np.load(run_dir / STATE_DIR / "shard-1.npy", mmap_mode="r+")
     shard.view(np.int32)[5, 0] ^= 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import shutil
 from collections import deque
 from pathlib import Path
@@ -365,12 +366,17 @@ def test_slot_assignment_rejects_a_prefetch_before_the_write_back():
 # ---- plan directories ---------------------------------------------------------------------------
 
 
-def test_plan_directory_round_trip(tmp_path, monkeypatch):
+def test_plan_directory_round_trip(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", 7)
     dataset = make_dataset(tmp_path / "ds", 5, 900, [40, 300, 6], rows_per_file=250)
     config = PlanConfig(16, 8, 3, capacity=None)
     reference = plan_sequential(dataset, config)
-    summary = make_plan(dataset, config, tmp_path / "plan", chunk_iterations=10)
+    with caplog.at_level(logging.INFO, logger="dlrmflow.engine.phases"):
+        summary = make_plan(dataset, config, tmp_path / "plan", chunk_iterations=10)
+    # The decisions are a phase: said before the first task ends (CLI: on stderr, with --json too).
+    said = [r.getMessage() for r in caplog.records if r.name == "dlrmflow.engine.phases"]
+    assert said[0] == "plan: deciding 57 iterations in 6 tasks (6 chunks x 1 table groups) ..."
+    assert said[1].startswith("plan: deciding 57 iterations in 6 tasks (6 chunks x 1 table groups): done in ")
     info = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert info == summary
     assert info["counts"]["prefetched_rows"] == len(reference.prefetch_ids) == info["counts"]["evicted_rows"]

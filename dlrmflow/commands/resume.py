@@ -24,16 +24,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resumed_config(run_dir: str):
-    """The TrainConfig of the run in ``run_dir`` (its run_config.json), with ``resume=True``."""
-    from dlrmflow.engine.training.checkpoint import read_run_config
+    """The TrainConfig of the unfinished run in ``run_dir`` (its run_config.json), with ``resume=True``;
+    ResumeError when the directory holds no unfinished run with a checkpoint."""
     from dlrmflow.engine.training.config import TrainConfig
+    from dlrmflow.engine.training.run_dir import check_unfinished
 
-    saved = read_run_config(run_dir)["config"]  # ResumeError if the directory holds no checkpointed run
+    saved = check_unfinished(run_dir)["config"]
     return TrainConfig(**{**saved, "output_dir": str(run_dir), "resume": True})
 
 
+def check(args: argparse.Namespace) -> None:
+    """The run directory's checks, before Prefect, torch or Dask load (run_dir and TrainConfig are light
+    modules): a directory that cannot be resumed is refused in a fraction of a second."""
+    args.config = resumed_config(args.run_dir)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    return train.run_training(resumed_config(args.run_dir), args.dask_address)
+    config = getattr(args, "config", None) or resumed_config(args.run_dir)  # main() made it in check()
+    return train.run_training(config, args.dask_address)
 
 
 def summarize(result: dict[str, Any]) -> str:

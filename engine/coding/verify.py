@@ -11,6 +11,7 @@ SHA-256 (the rows of a chunk of stripes are consecutive ids). An older run's ``f
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,14 @@ def save_parity(run_dir: str | os.PathLike, code: ErasureCode, parity: list[np.n
     return path
 
 
-def verify_run_dir(run_dir: str | os.PathLike, chunk: int | None = None) -> dict[str, Any]:
+def verify_run_dir(run_dir: str | os.PathLike, chunk: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Recompute parity from a finished run's embedding rows and compare it with the parity shards it
     saved, a chunk of stripes at a time (row id on data shard id % K). A run's ``final_state/``: each
     file's SHA-256 and the state SHA-256 are checked on the same pass (``files_ok``, ``state_sha256_ok``);
-    an older run's final_state.pt and parity_shards.pt: the parity only."""
+    an older run's final_state.pt and parity_shards.pt: the parity only. ``progress(done, total)``: stripes
+    checked after each chunk (a pass over a Terabyte-sized state takes minutes: it is never silent)."""
+    progress = progress or (lambda done, total: None)
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir) if (run_dir / STATE_DIR).is_dir() else None
     per_chunk = chunk or row_files.ROW_CHUNK
@@ -70,11 +74,11 @@ def verify_run_dir(run_dir: str | os.PathLike, chunk: int | None = None) -> dict
         if "parity" not in manifest:
             raise UserInputError(f"{run_dir} was trained without --parity (its {STATE_DIR}/ holds no parity "
                                  "shards): verify needs a finished run trained with --parity")
-        return _verify_files(run_dir, manifest, per_chunk)
+        return _verify_files(run_dir, manifest, per_chunk, progress)
     for name in (STATE_FILE, PARITY_FILE):
         if not (run_dir / name).is_file():
             raise UserInputError(f"{run_dir} has no {name}: verify needs a finished run trained with --parity")
-    return _verify_single_files(run_dir, per_chunk)
+    return _verify_single_files(run_dir, per_chunk, progress)
 
 
 def _result(run_dir: Path, code: ErasureCode, stripes: int, mismatches: list[list[np.ndarray]]) -> dict[str, Any]:
@@ -84,7 +88,8 @@ def _result(run_dir: Path, code: ErasureCode, stripes: int, mismatches: list[lis
             "first_mismatches": [m[:5].tolist() for m in found]}
 
 
-def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int) -> dict[str, Any]:
+def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int,
+                  progress: Callable[[int, int], None]) -> dict[str, Any]:
     directory = Path(manifest["dir"])
     code = ErasureCode(int(manifest["parity"]["k"]), int(manifest["parity"]["r"]))
     if manifest["num_shards"] != code.k:
@@ -102,6 +107,7 @@ def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int) -> dict[s
             digest.update(interleave(data, manifest["width"]))
             for p, found in enumerate(code.verify(data, pieces[code.k :])):
                 mismatches[p].append(found + start)
+            progress(min(start + per, stripes), stripes)
         bad = [e["file"] for e, reader in zip(entries, readers, strict=True) if reader.sha256() != e["sha256"]]
         if file_sha256(directory / manifest["dense"]["file"]) != manifest["dense"]["sha256"]:
             bad.append(manifest["dense"]["file"])
@@ -117,7 +123,7 @@ def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int) -> dict[s
     return result
 
 
-def _verify_single_files(run_dir: Path, chunk: int) -> dict[str, Any]:
+def _verify_single_files(run_dir: Path, chunk: int, progress: Callable[[int, int], None]) -> dict[str, Any]:
     import torch
 
     saved = torch.load(run_dir / PARITY_FILE, map_location="cpu", weights_only=True, mmap=True)
@@ -133,4 +139,5 @@ def _verify_single_files(run_dir: Path, chunk: int) -> dict[str, Any]:
         data = [np.ascontiguousarray(s[start:stop]) for s in rows.shards]
         for p, found in enumerate(code.verify(data, [np.ascontiguousarray(q[start:stop]) for q in parity])):
             mismatches[p].append(found + start)
+        progress(stop, stripes)
     return _result(run_dir, code, stripes, mismatches)

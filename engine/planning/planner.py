@@ -42,6 +42,7 @@ from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.batches import BatchStream
 from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.planning.lookahead import (
     PlanConsistencyError,
     RangeDecisions,
@@ -374,28 +375,32 @@ def _stream_plan(
             progress(done, total)
 
     distance = config.prefetch_distance
-    if client is None:
-        for i, a in enumerate(args):
-            d = decide_chunk(*a)
-            finished(i, lambda lo, hi, d=d: slice_decisions(d, lo, hi, distance), i + 1)
-            del d
-    else:
-        from distributed import as_completed
+    # The first step ends with the first task: a task decides a whole chunk of one table group, which can
+    # take a minute, so the phase says at once what it is doing.
+    with phase_reported(f"plan: deciding {n:,} iterations in {len(tasks)} tasks ({len(chunks)} chunks x "
+                        f"{len(groups)} table groups)"):
+        if client is None:
+            for i, a in enumerate(args):
+                d = decide_chunk(*a)
+                finished(i, lambda lo, hi, d=d: slice_decisions(d, lo, hi, distance), i + 1)
+                del d
+        else:
+            from distributed import as_completed
 
-        futures = [client.submit(decide_chunk, *a, pure=False) for a in args]
-        position = {future.key: i for i, future in enumerate(futures)}
-        released: set[str] = set()
-        try:
-            for done, future in enumerate(as_completed(futures), start=1):
-                if future.status == "error":
-                    future.result()  # a task's error is re-raised here
-                # The result stays on its worker: the driver fetches it a piece at a time, then lets it go.
-                finished(position[future.key], lambda lo, hi, f=future: client.submit(
-                    slice_decisions, f, lo, hi, distance, pure=False).result(), done)
-                released.add(future.key)
-                future.release()
-        finally:
-            client.cancel([f for f in futures if f.key not in released])
+            futures = [client.submit(decide_chunk, *a, pure=False) for a in args]
+            position = {future.key: i for i, future in enumerate(futures)}
+            released: set[str] = set()
+            try:
+                for done, future in enumerate(as_completed(futures), start=1):
+                    if future.status == "error":
+                        future.result()  # a task's error is re-raised here
+                    # The result stays on its worker: the driver fetches it a piece at a time, then lets it go.
+                    finished(position[future.key], lambda lo, hi, f=future: client.submit(
+                        slice_decisions, f, lo, hi, distance, pure=False).result(), done)
+                    released.add(future.key)
+                    future.release()
+            finally:
+                client.cancel([f for f in futures if f.key not in released])
     try:
         stats = assemble_stream(
             config, n, stream.meta.total_embedding_rows, spool.pieces, spool.take, counts, sink,

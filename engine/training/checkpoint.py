@@ -81,15 +81,20 @@ from dlrmflow.engine.serving.shards import (
     warm_up_workers,
 )
 from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.run_dir import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_FORMAT_VERSION,
+    RUN_CONFIG_FILE,
+    UNFINISHED_FILE,
+    ResumeError,
+    check_unfinished,
+    read_run_config,
+)
 from dlrmflow.engine.training.stores.base import ShardRows
 
-CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_ROWS_DIR = "checkpoint_rows"
 CHECKPOINT_SLOTS = ("a", "b")  # the rows of a checkpoint go to the slot the current checkpoint.pt does not name
-RUN_CONFIG_FILE = "run_config.json"
-UNFINISHED_FILE = "UNFINISHED"
 CHECKPOINT_MODES = ("remote", "lru", "oracle")
-CHECKPOINT_FORMAT_VERSION = 1  # run_config.json's
 CHECKPOINT_FILE_VERSION = 2  # checkpoint.pt's: 2 names per-shard rows files; 1 (still read) held every row
 # Everything a run writes into its directory before summary.json (the leftovers of a run that stopped).
 RUN_FILES = frozenset({STATE_DIR, STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, CHECKPOINT_ROWS_DIR,
@@ -97,10 +102,6 @@ RUN_FILES = frozenset({STATE_DIR, STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHEC
 # Not part of a run's identity: where its directory is now, the resume flag itself, and where the
 # data and plan lie (their fingerprints say whether they are the same).
 NOT_COMPARED = ("output_dir", "resume", "dataset_dir", "plan_dir")
-
-
-class ResumeError(UserInputError):
-    """A run directory cannot be resumed, or holds an unfinished run a new run would overwrite."""
 
 
 # ---- shards started from a checkpoint's rows --------------------------------------------------------
@@ -365,24 +366,6 @@ def finish_run_dir(run_dir: str | os.PathLike) -> None:
     (Path(run_dir) / UNFINISHED_FILE).unlink(missing_ok=True)
 
 
-def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    run_dir = Path(run_dir)
-    path = run_dir / RUN_CONFIG_FILE
-    if not path.is_file():
-        if not run_dir.is_dir():
-            raise ResumeError(f"{run_dir} does not exist")
-        raise ResumeError(f"{run_dir} has no {RUN_CONFIG_FILE}: nothing to resume (only runs trained with "
-                          "--checkpoint-every can be resumed)")
-    try:
-        info = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ResumeError(f"{path} is not valid JSON: {exc}") from exc
-    if info.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-        raise ResumeError(f"{path} has format_version {info.get('format_version')!r}; expected "
-                          f"{CHECKPOINT_FORMAT_VERSION}")
-    return info
-
-
 def unfinished_run_message(run_dir: str | os.PathLike | None) -> str | None:
     """``RUN_DIR holds an unfinished run (checkpoint at iteration t of n): resume it with ...``, or
     None when ``run_dir`` holds no unfinished run with a checkpoint."""
@@ -433,11 +416,7 @@ def check_resumable(run_dir: str | os.PathLike, config: dict[str, Any], *, datas
                     plan_fingerprint: str | None, iterations: int) -> int:
     """Every reason not to resume ``run_dir`` with ``config`` (ResumeError); the checkpoint's iteration."""
     run_dir = Path(run_dir)
-    info = read_run_config(run_dir)
-    if not (run_dir / UNFINISHED_FILE).is_file():
-        if (run_dir / SUMMARY_FILE).is_file():
-            raise ResumeError(f"{run_dir} holds a finished run ({SUMMARY_FILE} is written): nothing to resume")
-        raise ResumeError(f"{run_dir} holds no unfinished run ({UNFINISHED_FILE} is missing): nothing to resume")
+    info = check_unfinished(run_dir)  # what the CLI's check already refused, for callers without it
     if info["dataset_fingerprint"] != dataset_fingerprint:
         raise ResumeError(
             f"the dataset changed since {run_dir} started (fingerprint {info['dataset_fingerprint'][:12]}…, now "

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from dlrmflow.engine.batches import Batch, BatchStream, global_ids
+from dlrmflow.engine.phases import PhaseProgress
 from dlrmflow.engine.run_state import FORMAT_VERSION
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.metrics import log_loss, roc_auc
@@ -116,7 +117,8 @@ def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.
     if setup.eval_start >= meta.rows:
         return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
     stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
-    labels, probs = [], []
+    progress = PhaseProgress("final evaluation rows", meta.rows - setup.eval_start)
+    labels, probs, done = [], [], 0
     for batch in stream:
         ids = global_ids(batch.sparse, stream.offsets)
         uniq, inverse = np.unique(ids, return_inverse=True)
@@ -126,6 +128,8 @@ def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.
         logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
         probs.append(torch.sigmoid(logits).cpu().numpy())
         labels.append(batch.labels)
+        done += len(batch.labels)
+        progress(done)
     y, p = np.concatenate(labels), np.concatenate(probs)
     auc = roc_auc(y, p)
     return {

@@ -8,6 +8,8 @@ carries the state SHA-256. The other trainers get a handle on trainer 0's server
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,13 @@ def _start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_r
     return start_shards(client, setup.spec, config.num_shards)
 
 
+# torch.use_deterministic_algorithms (every run's deterministic_torch) first imports torch's compiler settings,
+# which pull in torch._dynamo and torch._inductor: 2-7 s on 2 busy cores, between the servers' start and the
+# first iteration. (Importing it in a thread while the servers start saved 2.8 s there, but not beyond the
+# noise of startup_seconds on 2 cores: benchmarks/RESULTS.md.)
+DETERMINISTIC_IMPORT = "torch._inductor.config"
+
+
 def share_servers(group: TrainerGroup, shards: ShardGroup | None, spec) -> ShardGroup | None:
     """Every trainer's handle on trainer 0's servers (a plain group of the same actors). With parity the
     coded group has one client, trainer 0: the others get a group of no actors (they never call one)."""
@@ -102,6 +111,9 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
         start_at = 0 if resumed is None else int(resumed["iteration"])
         shards = share_servers(group, start_servers(setup, client, rows, recovery_runner) if lead else None,
                                setup.spec)
+        if DETERMINISTIC_IMPORT not in sys.modules:  # the first run in this process: seconds, said
+            with phase_reported("trainer: importing torch's compiler settings (deterministic algorithms)"):
+                importlib.import_module(DETERMINISTIC_IMPORT)
         with deterministic_torch(device):
             model = build_model(setup.model_config, seed=config.seed).to(device)
             optimizer = make_dense_optimizer(config, model)
@@ -142,7 +154,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 finish = outcome["finish"] = {}
                 with timed(finish, "evaluation"), phase_reported("final evaluation"):
                     outcome["metrics"] = evaluate(setup, model, store, device)
-                with timed(finish, "state"):
+                with timed(finish, "state"), phase_reported("final state: the servers write their rows"):
                     if setup.whole_state:  # tests: the whole state, gathered as runs did before the shards wrote it
                         outcome["whole_state"] = collect_state(setup, model, optimizer, store)
                     outcome["state"] = write_final_state(setup, model, optimizer, store,

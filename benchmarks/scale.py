@@ -1,0 +1,284 @@
+"""The whole pipeline at real cardinalities (generator scale 1.0), for several row counts, each stage run
+through the CLI as a user runs it; its time, rows/s and peak memory, and a linear extrapolation to
+Criteo Kaggle's 45,840,617 rows.
+
+    .venv/bin/python benchmarks/scale.py [--rows 1000000 4000000 16000000] [--iterations 100]
+        [--batch-size 4096] [--shards 2] [--parity 1] [--work-dir DIR] [--keep]
+
+Stages, for each row count N: ``dlrmflow generate --rows N --scale 1.0``, ``preprocess``, ``profile``,
+``plan``, ``train --mode oracle`` for a fixed number of iterations (``--iterations`` x
+``--batch-size`` rows trained, then the final evaluation of the held-out tenth and the final state
+written by the servers), and ``verify`` (the parity re-encoded from that state, with ``--parity``).
+Each is a fresh process (``dlrmflow ... --json``) with its own LocalCluster and temporary Prefect
+API, so every stage pays the start-up a user pays.
+
+Measured per stage: wall time (launch to exit), rows/s (N / wall time; for train the rows trained
+are fixed, so its rows/s is N over its wall time too, to compare stages), and the peak memory of all
+processes the command started (the CLI, its Dask nanny and worker processes, its Prefect API
+server): RssAnon summed over them, sampled every 50 ms, and the largest single process's RssAnon
+(what one Dask worker needs). RssAnon leaves out the page cache and mapped files, which the kernel
+can drop. Each stage's stderr (its progress lines) goes to WORK_DIR/logs/.
+
+The extrapolation is a least-squares line through the measured (rows, value) points of each stage
+(with two row counts, the line through them): it assumes cost linear in rows, which holds for
+the streaming stages and overstates nothing that grows slower; a stage whose memory does not grow
+with rows shows a flat line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KAGGLE_ROWS = 45_840_617
+STAGES = ("generate", "preprocess", "profile", "plan", "train", "verify")
+
+
+@dataclass
+class Measured:
+    """One stage of one row count."""
+
+    stage: str
+    rows: int
+    seconds: float
+    peak_anon_bytes: int  # RssAnon summed over every process of the command, at its peak
+    peak_process_bytes: int  # the largest RssAnon of one process (a Dask worker's need)
+    processes: int  # the most processes seen at once
+    result: dict = field(default_factory=dict)  # the command's --json object
+    output_bytes: int | None = None  # what the stage wrote to disk (its output file or directory; None: not measured)
+    load: float | None = None  # the 1-minute load average when the stage ended (other work on the machine)
+    largest: str | None = None  # which process was the largest: the command itself, a Dask worker, ...
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds
+
+
+def _rss_anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # the process ended between the listing and the read
+        pass
+    return 0
+
+
+class TreeMemory:
+    """Samples the summed and the largest RssAnon of a process and all its descendants until stopped."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak_sum = self.peak_one = self.processes = 0
+        self.largest = ""  # the role of the process of peak_one
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop.is_set():
+            try:
+                pids = [self.pid] + [c.pid for c in root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            sizes = [_rss_anon(pid) for pid in pids]
+            self.peak_sum = max(self.peak_sum, sum(sizes))
+            if max(sizes) > self.peak_one:
+                self.peak_one = max(sizes)
+                self.largest = _role(pids[sizes.index(self.peak_one)], self.pid)
+            self.processes = max(self.processes, len(pids))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _role(pid: int, command_pid: int) -> str:
+    """What a process of the command is: the command itself (the CLI: driver, trainer 0), a Dask worker or
+    nanny (both start through multiprocessing's spawn), or another (the Prefect API server)."""
+    import psutil
+
+    if pid == command_pid:
+        return "command"
+    try:
+        line = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return "?"
+    if "multiprocessing" in line:
+        return "dask worker"
+    return "prefect server" if "prefect" in line or "exit_with_parent" in line else "other"
+
+
+def dlrmflow_command() -> list[str]:
+    """The ``dlrmflow`` script of this interpreter's environment (what a user runs), else ``-m``."""
+    script = Path(sys.executable).with_name("dlrmflow")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dlrmflow.cli"]
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory (0 if absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def run_stage(stage: str, argv: list[str], rows: int, log: Path) -> Measured:
+    """``dlrmflow STAGE ARGV --json`` in a fresh process: its wall time, peak memory and JSON object."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([*dlrmflow_command(), stage, *argv, "--json"], stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+        memory = TreeMemory(proc.pid)
+        out, _ = proc.communicate()
+        seconds = time.perf_counter() - t0
+        memory.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"dlrmflow {stage} failed (exit {proc.returncode}); its stderr: {log}")
+    lines = out.strip().splitlines()
+    result = json.loads(lines[-1]) if lines else {}
+    return Measured(stage, rows, seconds, memory.peak_sum, memory.peak_one, memory.processes, result,
+                    load=os.getloadavg()[0], largest=memory.largest)
+
+
+def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
+    """Every stage for ``rows`` rows, in order, each on the previous one's output."""
+    raw, ds, plan, run = (work / f"criteo-{rows}.tsv", work / f"ds-{rows}", work / f"plan-{rows}",
+                          work / f"run-{rows}")
+    for path in (ds, plan, run):
+        shutil.rmtree(path, ignore_errors=True)
+    raw.unlink(missing_ok=True)
+    argvs = {
+        "generate": ["--rows", str(rows), "--scale", str(args.scale), "--output", str(raw)],
+        "preprocess": [str(raw), "--output", str(ds)],
+        "profile": [str(ds)],
+        "plan": [str(ds), "--batch-size", str(args.batch_size), "--lookahead", str(args.lookahead),
+                 "--output", str(plan)],
+        "train": [str(ds), "--mode", "oracle", "--plan", str(plan), "--output", str(run),
+                  "--batch-size", str(args.batch_size), "--iterations", str(args.iterations),
+                  "--shards", str(args.shards), "--parity", str(args.parity)],
+        "verify": [str(run)],
+    }
+    outputs = {"generate": raw, "preprocess": ds, "plan": plan, "train": run}
+    stages = [s for s in STAGES if s != "verify" or args.parity > 0]
+    measured = []
+    for stage in stages:
+        print(f"{rows:,} rows: dlrmflow {stage} ...", file=sys.stderr, flush=True)
+        m = run_stage(stage, argvs[stage], rows, work / "logs" / f"{rows}-{stage}.log")
+        m.output_bytes = disk_bytes(outputs[stage]) if stage in outputs else None
+        print(f"{rows:,} rows: dlrmflow {stage}: {m.seconds:.1f} s, peak {m.peak_anon_bytes / 2**20:,.0f} MiB "
+              f"(largest process {m.peak_process_bytes / 2**20:,.0f} MiB: {m.largest})", file=sys.stderr, flush=True)
+        measured.append(m)
+    if not args.keep:
+        for path in (ds, plan, run):
+            shutil.rmtree(path, ignore_errors=True)
+        raw.unlink(missing_ok=True)
+    return measured
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of at least two points."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - slope * mx, slope
+
+
+def embedding_rows(measured: list[Measured]) -> int | None:
+    return next((m.result.get("embedding_rows") for m in measured if m.stage == "preprocess"), None)
+
+
+def table(results: dict[int, list[Measured]], target: int = KAGGLE_ROWS) -> str:
+    """The measured stages side by side, then the linear extrapolation to ``target`` rows."""
+    mib = 2**20
+    out = ["| rows | embedding rows | stage | wall s | rows/s | peak anon MiB (all processes) "
+           "| largest process MiB | output MB | load |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for rows, measured in sorted(results.items()):
+        emb = embedding_rows(measured)
+        for m in measured:
+            out.append(f"| {rows:,} | {emb if emb is None else format(emb, ',')} | {m.stage} | {m.seconds:.1f} "
+                       f"| {m.rows_per_second:,.0f} | {m.peak_anon_bytes / mib:,.0f} | "
+                       f"{m.peak_process_bytes / mib:,.0f} | "
+                       f"{'-' if m.output_bytes is None else format(m.output_bytes / 1e6, ',.0f')} | "
+                       f"{'-' if m.load is None else format(m.load, '.1f')} |")
+        total = sum(m.seconds for m in measured)
+        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | {rows / total:,.0f} | | | | |")
+    sizes = sorted(results)
+    if len(sizes) < 2:  # a line through one point would be a guess at the fixed costs
+        return "\n".join([*out, "", "(no extrapolation: it needs at least two row counts)"])
+    out += ["", f"Extrapolated to {target:,} rows (least-squares line through the {len(sizes)} measured row "
+            f"counts {', '.join(f'{n:,}' for n in sizes)}; linear in rows by assumption):", "",
+            "| stage | s per 1M rows (slope) | fixed s (intercept) | wall s | peak anon MiB | largest process MiB |",
+            "|---|---:|---:|---:|---:|---:|"]
+    stages = [m.stage for m in results[sizes[0]]]
+    total = 0.0
+    for i, stage in enumerate(stages):
+        xs = [float(n) for n in sizes]
+        a, b = linear_fit(xs, [results[n][i].seconds for n in sizes])
+        ma, mb = linear_fit(xs, [results[n][i].peak_anon_bytes for n in sizes])
+        pa, pb = linear_fit(xs, [results[n][i].peak_process_bytes for n in sizes])
+        wall = a + b * target
+        total += wall
+        out.append(f"| {stage} | {b * 1e6:.2f} | {a:.1f} | {wall:,.0f} | {(ma + mb * target) / mib:,.0f} | "
+                   f"{(pa + pb * target) / mib:,.0f} |")
+    out.append(f"| **all stages** | | | {total:,.0f} | | |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000])
+    ap.add_argument("--scale", type=float, default=1.0, help="generator cardinality scale (default 1.0)")
+    ap.add_argument("--iterations", type=int, default=100, help="training iterations (default 100)")
+    ap.add_argument("--batch-size", type=int, default=4096)
+    ap.add_argument("--lookahead", type=int, default=200)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--parity", type=int, default=1, help="parity shards (0: no verify stage; default 1)")
+    ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dlrmflow-scale"))
+    ap.add_argument("--keep", action="store_true", help="keep each row count's files (default: delete them)")
+    ap.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
+    ap.add_argument("--table", metavar="FILE", nargs="+",
+                    help="measure nothing: print the table of earlier runs' --json files together")
+    args = ap.parse_args(argv)
+    if args.table:
+        results = {}
+        for path in args.table:
+            for rows, measured in json.loads(Path(path).read_text()).items():
+                results[int(rows)] = [Measured(**m) for m in measured]
+        print(table(results))
+        return
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the start; "
+          f"scale {args.scale:g}; train: oracle, {args.iterations} iterations of batch {args.batch_size}, "
+          f"{args.shards} shards, parity {args.parity}", flush=True)
+    results = {rows: pipeline(rows, work, args) for rows in sorted(args.rows)}
+    load = os.getloadavg()
+    print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end\n")
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {str(rows): [vars(m) for m in measured] for rows, measured in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
