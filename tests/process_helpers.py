@@ -35,3 +35,19 @@ def stop_process_groups(procs: list[subprocess.Popen], first_signal: int = signa
     psutil.wait_procs(alive, timeout=10)
     for proc in procs:
         proc.wait(timeout=10)
+
+
+def running_children(parent: psutil.Process | None = None) -> list[tuple[psutil.Process, list[str]]]:
+    """The children of ``parent`` (this process by default) that still run, each with its command line.
+
+    A child may end between the listing of the children and the reading of its command line (one that
+    only runs a moment, such as a Prefect server start that Prefect retries on another port, or anything
+    run with ``subprocess.run``); more often so on busy cores. Such a child is left out, not an error."""
+    found = []
+    for child in (parent if parent is not None else psutil.Process()).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append((child, child.cmdline()))
+        except psutil.NoSuchProcess:  # ended meanwhile (psutil.ZombieProcess is one too)
+            pass
+    return found

@@ -124,8 +124,8 @@ def test_prepare_temporary_api_makes_prefect_launch_its_server_under_exit_with_p
     import os
     import sys
 
-    import psutil
     from prefect.server.api.server import SubprocessASGIServer
+    from process_helpers import running_children
 
     launched = []
 
@@ -145,8 +145,7 @@ def test_prepare_temporary_api_makes_prefect_launch_its_server_under_exit_with_p
     assert command[0] == sys.executable
     assert command[1:5] == ["-m", "dlrmflow.exit_with_parent", str(os.getpid()), "uvicorn"]
     assert "prefect.server.api.server:create_app" in command, "start_temporary_api: Prefect's command changed"
-    assert not [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE
-                and "dlrmflow.exit_with_parent" in p.cmdline()]
+    assert not [p for p, command in running_children() if "dlrmflow.exit_with_parent" in command]
     assert None not in SubprocessASGIServer._instances
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from process_helpers import running_children
 
 from dlrmflow import cli
 
@@ -53,7 +54,7 @@ def test_bad_input_is_answered_without_starting_a_server(monkeypatch, capsys, tm
     with _without_api_url(monkeypatch):
         assert cli.main(["generate", "--rows", "0", "--output", str(tmp_path / "g.tsv")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "dlrmflow generate: error: --rows must be >= 1, got 0"
-    assert not [p for p in psutil.Process().children() if "dlrmflow.exit_with_parent" in p.cmdline()]
+    assert not [p for p, command in running_children() if "dlrmflow.exit_with_parent" in command]
 
 
 def test_an_api_that_does_not_start_is_one_line_naming_prefect_api_url(monkeypatch, capsys, tmp_path):
@@ -70,7 +71,7 @@ def test_an_api_that_does_not_start_is_one_line_naming_prefect_api_url(monkeypat
         "start one with `prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api (`prefect config "
         "set PREFECT_API_URL=...`), or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
     assert not (tmp_path / "g.tsv").exists()
-    servers = [p for p in psutil.Process().children() if "dlrmflow.exit_with_parent" in p.cmdline()]
+    servers = [p for p, command in running_children() if "dlrmflow.exit_with_parent" in command]
     assert all(_gone(p) for p in servers), servers
 
 
@@ -114,7 +115,7 @@ def test_a_killed_command_takes_its_temporary_api_along(tmp_path):
         while port is None:
             assert proc.poll() is None, f"dlrmflow generate ended with status {proc.returncode} before the test"
             assert time.monotonic() < deadline, "no temporary Prefect API listened within 180 s"
-            servers = [p for p in psutil.Process(proc.pid).children() if "uvicorn" in " ".join(p.cmdline())]
+            servers = [p for p, command in running_children(psutil.Process(proc.pid)) if "uvicorn" in " ".join(command)]
             listening = [c.laddr.port for s in servers for c in s.net_connections("tcp")
                          if c.status == psutil.CONN_LISTEN]
             port = listening[0] if listening else None

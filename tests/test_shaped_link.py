@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+from process_helpers import running_children
 from test_trainers import make_dataset, small_config
 
 from dlrmflow.engine.serving import shaped_link as link_module
@@ -28,6 +29,15 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no shaped link
 
 def left_behind(namespace: str, root_veth: str) -> list[str]:
     return [name for name in (namespace, root_veth) if name in namespaces() + root_links()]
+
+
+def own_links() -> set[str]:
+    """The namespaces and root-side veths named for this process: all a build here may make (names carry the
+    builder's process id). Other processes (pytest-xdist workers, other test runs on this machine) build and
+    remove their own links meanwhile, so a before/after comparison looks at this process's names only."""
+    pid = os.getpid()
+    return {name for name in namespaces() if name.startswith(f"{link_module.NAMESPACE_PREFIX}{pid}-")} | \
+        {name for name in root_links() if name.startswith(f"{link_module.ROOT_VETH_PREFIX}{pid}-")}
 
 
 # ---- the link limits throughput ----------------------------------------------------------------
@@ -130,13 +140,17 @@ def start_builder() -> tuple[subprocess.Popen, str, str, int]:
 @pytest.mark.slow
 def test_after_sigkill_the_next_build_removes_the_dead_runs_namespace_and_its_processes():
     proc, namespace, root_veth, inside_pid = start_builder()
-    proc.kill()
-    proc.wait()
-    assert left_behind(namespace, root_veth) == [namespace, root_veth]  # nothing ran after SIGKILL
-    assert psutil.pid_exists(inside_pid)
+    # Under the build lock, so that no other process's build (which first removes dead runs' links, as
+    # this test's does below) removes the dead run's link before it is seen left behind.
+    with link_module._build_lock():
+        proc.kill()
+        proc.wait()
+        assert left_behind(namespace, root_veth) == [namespace, root_veth]  # nothing ran after SIGKILL
+        assert psutil.pid_exists(inside_pid)
+        inside = psutil.Process(inside_pid)
     with shaped_link(None) as link:
         assert left_behind(namespace, root_veth) == [] and link.namespace != namespace
-    psutil.Process(inside_pid).wait(timeout=10)  # ended, and reaped by init once its parent was gone
+    inside.wait(timeout=10)  # ended, and reaped by init once its parent was gone
 
 
 @pytest.mark.slow
@@ -152,14 +166,14 @@ def test_sigterm_removes_the_link():
 
 
 def test_without_iproute2_one_line_and_nothing_built(monkeypatch):
-    before = set(namespaces())
+    before = own_links()
     monkeypatch.setattr(link_module, "IP_COMMAND", "dlrmflow-no-such-ip")
     with pytest.raises(LinkUnavailableError) as failed, shaped_link(20_000_000):
         pass
     assert str(failed.value) == ("a shaped link needs the `dlrmflow-no-such-ip` command (iproute2), "
                                  "which is not on PATH")
     monkeypatch.undo()
-    assert set(namespaces()) == before
+    assert own_links() == before
 
 
 def test_without_net_admin_one_line(monkeypatch):
@@ -171,13 +185,13 @@ def test_without_net_admin_one_line(monkeypatch):
 
 def test_a_refused_step_leaves_no_half_built_link(monkeypatch):
     """Shaping fails after the namespace and veth exist (``tc`` refuses): both are removed, one line says why."""
-    before = set(namespaces()) | set(root_links())
+    before = own_links()
     monkeypatch.setattr(link_module, "TC_COMMAND", "false")
     with pytest.raises(LinkUnavailableError) as failed, shaped_link(20_000_000):
         pass
     message = str(failed.value)
     assert message.startswith("cannot build the shaped link: `false qdisc replace dev dlf") and "\n" not in message
-    assert set(namespaces()) | set(root_links()) == before
+    assert own_links() == before
 
 
 # ---- training behind the link ---------------------------------------------------------------------
@@ -198,7 +212,7 @@ def test_training_behind_the_link_ends_in_the_same_bits(tmp_path):
     planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=4), tmp_path / "plan")
     local = train(small_config(dataset, tmp_path / "local", "local"))
     with shaped_cluster(50_000_000, n_servers=2) as cluster:
-        servers = [p for p in psutil.Process().children() if "dlrmflow.exit_with_parent" in p.cmdline()]
+        servers = [p for p, command in running_children() if "dlrmflow.exit_with_parent" in command]
         assert len(servers) == 2
         for server in servers:
             identify = subprocess.run(["ip", "netns", "identify", str(server.pid)], capture_output=True, text=True)
@@ -232,9 +246,9 @@ def test_server_workers_run_inside_the_namespace_under_exit_with_parent():
 
 
 def test_the_probe_builds_and_removes_a_link():
-    before = (namespaces(), root_links())
+    before = own_links()
     assert link_module.unavailable_reason() is None
-    assert (namespaces(), root_links()) == before
+    assert own_links() == before
 
 
 def test_the_probe_names_what_is_missing(monkeypatch):

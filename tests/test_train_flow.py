@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,29 +43,40 @@ def common(dataset: Path, out: Path) -> list[str]:
             "--lr", "0.05", "--json"]
 
 
-def test_cli_modes_agree_bit_for_bit(dataset, tmp_path, capsys):
-    code, local, err = run_cli([*common(dataset, tmp_path / "local"), "--mode", "local"], capsys)
-    assert code == 0, err
+@pytest.fixture(scope="module")
+def local_run(dataset, tmp_path_factory) -> tuple[dict, Path]:
+    """``dlrmflow train --mode local --json`` on the common settings, run once for the tests that compare
+    other modes with it: its JSON object and its run directory."""
+    out = tmp_path_factory.mktemp("train-flow-local") / "local"
+    with pytest.MonkeyPatch.context() as patch:  # stdout captured as capsys would (a module fixture cannot use it)
+        stdout = io.StringIO()
+        patch.setattr(sys, "stdout", stdout)
+        code = main([*common(dataset, out), "--mode", "local"])
+    assert code == 0
+    return json.loads(stdout.getvalue()), out
+
+
+def test_cli_modes_agree_bit_for_bit(dataset, local_run, tmp_path, capsys):
+    local, local_dir = local_run
     code, lru, err = run_cli([*common(dataset, tmp_path / "lru"), "--mode", "lru", "--capacity", "200",
                               "--shards", "3"], capsys)
     assert code == 0, err
-    for result, run in ((local, "local"), (lru, "lru")):
-        assert result == {k: v for k, v in read_summary(tmp_path / run).items() if k != "metrics"}
+    for result, run_dir in ((local, local_dir), (lru, tmp_path / "lru")):
+        assert result == {k: v for k, v in read_summary(run_dir).items() if k != "metrics"}
         assert result["iterations"] == 15 and result["eval_rows"] == 60
-        assert (tmp_path / run / "iterations.csv").is_file()
-    a, b = load_state(tmp_path / "local"), load_state(tmp_path / "lru")
+        assert (run_dir / "iterations.csv").is_file()
+    a, b = load_state(local_dir), load_state(tmp_path / "lru")
     assert state_differences(a, b) == []
     assert local["state_sha256"] == lru["state_sha256"] == state_hash(a)
     assert lru["bytes_fetched"] > 0 and local["bytes_fetched"] == 0
-    summary = read_summary(tmp_path / "local")
+    summary = read_summary(local_dir)
     assert [m["iteration"] for m in summary["metrics"]] == [5, 10, 15]
 
 
-def test_cli_oracle_runs_a_plan_on_an_existing_cluster(dataset, tmp_path, capsys):
+def test_cli_oracle_runs_a_plan_on_an_existing_cluster(dataset, local_run, tmp_path, capsys):
     planner = pytest.importorskip("dlrmflow.engine.planning.planner")
     planner.make_plan(dataset, planner.PlanConfig(batch_size=32, lookahead=3, prefetch_distance=2), tmp_path / "plan")
-    code, local, err = run_cli([*common(dataset, tmp_path / "local"), "--mode", "local"], capsys)
-    assert code == 0, err
+    local, _ = local_run
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cluster:
         code, oracle, err = run_cli([*common(dataset, tmp_path / "oracle"), "--mode", "oracle", "--plan",
                                      str(tmp_path / "plan"), "--dask-address", cluster.scheduler_address], capsys)
