@@ -289,6 +289,50 @@ def test_every_mode_ends_bit_identical_to_local(name, clusters, tmp_path, monkey
     assert_bit_identical(reference, load_state(tmp_path / "crashed"), "resumed")
 
 
+SCHEDULE = {"lr_num_warmup_steps": 4, "lr_decay_start_step": 6, "lr_num_decay_steps": 5}
+
+
+def test_a_schedule_and_evaluations_keep_every_mode_bit_identical_to_local(clusters, tmp_path):
+    """With MLPerf DLRM's warm-up and decay, remote, lru and oracle end bit-identical to local; evaluating
+    the held-out rows every 3 iterations (which reads rows mid-run, from caches and servers) changes no bit
+    of any of them, and the evaluations land in the summary."""
+    dataset = make_dataset(tmp_path / "data", 3)
+    plan = keep_all_plan(dataset, 16, 12, 2)
+
+    def run(out: str, mode: str, **kw) -> dict:
+        config = run_config(dataset, tmp_path / out, mode, "deepfm", **kw)
+        return train(config, client=clusters.get(), setup=prepare_run(config, plan=plan if mode == "oracle" else None))
+
+    plain = run("plain", "local")
+    local = run("local", "local", **SCHEDULE)
+    assert local["state_sha256"] != plain["state_sha256"]  # the schedule does change the run
+    assert local["lr_schedule"] == {"warmup_steps": 4, "decay_start_step": 6, "decay_steps": 5}
+    for out, mode, kw in [("local-eval", "local", {}), ("remote", "remote", {}), ("lru", "lru", {"capacity": 120}),
+                          ("oracle", "oracle", {})]:
+        summary = run(out, mode, eval_every=3, **SCHEDULE, **kw)
+        assert summary["state_sha256"] == local["state_sha256"], out
+        assert [e["iteration"] for e in summary["evaluations"]] == [3, 6, 9, 12], out
+        assert summary["evaluations"][-1] == {"iteration": 12, "auc": local["eval_auc"],
+                                              "logloss": local["eval_log_loss"]}, out
+        best = min(summary["evaluations"], key=lambda e: e["logloss"])
+        assert summary["best_evaluation_iteration"] == best["iteration"], out
+    assert run("plain-eval", "local", eval_every=5)["state_sha256"] == plain["state_sha256"]
+    assert [e["iteration"] for e in plain["evaluations"]] == [12]  # without --eval-every: the final one
+
+
+def test_the_schedule_is_mlperf_dlrms():
+    """facebookresearch/dlrm's LRPolicyScheduler at step count s = t + 1: linear warm-up s / W, then the base
+    rate, the decay ((N - (s - D)) / N)^2 from step D, then its last value."""
+    from dlrmflow.engine.training.schedule import LrSchedule
+
+    schedule = LrSchedule(warmup_steps=4, decay_start_step=6, decay_steps=5)
+    rates = [schedule.lr(2.0, t) for t in range(12)]
+    assert rates == [0.5, 1.0, 1.5, 2.0, 2.0, 2.0 * 1.0, 2.0 * (4 / 5) ** 2, 2.0 * (3 / 5) ** 2, 2.0 * (2 / 5) ** 2,
+                     2.0 * (1 / 5) ** 2, 2.0 * (1 / 5) ** 2, 2.0 * (1 / 5) ** 2]
+    assert LrSchedule().constant and all(LrSchedule().lr(0.01, t) == 0.01 for t in range(5))
+    assert LrSchedule(warmup_steps=3).lr(0.3, 0) == pytest.approx(0.1) and LrSchedule(warmup_steps=3).lr(0.3, 2) == 0.3
+
+
 # ---- learning ---------------------------------------------------------------------------------------
 
 # Architectures for embedding dim 8, small enough to train in a second or two on 2 cores.

@@ -42,6 +42,9 @@ class TrainSummary:
     state_sha256: str
     metrics_every: int
     metrics: list[dict[str, Any]] = field(default_factory=list)  # per window of metrics_every iterations
+    # held-out {iteration, auc, logloss}: every eval_every iterations and at the end; the best's iteration
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    best_evaluation_iteration: int | None = None
     parity: dict[str, Any] | None = None  # the parity report (shards, kills, recoveries, verify)
     trainers: int = 1  # data-parallel trainer processes
     skipped: bool = False  # an earlier run's summary, reused because the run is up to date
@@ -68,7 +71,8 @@ def train_summary(summary: Mapping[str, Any], *, skipped: bool = False) -> Train
         final_train_loss_mean=summary.get("final_train_loss_mean", summary["final_train_loss"]),
         eval_auc=summary.get("eval_auc"), eval_log_loss=summary.get("eval_log_loss"),
         state_sha256=summary["state_sha256"], metrics_every=summary["metrics_every"],
-        metrics=list(summary.get("metrics") or []), parity=summary.get("parity"),
+        metrics=list(summary.get("metrics") or []), evaluations=list(summary.get("evaluations") or []),
+        best_evaluation_iteration=summary.get("best_evaluation_iteration"), parity=summary.get("parity"),
         trainers=(summary.get("trainers") or {}).get("count", 1), skipped=skipped,
     )
 
