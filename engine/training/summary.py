@@ -79,8 +79,9 @@ def train_summary(summary: Mapping[str, Any], *, skipped: bool = False) -> Train
 
 def saved_run(config: TrainConfig, dataset_fingerprint: str) -> TrainSummary | None:
     """The summary of the finished run in ``config.output_dir`` when it is up to date: it trained the dataset
-    of ``dataset_fingerprint`` with this config's mode, model, iterations, batch size, seed, shards, trainers
-    and (with or without) parity. A run with kills is never up to date (its kills are what it is for)."""
+    of ``dataset_fingerprint`` with this config's mode, model, iterations, batch size, seed, shards, trainers,
+    learning-rate schedule, evaluations and (with or without) parity. A run with kills is never up to date
+    (its kills are what it is for)."""
     if config.kills:
         return None
     expect = {"dataset_fingerprint": dataset_fingerprint, "mode": config.mode, "iterations": config.iterations,
@@ -88,6 +89,12 @@ def saved_run(config: TrainConfig, dataset_fingerprint: str) -> TrainSummary | N
               "num_shards": config.num_shards if MODES[config.mode].servers else 0}
     earlier = saved_result(Path(config.output_dir) / SUMMARY_FILE, expect)
     if earlier is None:
+        return None
+    # A summary from before the schedule and --eval-every existed ran without them.
+    schedule = {"warmup_steps": config.lr_num_warmup_steps, "decay_start_step": config.lr_decay_start_step,
+                "decay_steps": config.lr_num_decay_steps}
+    if (earlier.get("lr_schedule") or {"warmup_steps": 0, "decay_start_step": 0, "decay_steps": 0}) != schedule or \
+            earlier.get("eval_every", 0) != config.eval_every:
         return None
     run = train_summary(earlier, skipped=True)
     if bool(run.parity) != bool(config.parity) or run.trainers != config.trainers:
