@@ -2,7 +2,8 @@
 
 :func:`plot_loss` and :func:`plot_iteration_time` read the run's per-iteration log (iterations.csv:
 iteration, loss, iteration_ms, stall_ms) and mark injected kills, so a slow iteration can be read
-against the failure that caused it.
+against the failure that caused it; :func:`plot_loss` also draws the held-out log loss of the run's
+evaluations (summary.json's ``evaluations``: every ``--eval-every`` iterations and at the end).
 """
 
 from __future__ import annotations
@@ -53,14 +54,20 @@ def _mark_kills(ax, kills: list[dict[str, Any]]) -> None:
 
 
 def plot_loss(columns: dict[str, np.ndarray], path: str | os.PathLike, *, title: str,
-              kills: list[dict[str, Any]] | None = None) -> Path:
-    """Training loss per iteration and its moving mean (window: a tenth of the run, at least 5)."""
+              kills: list[dict[str, Any]] | None = None, evaluations: list[dict[str, Any]] | None = None) -> Path:
+    """Training loss per iteration and its moving mean (window: a tenth of the run, at least 5); with
+    ``evaluations`` ({iteration, auc, logloss}), the held-out log loss as a curve of points on the same axis
+    (both are the mean log loss, so they read against each other)."""
     plt = _pyplot()
     it, loss = columns["iteration"], columns["loss"]
     window = max(5, len(it) // 10)
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(it, loss, color="#9ecae1", lw=1, label="batch loss")
     ax.plot(it, moving_mean(loss, window), color="#08519c", lw=2, label=f"mean of the last {window}")
+    held_out = [e for e in evaluations or [] if e.get("logloss") is not None]
+    if held_out:
+        ax.plot([e["iteration"] for e in held_out], [e["logloss"] for e in held_out], color="#d95f0e", lw=1.5,
+                marker="o", ms=4, label="held-out log loss")
     ax.set_ylabel("training loss (log loss)")
     return _finish_run_plot(plt, fig, ax, path, title=title, kills=kills)
 

@@ -36,7 +36,9 @@ SUMMARY_ITEMS = [
     ("Mean iteration time", "mean_iteration_ms", "ms"), ("Median iteration time", "median_iteration_ms", "ms"),
     ("Stalled (share of iteration time)", "stall_fraction", "%"), ("Fetched", "bytes_fetched", "MB"),
     ("Written back", "bytes_written_back", "MB"), ("Final train loss (mean)", "final_train_loss_mean", ""),
-    ("Eval AUC", "eval_auc", ""), ("Eval log loss", "eval_log_loss", ""), ("State SHA-256", "state_sha256", ""),
+    ("Eval AUC", "eval_auc", ""), ("Eval log loss", "eval_log_loss", ""),
+    ("Best evaluation (lowest log loss) at iteration", "best_evaluation_iteration", "count"),
+    ("State SHA-256", "state_sha256", ""),
 ]
 PARITY_ITEMS = [
     ("Parity shards", "parity_shards", "count"), ("Write-back batches", "write_back_batches", "count"),
@@ -51,6 +53,8 @@ RECOVERY_ITEMS = [
 ]
 METRICS_COLUMNS = [Column("Iteration", "iteration", "count"), Column("Training loss", "loss"),
                    Column("Iteration time", "iteration_ms", "ms"), Column("Stalled", "stall_ms", "ms")]
+EVALUATION_COLUMNS = [Column("Iteration", "iteration", "count"), Column("Held-out AUC", "auc"),
+                      Column("Held-out log loss", "logloss")]
 
 
 def train_artifact_key(base: str, run: TrainSummary) -> str:
@@ -121,11 +125,17 @@ def publish_train_report_task(summary: dict[str, Any]) -> list[str]:
         publish_table(train_artifact_key("train-metrics", run), format_table(run.metrics, METRICS_COLUMNS),
                       f"{what}: means over every {run.metrics_every} iterations"),
     ]
+    if len(run.evaluations) > 1:  # --eval-every: the held-out metrics as training went
+        keys.append(publish_table(train_artifact_key("train-evaluations", run),
+                                  format_table(run.evaluations, EVALUATION_COLUMNS),
+                                  f"{what}: held-out AUC and log loss (best at iteration "
+                                  f"{run.best_evaluation_iteration})"))
     out = Path(run.output_dir)
     log = out / "iterations.csv"
     if log.is_file():
         columns = plots.read_iterations(log)
-        loss = plots.plot_loss(columns, out / plots.LOSS_PLOT, title=f"Training loss, {what}", kills=run.kills)
+        loss = plots.plot_loss(columns, out / plots.LOSS_PLOT, title=f"Training loss, {what}", kills=run.kills,
+                               evaluations=run.evaluations)
         time_png = plots.plot_iteration_time(columns, out / plots.TIME_PLOT, title=f"Iteration time, {what}",
                                              kills=run.kills)
         keys.append(publish_plot(train_artifact_key("train-loss", run), loss, f"{what}: training loss"))

@@ -137,6 +137,9 @@ def test_the_training_plots_are_written(tmp_path):
     kills = [{"kill": "shard:0@12", "at_s": 1.0}]
     for plot, name in ((plots.plot_loss, "loss.png"), (plots.plot_iteration_time, "time.png")):
         assert plot(columns, tmp_path / name, title="t", kills=kills).read_bytes()[:4] == b"\x89PNG"
+    evaluations = [{"iteration": t, "auc": 0.6, "logloss": 0.6 - 0.001 * t} for t in (10, 20, 30, 40)]
+    held_out = plots.plot_loss(columns, tmp_path / "loss-eval.png", title="t", evaluations=evaluations)
+    assert held_out.read_bytes()[:4] == b"\x89PNG"
     assert np.allclose(plots.moving_mean(np.array([1.0, 3.0, 5.0]), 2), [1.0, 2.0, 4.0])
 
 

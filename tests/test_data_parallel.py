@@ -200,6 +200,24 @@ def test_lru_and_lrpp_are_bit_identical_to_the_w_trainer_reference(client, tmp_p
 
 
 @pytest.mark.slow
+def test_a_learning_rate_schedule_keeps_w_trainers_bit_identical(client, tmp_path):
+    """MLPerf DLRM's warm-up and decay with W = 2: lru and LRPP (whose sync_later rows are updated an
+    iteration late, at the rate of the iteration whose gradient they apply) end bit-identical to remote."""
+    rng = np.random.default_rng(77)
+    dataset = make_dataset(tmp_path / "data", 41, rows=600, cards=CARDS)
+    _plan_with_capacity(planner, dataset, tmp_path / "plan", dict(batch_size=12, lookahead=4, prefetch_distance=2),
+                        rng)
+    common = dict(batch_size=12, iterations=30, eval_fraction=0.1, embedding_optimizer="adagrad",
+                  dense_optimizer="adam", embedding_lr=0.05, trainers=2, num_shards=2, lr_num_warmup_steps=5,
+                  lr_decay_start_step=12, lr_num_decay_steps=10)
+    runs = {mode: train(small_config(dataset, tmp_path / mode, mode, **kw, **common), client=client)
+            for mode, kw in (("remote", {}), ("lru", {"capacity": 60}),
+                             ("oracle", {"plan_dir": str(tmp_path / "plan")}))}
+    assert runs["lru"]["state_sha256"] == runs["oracle"]["state_sha256"] == runs["remote"]["state_sha256"]
+    assert runs["oracle"]["trainers"]["bytes_between_trainers"].get("sync_later"), "no row was synced late"
+
+
+@pytest.mark.slow
 def test_w_trainers_follow_the_mean_gradient_of_the_whole_batch(client, tmp_path):
     """Up to rounding, W trainers averaging their slices' gradients train as one trainer on the whole
     batch (the same learning rates): this is what the division by W is for."""

@@ -108,7 +108,8 @@ def test_every_bounded_field_is_tested():
     assert {name for name, _ in BOUNDED} == {
         "batch_size", "iterations", "num_shards", "trainers", "capacity", "embedding_dim", "lr", "embedding_lr",
         "eval_fraction", "eval_batch_size", "metrics_every", "parity", "rebuild_chunk", "parity_batches",
-        "rebuild_rate", "checkpoint_every", "cross_layers"}
+        "rebuild_rate", "checkpoint_every", "cross_layers", "lr_num_warmup_steps", "lr_decay_start_step",
+        "lr_num_decay_steps", "eval_every"}
 
 
 @pytest.mark.parametrize(("name", "value"), BOUNDED)
@@ -263,6 +264,25 @@ def test_a_setting_for_another_model_names_its_field():
     assert error(model="deepfm", top_mlp=(8, 1)) == "top_mlp: --top-mlp is used by --model dlrm, not --model deepfm"
     assert error(model="deepfm", dnn=(8, 0)) == "dnn: --dnn layer sizes must be positive, at least one; got [8, 0]"
     assert TrainConfig(**REQUIRED, model="dcn-v2", dnn=(8,), cross_layers=1).cross_layers == 1
+
+
+def test_schedule_and_evaluation_settings_in_words():
+    def error(**values) -> str:
+        with pytest.raises(TrainConfigError) as caught:
+            TrainConfig(**{**REQUIRED, **values})
+        return str(caught.value)
+
+    assert error(lr_num_warmup_steps=10, lr_decay_start_step=5, lr_num_decay_steps=20) == (
+        "lr_decay_start_step: --lr-decay-start-step 5 is inside the warm-up (--lr-num-warmup-steps 10); the decay "
+        "starts after it")
+    assert error(eval_every=5, eval_fraction=0.0) == (
+        "eval_every: --eval-every needs held-out rows (--eval-fraction > 0)")
+    assert error(mode="remote", trainers=2, eval_every=5) == (
+        "eval_every: --eval-every is for one trainer, not --trainers 2 (the held-out rows are evaluated once, at "
+        "the end)")
+    # Left out of run_config.json at their defaults: checkpoints made before they existed still resume.
+    assert not {"lr_num_warmup_steps", "lr_decay_start_step", "lr_num_decay_steps", "eval_every"} & set(
+        TrainConfig(**REQUIRED).model_dump())
 
 
 def test_config_sha256_is_the_one_of_the_dataclass_it_replaced():

@@ -20,6 +20,7 @@ HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, re
 METAVARS = {"dataset_dir": "DATASET_DIR", "output_dir": "RUN_DIR", "plan_dir": "PLAN_DIR", "capacity": "ROWS",
             "num_shards": "K", "trainers": "W", "iterations": "N", "batch_size": "B", "bottom_mlp": "SIZES",
             "top_mlp": "SIZES", "dnn": "SIZES", "cross_layers": "L", "eval_fraction": "F", "metrics_every": "N",
+            "eval_every": "N", "lr_num_warmup_steps": "N", "lr_decay_start_step": "ITER", "lr_num_decay_steps": "N",
             "parity": "R", "kills": KILL_METAVAR,
             "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N"}
 
@@ -150,6 +151,17 @@ def _timing_lines(r: dict[str, Any]) -> list[str]:
     return [f"  outside iterations {startup}finish {r['finish_seconds']:.1f} s ({phases})"]
 
 
+def _evaluation_lines(r: dict[str, Any]) -> list[str]:
+    """With --eval-every: how many evaluations, and the best one (a summary without them: nothing)."""
+    evaluations = r.get("evaluations") or []
+    if len(evaluations) < 2:
+        return []
+    best = next(e for e in evaluations if e["iteration"] == r["best_evaluation_iteration"])
+    auc = "n/a" if best["auc"] is None else f"{best['auc']:.4f}"
+    return [f"  evaluations        {len(evaluations)} (every {r['eval_every']} iterations); best at iteration "
+            f"{best['iteration']:,}: AUC {auc}, log loss {best['logloss']:.4f}"]
+
+
 def summarize(r: dict[str, Any]) -> str:
     auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
     logloss = "n/a" if r["eval_log_loss"] is None else f"{r['eval_log_loss']:.4f}"
@@ -165,6 +177,7 @@ def summarize(r: dict[str, Any]) -> str:
         f"  train loss         {r['first_train_loss']:.4f} (first) -> {r['final_train_loss_mean']:.4f} "
         f"(mean of the last {min(r['metrics_every'], r['iterations'])})",
         f"  eval ({r['eval_rows']:,} rows)   AUC {auc}, log loss {logloss}",
+        *_evaluation_lines(r),
         f"  state SHA-256      {r['state_sha256']}",
         *_parity_lines(r.get("parity")),
         *_checkpoint_lines(r.get("checkpoint")),

@@ -9,7 +9,8 @@ DeepFM's first-order weight next to the factor vector), so ``RowSpec.dim`` is
 without knowing which model reads them. Nothing outside this package looks at the model's name.
 
 A model module provides: a frozen config dataclass (``name`` class attribute, checked on
-construction), ``row_width(embedding_dim)``, ``config_from(settings, num_dense, num_tables)``
+construction), ``row_width(embedding_dim)``, ``ROW_INIT_STD`` (how its rows start: RowSpec.init_std),
+``config_from(settings, num_dense, num_tables)``
 (the architecture a TrainConfig asks for, with the module's published defaults for what it leaves
 unset) and ``MODEL``, the ``nn.Module`` class built from ``(config, seed)``; its initial
 parameters are a function of the config and the seed.
@@ -25,7 +26,7 @@ MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
 # The architecture settings each model reads; setting one that the chosen model does not read is an error.
 MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "deepfm": ("dnn",),
                   "dcn-v2": ("dnn", "cross_layers")}
-_REGISTRY = ("MODULES", "architecture", "bce_loss", "build_model", "model_config", "row_width")
+_REGISTRY = ("MODULES", "architecture", "bce_loss", "build_model", "model_config", "row_init_std", "row_width")
 
 
 def __getattr__(name: str) -> Any:

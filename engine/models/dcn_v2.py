@@ -27,10 +27,12 @@ import torch
 from torch import nn
 
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.models.layers import check_layers, linear, mlp
+from dlrmflow.engine.models.layers import REFERENCE_INIT_STD, check_layers, linear, mlp
 
 DEFAULT_DNN = (500, 500, 500)  # BARS DCNv2_criteo_x1: parallel_dnn_hidden_units [500, 500, 500]
 DEFAULT_CROSS_LAYERS = 3  # BARS DCNv2_criteo_x1: num_cross_layers 3
+# Every embedding value starts with this standard deviation (DeepCTR-Torch's and FuxiCTR's embeddings).
+ROW_INIT_STD = REFERENCE_INIT_STD
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,12 @@ class DCNv2(nn.Module):
         self.config = config
         generator = torch.Generator().manual_seed(seed)
         width = config.input_width
-        self.cross = nn.ModuleList(linear(width, width, generator) for _ in range(config.cross_layers))
-        self.deep = mlp([width, *config.dnn], generator)
-        self.output = linear(width + config.dnn[-1], 1, generator)
+        # Glorot weights and zero biases: DeepCTR-Torch's CrossNet (matrix kernels xavier_normal_, biases
+        # zeros_) and FuxiCTR's linear layers. The output unit's weights as DeepCTR-Torch's dnn_linear
+        # (nn.Linear's default); its bias, zero, is the model's one output bias c (PredictionLayer's).
+        self.cross = nn.ModuleList(linear(width, width, generator, bias="zero") for _ in range(config.cross_layers))
+        self.deep = mlp([width, *config.dnn], generator, bias="zero")
+        self.output = linear(width + config.dnn[-1], 1, generator, bias="zero", weight="torch")
 
     def cross_network(self, x0: torch.Tensor) -> torch.Tensor:
         """``x_L`` [B, d]: the cross layers applied to ``x_0``."""

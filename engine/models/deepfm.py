@@ -29,9 +29,9 @@ from typing import ClassVar
 
 import torch
 
-from dlrmflow.engine.models.wide_deep import DEFAULT_DNN, WideDeep, WideDeepConfig, row_width
+from dlrmflow.engine.models.wide_deep import DEFAULT_DNN, ROW_INIT_STD, WideDeep, WideDeepConfig, row_width
 
-__all__ = ["DEFAULT_DNN", "DeepFM", "DeepFMConfig", "config_from", "pairwise_interactions", "row_width"]
+__all__ = ["DEFAULT_DNN", "ROW_INIT_STD", "DeepFM", "DeepFMConfig", "config_from", "pairwise_interactions", "row_width"]
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,10 @@ def config_from(settings: Any, num_dense: int, num_tables: int) -> DLRMConfig:
                       tuple(settings.top_mlp))
 
 
+# Rows keep facebookresearch/dlrm's rule, uniform in +-sqrt(1/n) per table (RowSpec.init_std None).
+ROW_INIT_STD = None
+
+
 class DLRM(nn.Module):
     def __init__(self, config: DLRMConfig, seed: int = 0) -> None:
         super().__init__()

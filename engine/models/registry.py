@@ -22,6 +22,12 @@ def row_width(name: str, embedding_dim: int) -> int:
     return MODULES[name].row_width(embedding_dim)
 
 
+def row_init_std(name: str) -> float | None:
+    """The standard deviation every row value of model ``name`` starts with (RowSpec.init_std); None:
+    facebookresearch/dlrm's per-table bound ``sqrt(1/n)``."""
+    return MODULES[name].ROW_INIT_STD
+
+
 def model_config(name: str, settings: Any, *, num_dense: int, num_tables: int) -> Any:
     """The checked architecture of model ``name`` that ``settings`` (a TrainConfig: embedding_dim,
     bottom_layers, top_mlp, dnn, cross_layers) asks for on data with these feature counts.

@@ -24,13 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
-from dlrmflow.engine.models.layers import check_layers, mlp
+from dlrmflow.engine.models.layers import REFERENCE_INIT_STD, check_layers, linear, mlp
 
 DEFAULT_DNN = (400, 400, 400)  # BARS WideDeep_criteo_x1: hidden_units [400, 400, 400]
+# Every value of a row (the deep embedding and the wide weight) starts with this standard deviation:
+# DeepCTR-Torch's embeddings and linear-part embeddings (deepctr_torch/inputs.py, models/basemodel.py).
+ROW_INIT_STD = REFERENCE_INIT_STD
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,17 @@ class WideDeep(nn.Module):
         super().__init__()
         self.config = config
         generator = torch.Generator().manual_seed(seed)
-        self.deep = mlp([config.deep_input_width, *config.dnn, 1], generator)[:-1]  # linear output unit
+        # Hidden layers as FuxiCTR's (Glorot weights, zero biases); the output unit as DeepCTR-Torch's
+        # dnn_linear (nn.Linear's default weights, no bias): b below is the model's one output bias (two
+        # would move the logit's offset at twice the rate).
+        hidden = mlp([config.deep_input_width, *config.dnn], generator, bias="zero")
+        self.deep = nn.Sequential(*hidden, linear(config.dnn[-1], 1, generator, bias="none", weight="torch"))
         self.dense_weight = nn.Parameter(torch.empty(config.num_dense))  # a: the wide part's dense weights
-        self.bias = nn.Parameter(torch.zeros(()))  # b
+        self.bias = nn.Parameter(torch.zeros(()))  # b, DeepCTR-Torch's PredictionLayer bias: zero
         with torch.no_grad():
-            self.dense_weight.normal_(0.0, float(np.sqrt(2.0 / (config.num_dense + 1))), generator=generator)
+            # DeepCTR-Torch's Linear.weight: N(0, init_std). Dense features reach ~7 (log1p of counts):
+            # a Glorot-scale a made <a, dense> the initial logit's largest part.
+            self.dense_weight.normal_(0.0, REFERENCE_INIT_STD, generator=generator)
 
     def wide(self, dense: torch.Tensor, wide_weights: torch.Tensor) -> torch.Tensor:
         """The linear model [B]: the ids' weights [B, T] summed, plus ``<a, dense> + b``."""

@@ -9,7 +9,9 @@ a row moves between them by copying bytes, never by converting values.
 Initial values. Row ``id`` (a global id) is a pure function of ``(seed, id)`` and the table
 layout (which table ``id`` belongs to, fixed by the dataset): weight ``c`` is a counter-based
 hash of ``(seed, id, c)`` mapped to a uniform float in ``[-b, b)`` with ``b = sqrt(1 / n_k)`` for
-a row of table ``k`` with ``n_k`` rows (the facebookresearch/dlrm initialisation). Any process
+a row of table ``k`` with ``n_k`` rows (the facebookresearch/dlrm initialisation), or, when the
+spec's ``init_std`` is set, ``b = sqrt(3) * init_std`` in every table (standard deviation
+``init_std``: the models whose references start every row near zero, docs/models.md). Any process
 can therefore create or check any shard, in any order, and get the same bits.
 
 Updates. :func:`apply_update` takes the rows a batch touched as one ``[U, width]`` block and
@@ -54,6 +56,9 @@ class RowSpec:
     cardinalities: tuple[int, ...]
     lr: float = 0.01
     eps: float = 1e-10  # row-wise Adagrad: w -= lr * g / (sqrt(acc) + eps)
+    # None: facebookresearch/dlrm's per-table bound sqrt(1/n); a number: every weight uniform with this
+    # standard deviation (the model's choice, models.row_init_std).
+    init_std: float | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in STATE_WIDTH:
@@ -92,7 +97,10 @@ def _mix64(x, xp: ModuleType):
 
 
 def table_bounds(spec: RowSpec, ids, xp: ModuleType = np):
-    """Per-id init bound ``sqrt(1 / n_k)`` (float32) of the table each global id belongs to."""
+    """Per-id init bound (float32): ``sqrt(1 / n_k)`` of the table each global id belongs to, or
+    ``sqrt(3) * init_std`` for every id when the spec sets ``init_std``."""
+    if spec.init_std is not None:
+        return xp.full(ids.shape[0], np.float32(np.sqrt(3.0) * spec.init_std), dtype=xp.float32)
     offsets = xp.asarray(np.asarray(spec.table_offsets, dtype=np.int64))
     sizes = np.maximum(np.asarray(spec.cardinalities, np.float64), 1.0)
     bounds = xp.asarray(np.sqrt(1.0 / sizes).astype(np.float32))

@@ -56,6 +56,7 @@ class TrainLog:
     iteration_seconds: np.ndarray
     stall_seconds: np.ndarray
     metrics: list[dict[str, Any]]
+    evaluations: list[dict[str, Any]] = field(default_factory=list)  # --eval-every: {iteration, auc, logloss}
     start: int = 0  # the first iteration this process trains (a resume: the checkpoint's)
     done: int = 0  # iterations reported (progress, metrics): a replay does not report them again
     seconds_before: float = 0.0  # training time before the resume
@@ -74,6 +75,7 @@ class TrainLog:
                 "iteration_seconds": torch.from_numpy(self.iteration_seconds[:t].copy()),
                 "stall_seconds": torch.from_numpy(self.stall_seconds[:t].copy()),
                 "metrics": [dict(m) for m in self.metrics if m["iteration"] <= t],
+                "evaluations": [dict(e) for e in self.evaluations if e["iteration"] <= t],
                 "seconds": self.seconds_before + time.perf_counter() - self.begin}
 
     @classmethod
@@ -84,6 +86,7 @@ class TrainLog:
         log.iteration_seconds[:t] = snap["iteration_seconds"].numpy()
         log.stall_seconds[:t] = snap["stall_seconds"].numpy()
         log.metrics = [dict(m) for m in snap["metrics"]]
+        log.evaluations = [dict(e) for e in snap.get("evaluations", [])]  # none in an older checkpoint
         log.start = log.done = t
         log.seconds_before = float(snap["seconds"])
         return log
@@ -107,13 +110,31 @@ class TrainLog:
             "stall_seconds": self.stall_seconds,
             "train_seconds": self.seconds_before + time.perf_counter() - self.begin,
             "metrics": self.metrics,
+            "evaluations": self.evaluations,
         }
 
 
 @torch.no_grad()
-def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.device) -> dict[str, Any]:
-    """AUC and log loss on the held-out rows (after training; rows read from their home)."""
+def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.device, *,
+             during_training: bool = False) -> dict[str, Any]:
+    """AUC and log loss on the held-out rows: after training (rows read from their home), or, with
+    ``during_training``, between two iterations (rows as training left them: ``store.current_rows``).
+
+    It must not perturb training: no random numbers, gradients off, the model in eval mode and back in
+    the mode it was in, the store's rows and counters untouched; a run with evaluations ends in the same
+    state as one without (tests/test_models.py)."""
     config, meta = setup.config, setup.meta
+    read = store.current_rows if during_training else store.read
+    was_training = model.training
+    model.eval()
+    try:
+        return _evaluate(setup, config, meta, model, read, device)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(setup: Any, config: TrainConfig, meta: Any, model: torch.nn.Module, read: Any,
+              device: torch.device) -> dict[str, Any]:
     if setup.eval_start >= meta.rows:
         return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
     stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
@@ -122,7 +143,7 @@ def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.
     for batch in stream:
         ids = global_ids(batch.sparse, stream.offsets)
         uniq, inverse = np.unique(ids, return_inverse=True)
-        weights = store.read(uniq)[:, : setup.spec.dim]
+        weights = read(uniq)[:, : setup.spec.dim]
         embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
         dense, _ = batch_tensors(batch, device)
         logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
@@ -137,6 +158,17 @@ def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.
         "eval_auc": None if np.isnan(auc) else auc,
         "eval_log_loss": log_loss(y, p),
     }
+
+
+def evaluation_row(t: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation after ``t`` iterations as summary.json's ``evaluations`` list records it."""
+    return {"iteration": t, "auc": metrics["eval_auc"], "logloss": metrics["eval_log_loss"]}
+
+
+def best_evaluation(evaluations: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evaluation of the lowest held-out log loss (the training objective; the earliest on a tie)."""
+    scored = [e for e in evaluations if e["logloss"] is not None]
+    return min(scored, key=lambda e: (e["logloss"], e["iteration"])) if scored else None
 
 
 def dense_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -31,7 +31,8 @@ DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: the
 DEFAULT_TOP_MLP = (512, 256, 1)
 # Settings left out of a dump while at their defaults: a DLRM run's run_config.json and checkpoint
 # fingerprint stay what they were before these settings existed, so such runs still resume.
-OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers", "trainers")
+OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers", "trainers", "lr_num_warmup_steps", "lr_decay_start_step",
+                      "lr_num_decay_steps", "eval_every")
 
 # Fields whose `dlrmflow train` option is not --field-name; fields in NO_OPTION have none.
 OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_dir": "--plan",
@@ -98,10 +99,22 @@ class TrainConfig(ConfigModel):
     dense_optimizer: Literal[DENSE_OPTIMIZERS] = Field("sgd", description="optimizer of the dense parameters")
     lr: float = Field(0.01, gt=0, description="dense learning rate")
     embedding_lr: float | None = Field(None, gt=0, description="embedding learning rate (default: --lr)")
+    lr_num_warmup_steps: int = Field(
+        0, ge=0, description="warm the dense and embedding learning rates up linearly over the first N iterations "
+                             "(MLPerf DLRM's schedule; 0: no warm-up)")
+    lr_decay_start_step: int = Field(
+        0, ge=0, description="the step (iteration + 1, as MLPerf DLRM counts) at which the polynomial (power 2) "
+                             "decay of --lr-num-decay-steps starts")
+    lr_num_decay_steps: int = Field(
+        0, ge=0, description="decay the learning rates to ~0 over N iterations from --lr-decay-start-step, then "
+                             "hold them (MLPerf DLRM's schedule; 0: no decay)")
     eval_fraction: float = Field(
         0.1, ge=0, lt=1, description="the last F of the dataset's rows are held out for AUC / log loss")
     eval_batch_size: int = Field(4096, ge=1, description="batch size of the evaluation")
     metrics_every: int = Field(50, ge=1, description="log loss and timings every N iterations")
+    eval_every: int = Field(
+        0, ge=0, description="evaluate AUC and log loss on the held-out rows every N iterations, recorded in "
+                             "summary.json (0: only at the end)")
     save_state: bool = Field(True, description="write final_state/ (its SHA-256 is always computed)")
     parity: int = Field(
         0, ge=0, le=4, description="R erasure-coded parity shards (1: XOR, 2-4: Reed-Solomon; 0: none); a "
@@ -151,6 +164,12 @@ class TrainConfig(ConfigModel):
         if self.kills and not (self.parity or self.checkpoint_every):
             raise TrainConfigError("kills: --kill needs --parity R >= 1 or --checkpoint-every N (nothing could "
                                    "recover the lost shard)")
+        if self.lr_num_decay_steps and self.lr_decay_start_step < self.lr_num_warmup_steps:
+            raise TrainConfigError(f"lr_decay_start_step: --lr-decay-start-step {self.lr_decay_start_step} is inside "
+                                   f"the warm-up (--lr-num-warmup-steps {self.lr_num_warmup_steps}); the decay starts "
+                                   "after it")
+        if self.eval_every and self.eval_fraction == 0:
+            raise TrainConfigError("eval_every: --eval-every needs held-out rows (--eval-fraction > 0)")
         if self.trainers > 1:
             self._check_trainers()
         # prepare_run checks the iterations again once the dataset says how many there are.
@@ -180,6 +199,9 @@ class TrainConfig(ConfigModel):
         if self.kills and not self.parity:
             raise TrainConfigError(f"kills: --kill with --trainers {w} needs --parity R >= 1 (several trainers "
                                    "do not replay a lost shard from a checkpoint)")
+        if self.eval_every:  # the rows are spread over W trainers' caches mid-run; the final evaluation runs
+            raise TrainConfigError(f"eval_every: --eval-every is for one trainer, not --trainers {w} (the held-out "
+                                   "rows are evaluated once, at the end)")
 
     def _check_model_settings(self) -> None:
         """Each architecture setting is for the models that read it; layer sizes are positive."""

@@ -4,6 +4,7 @@ Per iteration ``t``, on every trainer (``split``: its 1/W slice of the global ba
 ids, :class:`~dlrmflow.engine.training.batch_split.BatchSplit`)::
 
     hooks        checkpoint before every N-th iteration; failure injection (trainer 0)
+    rates      = the schedule's learning rates of t (dense optimizer here, row updates in the store)
     block      = store.gather(t, split)                      [U, width] rows: weights + optimizer state
     weights    = block[:, :dim] (a leaf);  embeddings = weights[split.inverse]
     loss       = BCE(model(dense slice, embeddings)); backward
@@ -19,11 +20,13 @@ between steps and is the same work in every mode.
 
 A lost shard without parity (one trainer, checkpoints on) sends the loop back to the reloaded
 checkpoint, which it replays from; progress and metrics are reported once per iteration, not again on
-a replay.
+a replay; so is the periodic evaluation (``--eval-every``), which reads the rows as training left them
+and touches nothing that training reads.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +40,13 @@ from dlrmflow.engine.models import bce_loss
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.checkpoint import Checkpointer
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.common import TrainLog
+from dlrmflow.engine.training.common import TrainLog, evaluation_row
 from dlrmflow.engine.training.faults import FaultInjector
+from dlrmflow.engine.training.schedule import LrSchedule
 from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.stores.base import RowStore
 
+logger = logging.getLogger(__name__)
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 # (iterations done, the metrics row due then or None): progress as the loop reports it
 Report = Callable[[int, dict[str, Any] | None], None]
@@ -54,6 +59,9 @@ class LoopHooks:
     checkpoints: Checkpointer | None = None
     injector: FaultInjector | None = None  # trainer 0's: SIGKILL a shard's worker as an iteration starts
     report: Report | None = None
+    # --eval-every N (trainer 0 of one): the held-out metrics (``evaluate``'s dict) after t iterations, called
+    # after every N-th iteration but the last (the run's final evaluation covers that one)
+    evaluate: Callable[[int], dict[str, Any]] | None = None
 
 
 def train_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: torch.nn.Module,
@@ -91,6 +99,8 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
     ``compute`` (forward, backward), ``dense_sync`` (the dense gradients' gather, waiting for the slowest
     trainer included) and ``batches`` (reading the global batch and splitting it)."""
     n, offsets, every = setup.iterations, setup.stream.offsets, setup.config.metrics_every
+    eval_every, base_lr = setup.config.eval_every, setup.config.lr
+    schedule = LrSchedule.of(setup.config)
     checkpoints = hooks.checkpoints
     params = list(model.parameters())
     sync_seconds = np.zeros(n)
@@ -119,6 +129,9 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
             following = next(batches) if t + 1 < n else None
             next_split = None if following is None else split_of(t + 1, following)
             clock["batches"] += time.perf_counter() - reading
+            if not schedule.constant:  # a pure function of t: every mode and trainer sets the same rate
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = schedule.lr(base_lr, t)
             start, stall, sync = time.perf_counter(), store.stall_seconds, store.sync_seconds
             loss = train_step(t, batch, split, EMPTY_IDS if next_split is None else next_split.union, model, params,
                               optimizer, setup, store, group, device, clock)
@@ -140,4 +153,13 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
             row = log.metrics_row(t, every, n)
             if hooks.report is not None:
                 hooks.report(t, row)
+            if hooks.evaluate is not None and eval_every and t % eval_every == 0 and t < n:
+                evaluation = evaluation_row(t, hooks.evaluate(t))
+                log.evaluations.append(evaluation)
+                logger.info("iteration %d: held-out AUC %s, log loss %s", t, _figure(evaluation["auc"]),
+                            _figure(evaluation["logloss"]))
     return {**clock, "row_sync": sync_seconds}
+
+
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

@@ -42,6 +42,7 @@ from dlrmflow.engine.training.final_state import seal_final_state, write_final_s
 from dlrmflow.engine.training.loop import LoopHooks, Report
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.schedule import LrSchedule
 from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.timing import timed
 
@@ -125,7 +126,10 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
             if resumed is not None:
                 store.resume_from(resumed["traffic"], cache_of(resumed), rows)
             del rows
+            store.schedule = LrSchedule.of(config)  # the row updates' learning rates (the loop sets the dense ones)
             hooks = LoopHooks(report=report if lead else None)
+            if config.eval_every and lead:
+                hooks.evaluate = lambda t: evaluate(setup, model, store, device, during_training=True)
             if setup.kills and lead:
                 hooks.injector = FaultInjector(setup.kills, client, lambda s: store.shards.worker_of[s],
                                                config.num_shards)

@@ -25,6 +25,7 @@ from dlrmflow.engine.models import architecture
 from dlrmflow.engine.run_lock import output_lock
 from dlrmflow.engine.run_state import ITERATIONS_FILE, commit_state_dir, write_summary
 from dlrmflow.engine.training.checkpoint import finish_run_dir, start_run_dir, unfinished_run_message
+from dlrmflow.engine.training.common import best_evaluation, evaluation_row
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.setup import RunSetup, prepare_run
@@ -147,6 +148,9 @@ def _summary(setup: RunSetup, traffic: dict[str, int], log: dict, metrics: dict,
     it, stall = log["iteration_seconds"], log["stall_seconds"]
     plan = setup.plan
     tail = log["losses"][-min(len(log["losses"]), config.metrics_every) :]
+    # --eval-every's evaluations, then the final one (none without held-out rows)
+    evaluations = [*log["evaluations"], *([evaluation_row(setup.iterations, metrics)] if metrics["eval_rows"] else [])]
+    best = best_evaluation(evaluations)
     return {
         "mode": config.mode,
         "dataset": str(config.dataset_dir),
@@ -187,5 +191,10 @@ def _summary(setup: RunSetup, traffic: dict[str, int], log: dict, metrics: dict,
         "state_sha256": digest,
         "metrics_every": config.metrics_every,
         "metrics": log["metrics"],  # per window of metrics_every iterations: loss, ms/iteration, stall ms
+        "eval_every": config.eval_every,
+        "evaluations": evaluations,  # {iteration, auc, logloss} every eval_every iterations and at the end
+        "best_evaluation_iteration": None if best is None else best["iteration"],  # the lowest held-out log loss
+        "lr_schedule": {"warmup_steps": config.lr_num_warmup_steps, "decay_start_step": config.lr_decay_start_step,
+                        "decay_steps": config.lr_num_decay_steps},
         **setup.checks,
     }

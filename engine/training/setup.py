@@ -12,7 +12,7 @@ import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import BatchStream, batches_ending_by, global_ids
-from dlrmflow.engine.models import model_config, row_width
+from dlrmflow.engine.models import model_config, row_init_std, row_width
 from dlrmflow.engine.planning.planner import CapacityError, Plan, load_plan
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.training.checkpoint import check_resumable, refuse_unfinished_run
@@ -112,6 +112,7 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         table_offsets=tuple(meta.table_offsets),
         cardinalities=tuple(meta.cardinalities),
         lr=config.embedding_lr if config.embedding_lr is not None else config.lr,
+        init_std=row_init_std(config.model),
     )
     checks: dict[str, Any] = {}
     if plan is not None:

@@ -42,6 +42,9 @@ class TrainSummary:
     state_sha256: str
     metrics_every: int
     metrics: list[dict[str, Any]] = field(default_factory=list)  # per window of metrics_every iterations
+    # held-out {iteration, auc, logloss}: every eval_every iterations and at the end; the best's iteration
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    best_evaluation_iteration: int | None = None
     parity: dict[str, Any] | None = None  # the parity report (shards, kills, recoveries, verify)
     trainers: int = 1  # data-parallel trainer processes
     skipped: bool = False  # an earlier run's summary, reused because the run is up to date
@@ -68,15 +71,17 @@ def train_summary(summary: Mapping[str, Any], *, skipped: bool = False) -> Train
         final_train_loss_mean=summary.get("final_train_loss_mean", summary["final_train_loss"]),
         eval_auc=summary.get("eval_auc"), eval_log_loss=summary.get("eval_log_loss"),
         state_sha256=summary["state_sha256"], metrics_every=summary["metrics_every"],
-        metrics=list(summary.get("metrics") or []), parity=summary.get("parity"),
+        metrics=list(summary.get("metrics") or []), evaluations=list(summary.get("evaluations") or []),
+        best_evaluation_iteration=summary.get("best_evaluation_iteration"), parity=summary.get("parity"),
         trainers=(summary.get("trainers") or {}).get("count", 1), skipped=skipped,
     )
 
 
 def saved_run(config: TrainConfig, dataset_fingerprint: str) -> TrainSummary | None:
     """The summary of the finished run in ``config.output_dir`` when it is up to date: it trained the dataset
-    of ``dataset_fingerprint`` with this config's mode, model, iterations, batch size, seed, shards, trainers
-    and (with or without) parity. A run with kills is never up to date (its kills are what it is for)."""
+    of ``dataset_fingerprint`` with this config's mode, model, iterations, batch size, seed, shards, trainers,
+    learning-rate schedule, evaluations and (with or without) parity. A run with kills is never up to date
+    (its kills are what it is for)."""
     if config.kills:
         return None
     expect = {"dataset_fingerprint": dataset_fingerprint, "mode": config.mode, "iterations": config.iterations,
@@ -84,6 +89,12 @@ def saved_run(config: TrainConfig, dataset_fingerprint: str) -> TrainSummary | N
               "num_shards": config.num_shards if MODES[config.mode].servers else 0}
     earlier = saved_result(Path(config.output_dir) / SUMMARY_FILE, expect)
     if earlier is None:
+        return None
+    # A summary from before the schedule and --eval-every existed ran without them.
+    schedule = {"warmup_steps": config.lr_num_warmup_steps, "decay_start_step": config.lr_decay_start_step,
+                "decay_steps": config.lr_num_decay_steps}
+    if (earlier.get("lr_schedule") or {"warmup_steps": 0, "decay_start_step": 0, "decay_steps": 0}) != schedule or \
+            earlier.get("eval_every", 0) != config.eval_every:
         return None
     run = train_summary(earlier, skipped=True)
     if bool(run.parity) != bool(config.parity) or run.trainers != config.trainers:

@@ -47,6 +47,7 @@ Which store a mode uses is declared once, in :mod:`dlrmflow.engine.training.mode
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,7 @@ from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import PendingGather, TrainerGroup
+from dlrmflow.engine.training.schedule import LrSchedule
 
 
 def host_buffer(rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -71,6 +73,14 @@ class RowStore:
 
     spec: RowSpec
     device: torch.device
+    # The learning-rate schedule of the row updates (the run sets it: train_rank); constant by default.
+    schedule: LrSchedule = LrSchedule()
+
+    def spec_at(self, t: int) -> RowSpec:
+        """The row spec whose ``lr`` is iteration ``t``'s: what every update of ``t``'s gradients uses."""
+        if self.schedule.constant:
+            return self.spec
+        return dataclasses.replace(self.spec, lr=self.schedule.lr(self.spec.lr, t))
 
     def __init__(self, spec: RowSpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
@@ -102,6 +112,12 @@ class RowStore:
 
     def read(self, ids: np.ndarray) -> torch.Tensor:
         """Rows of ``ids`` after :meth:`finish` (evaluation), not counted as training traffic."""
+        raise NotImplementedError
+
+    def current_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """Mid-run (the periodic evaluation of one trainer): the rows of sorted distinct ``ids`` as training
+        has left them so far, ``[len(ids), width]`` on the device. Changes nothing the training reads or
+        counts; waits until background work is idle (as a checkpoint does)."""
         raise NotImplementedError
 
     def all_rows(self) -> np.ndarray:
@@ -185,7 +201,7 @@ class OneTrainerRows(RowStore):
 
     def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
                grad: torch.Tensor) -> None:
-        apply_update(self.spec, block, grad)
+        apply_update(self.spec_at(t), block, grad)
         self.scatter(t, split.mine, block)
 
 
@@ -205,6 +221,17 @@ class ShardRows(OneTrainerRows):
 
     def save_rows(self, directory: str | Path, *, chunk: int | None = None) -> list[dict[str, Any]]:
         return self.shards.save_rows(directory, chunk=chunk)
+
+    def current_rows(self, ids: np.ndarray) -> torch.Tensor:
+        """The shards' rows overlaid with :meth:`held_rows`: a plain read of the shards (not :meth:`read`,
+        which may drop a pending write-back), counted nowhere."""
+        held_ids, held = self.held_rows()  # first: waits until no write-back is in flight
+        host = host_buffer(len(ids), self.spec.width, self.device)
+        self.shards.fetch(ids, out=host.numpy())
+        at = np.minimum(np.searchsorted(held_ids, ids), max(len(held_ids) - 1, 0))
+        newer = np.flatnonzero(held_ids[at] == ids) if len(held_ids) else np.zeros(0, dtype=np.int64)
+        host.numpy()[newer] = held[at[newer]]
+        return host.to(self.device)
 
     def logical_rows(self) -> np.ndarray:
         """The shards' rows overlaid with :meth:`held_rows` (every row in this process: tests)."""

@@ -39,6 +39,8 @@ class LocalRows(OneTrainerRows):
     def read(self, ids: np.ndarray) -> torch.Tensor:
         return self.gather_ids(-1, ids)
 
+    current_rows = read  # the table is always current
+
     def all_rows(self) -> np.ndarray:
         return self.table.cpu().numpy()
 

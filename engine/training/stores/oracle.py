@@ -186,7 +186,7 @@ class LrppRows(OracleRows, RowsForTrainers):
         RowsForTrainers.__init__(self, spec, device, group)
         self.gateway = gateway
         self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
-        self._later: tuple[np.ndarray, list[np.ndarray], PendingGather] | None = None
+        self._later: tuple[int, np.ndarray, list[np.ndarray], PendingGather] | None = None
         OracleRows.__init__(self, spec, device, shards, plan, iterations, start=start, rows=rows)
 
     def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
@@ -207,23 +207,24 @@ class LrppRows(OracleRows, RowsForTrainers):
                                 "from an earlier iteration is still being synced (a stale read)")
         return OracleRows.gather_ids(self, t, split.mine)
 
-    def _update_rows(self, ids: np.ndarray, parts: list[tuple[np.ndarray, torch.Tensor]], size: int) -> None:
+    def _update_rows(self, t: int, ids: np.ndarray, parts: list[tuple[np.ndarray, torch.Tensor]], size: int) -> None:
+        """Apply iteration ``t``'s gradients (``t``: the learning rate's iteration, also when applied later)."""
         if not len(ids):
             return
         slots = torch.from_numpy(self.directory.slot_of[ids]).to(self.device)
         rows = self.cache.index_select(0, slots)
-        apply_update_rowwise(self.spec, rows, sum_over_users(ids, parts, size))
+        apply_update_rowwise(self.spec_at(t), rows, sum_over_users(ids, parts, size))
         self.cache.index_copy_(0, slots, rows)
 
     def _apply_later(self) -> None:
         """Wait for the sync_later gradients in flight and update those rows."""
         if self._later is None:
             return
-        ids, held, pending = self._later
+        t, ids, held, pending = self._later
         start = time.perf_counter()
         parts = pending.wait()
         self.sync_seconds += time.perf_counter() - start
-        self._update_rows(ids, list(zip(held, parts, strict=True)), self.group.size)
+        self._update_rows(t, ids, list(zip(held, parts, strict=True)), self.group.size)
         self.in_flight[ids] = False
         self._later = None
 
@@ -238,13 +239,13 @@ class LrppRows(OracleRows, RowsForTrainers):
         start = time.perf_counter()
         ids, parts = self._gather_gradients(split, now, grad, "sync_now")
         self.sync_seconds += time.perf_counter() - start
-        self._update_rows(union[now], list(zip(ids, parts, strict=True)), size)
+        self._update_rows(t, union[now], list(zip(ids, parts, strict=True)), size)
         own = no_sync & split.users[split.rank]
         own_grad = grad[torch.from_numpy(np.flatnonzero(own[split.where[split.rank]]))]
-        self._update_rows(union[own], [(union[own], own_grad)], size)
+        self._update_rows(t, union[own], [(union[own], own_grad)], size)
         self._apply_later()  # the previous iteration's: none of its rows is used at t or t + 1
         ids, pending = self._gather_gradients(split, later, grad, "sync_later", async_op=True)
-        self._later = (union[later], ids, pending)
+        self._later = (t, union[later], ids, pending)
         self.in_flight[union[later]] = True
 
         evicted = np.isin(union, evict, assume_unique=True)
