@@ -127,7 +127,7 @@ def test_dataset_commands_run_on_the_external_workers_and_match_a_local_cluster(
     executed = _executed_prefixes(external_cluster)
     assert set(executed) == set(WORKERS)
     ran = set().union(*executed.values())
-    assert {"chunk_payload", "parse_piece", "build_vocabulary", "write_part", "count_table"} <= ran, ran
+    assert {"chunk_payload", "parse_piece", "count_partition", "map_item", "write_part", "count_table"} <= ran, ran
 
     # The same commands on the default LocalCluster give the same raw bytes, dataset and profile.
     local_raw = tmp_path / "local_day_0.tsv"

@@ -213,6 +213,7 @@ def test_run_config_round_trip(tmp_path):
                          bottom_mlp=[8, 4], embedding_lr=0.05)
     (tmp_path / "run").mkdir()
     start_run_dir(tmp_path / "run", config.model_dump(), dataset_fingerprint="f", plan_fingerprint="p", iterations=40)
+    (tmp_path / "run" / "checkpoint.pt").touch()  # resume refuses a run without one
     resumed = resumed_config(str(tmp_path / "run"))
     assert resumed == replace(config, resume=True, dataset_dir=str(Path("data").resolve()),
                               plan_dir=str(Path("plan").resolve()))
@@ -229,6 +230,8 @@ def test_a_run_config_from_before_model_existed_resumes_as_dlrm(tmp_path):
     (tmp_path / "run").mkdir()
     start_run_dir(tmp_path / "run", config.model_dump(), dataset_fingerprint="f", plan_fingerprint=None,
                   iterations=40)
+    (tmp_path / "run" / "checkpoint.pt").touch()  # resume refuses a run without one
+
     saved = json.loads((tmp_path / "run" / "run_config.json").read_text())["config"]
     assert "model" not in saved
     resumed = resumed_config(str(tmp_path / "run"))
@@ -244,6 +247,8 @@ def test_another_models_run_config_round_trip(tmp_path):
     (tmp_path / "run").mkdir()
     start_run_dir(tmp_path / "run", config.model_dump(), dataset_fingerprint="f", plan_fingerprint=None,
                   iterations=40)
+    (tmp_path / "run" / "checkpoint.pt").touch()  # resume refuses a run without one
+
     resumed = resumed_config(str(tmp_path / "run"))
     assert (resumed.model, resumed.dnn, resumed.cross_layers) == ("dcn-v2", (64, 32), 2)
     assert config_sha256(resumed.model_dump()) == config_sha256(config.model_dump())
