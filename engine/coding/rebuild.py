@@ -172,13 +172,16 @@ def choose_worker(group: CodedShardGroup, wait_s: float = FRESH_WORKER_WAIT_S) -
 def wait_done(group: CodedShardGroup, future, generation: int, worker: str, poll_s: float = 0.2) -> Any:
     """The result of a task or actor pinned to ``worker``. Pinned to a worker that died, it would wait
     for it forever, so this also watches for that worker's loss (OSError) and for a new generation
-    (:class:`Superseded`)."""
+    (:class:`Superseded`).
+
+    It waits on the future's done callback, not on ``future.result(timeout=...)``: under load, Dask's
+    ``sync`` can see its timeout expire as the result arrives, cancel its own wait and then raise
+    ``UnboundLocalError`` (seen with the 0.2 s poll at a load average of 10+, failing a rebuild)."""
+    finished = threading.Event()
+    future.add_done_callback(lambda _: finished.set())
     while True:
-        try:
-            return future.result(timeout=poll_s)
-        except TimeoutError:
-            if future.done():  # the task's own TimeoutError (or done as the wait ran out): its outcome
-                return future.result()
+        if finished.wait(poll_s) or future.done():
+            return future.result()  # done: no timeout, no race
         with group.lock:
             if not group.state.is_current(generation):
                 raise Superseded()
