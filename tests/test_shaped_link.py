@@ -154,15 +154,22 @@ def test_after_sigkill_the_next_build_removes_the_dead_runs_namespace_and_its_pr
 
 
 @pytest.mark.slow
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it ended between the two questions
+        return False
+
+
 def test_sigterm_removes_the_link():
     proc, namespace, root_veth, inside_pid = start_builder()
+    inside = psutil.Process(inside_pid)  # with its start time: a new process may reuse the pid afterwards
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert left_behind(namespace, root_veth) == []
-    # The builder SIGKILLs the process inside and exits; the kernel ends it a moment later (seen still
-    # 'sleeping' right after the exit on a loaded machine), so give it a few seconds to go.
+    # The builder SIGKILLs the process inside and exits; the kernel ends it a moment later.
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(inside_pid) and psutil.Process(inside_pid).status() != psutil.STATUS_ZOMBIE:
+    while _alive(inside):
         assert time.monotonic() < deadline, f"process {inside_pid} inside the namespace outlived the builder"
         time.sleep(0.05)
 
