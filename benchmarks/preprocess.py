@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from scale import _rss_anon  # benchmarks/scale.py: one process's RssAnon
 
 from dlrmflow.datasets.formats import CRITEO_DENSE, CRITEO_SPARSE
 from dlrmflow.datasets.preprocess import preprocess
@@ -101,17 +102,6 @@ class AnonMemory:
             if self._stop.is_set():
                 return
             self._stop.wait(self.interval)
-
-
-def _rss_anon(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # the process ended
-        pass
-    return 0
 
 
 def _load_baseline(path: str):

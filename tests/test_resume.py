@@ -206,12 +206,7 @@ def test_resume_with_parity_re_encodes_parity_from_the_restored_rows(mode, clust
     config = small_config(dataset, tmp_path / "full", mode, iterations=14, checkpoint_every=4, parity=1,
                           embedding_lr=0.05, **extra)
     full = train(config, client=cluster)
-    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
-    with monkeypatch.context() as patch:
-        crash_at(patch, 10)
-        with pytest.raises(Crash):
-            train(crashed, client=cluster)
-    resumed = train(replace(crashed, resume=True), client=cluster)
+    _, _, resumed = crash_then_resume(config, tmp_path, monkeypatch, cluster, crash=10, every=4)
     assert_bit_identical(load_state(tmp_path / "full"), load_state(tmp_path / "crashed"), "parity resume")
     assert resumed["checkpoint"]["resumed_from"] == 8
     assert resumed["parity"]["verify"]["ok"] and full["parity"]["verify"]["ok"]
