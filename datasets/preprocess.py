@@ -61,6 +61,8 @@ from dlrmflow.datasets.vocabulary import (
     VocabularyFile,
     load_parent,
     read_range,
+    value_order,
+    value_range,
     vocabulary_record,
     write_partition,
 )
@@ -335,10 +337,7 @@ def _encode_table(values: pa.Array, order: np.ndarray, row_bucket: np.ndarray) -
     codes = _codes(encoded.indices)
     # Value order (not first appearance): a vocabulary partition is then a contiguous code range.
     dictionary = encoded.dictionary
-    if pa.types.is_integer(dictionary.type):  # NumPy sorts integers several times faster than Arrow
-        by_value = np.argsort(dictionary.to_numpy(), kind="stable")
-    else:
-        by_value = pc.sort_indices(dictionary).to_numpy()
+    by_value = value_order(dictionary)
     rank = np.empty(len(by_value), dtype=np.int64)
     rank[by_value] = np.arange(len(by_value))
     counts = np.bincount(codes + 1, minlength=len(by_value) + 1)[1:][by_value]
@@ -514,12 +513,7 @@ def _block_uniques(path: str, table: str) -> tuple[pa.Array, pa.Array]:
 
 def _value_range(values: pa.Array, part: VocabPart) -> tuple[int, int]:
     """The positions [a, b) of ``part``'s values in ascending ``values``."""
-    if part.lo is None and part.hi is None:
-        return 0, len(values)
-    arr = values.to_numpy(zero_copy_only=False)
-    a = 0 if part.lo is None else int(np.searchsorted(arr, part.lo, side="left"))
-    b = len(arr) if part.hi is None else int(np.searchsorted(arr, part.hi, side="left"))
-    return a, b
+    return value_range(values, part.lo, part.hi)
 
 
 def count_partition(part: VocabPart, uniques_paths: list[str], params: PreprocessParams, work_dir: str,

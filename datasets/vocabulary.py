@@ -59,7 +59,7 @@ def write_partition(dataset_dir: str | os.PathLike, table: str, index: int, valu
     """Write one partition's (value, id) pairs in value order; None when it holds no value."""
     if len(values) == 0:
         return None
-    order = _value_order(values)
+    order = value_order(values)
     values, ids = values.take(pa.array(order)), ids[order]
     name = f"{VOCABULARY_DIR}/{table}-p{index:05d}.arrow"
     path = Path(dataset_dir) / name
@@ -70,12 +70,24 @@ def write_partition(dataset_dir: str | os.PathLike, table: str, index: int, valu
     return VocabularyFile(name, values[0].as_py(), values[-1].as_py(), len(values))
 
 
-def _value_order(values: pa.Array) -> np.ndarray:
+def value_order(values: pa.Array) -> np.ndarray:
+    """The positions of ``values`` in ascending value order (NumPy sorts integers several times faster
+    than Arrow)."""
     if pa.types.is_integer(values.type):
         return np.argsort(values.to_numpy(), kind="stable")
     import pyarrow.compute as pc
 
     return pc.sort_indices(values).to_numpy()
+
+
+def value_range(values: pa.Array, lo: Any, hi: Any) -> tuple[int, int]:
+    """The positions [a, b) of the values in [lo, hi) (None: unbounded) within ascending ``values``."""
+    if lo is None and hi is None:
+        return 0, len(values)
+    arr = values.to_numpy(zero_copy_only=False)
+    a = 0 if lo is None else int(np.searchsorted(arr, lo, side="left"))
+    b = len(arr) if hi is None else int(np.searchsorted(arr, hi, side="left"))
+    return a, b
 
 
 def read_range(dataset_dir: str, files: list[VocabularyFile], lo: Any, hi: Any) -> tuple[pa.Array | None, np.ndarray]:
@@ -88,9 +100,7 @@ def read_range(dataset_dir: str, files: list[VocabularyFile], lo: Any, hi: Any) 
         with pa.memory_map(str(Path(dataset_dir) / f.name)) as source:
             t = ipc.open_file(source).read_all()
         v = t["value"].combine_chunks()
-        arr = v.to_numpy(zero_copy_only=False)
-        a = 0 if lo is None else int(np.searchsorted(arr, lo, side="left"))
-        b = len(arr) if hi is None else int(np.searchsorted(arr, hi, side="left"))
+        a, b = value_range(v, lo, hi)
         values.append(v.slice(a, b - a))
         ids.append(t["id"].to_numpy()[a:b])
     if not values:
