@@ -73,6 +73,18 @@ class DatasetMeta:
     def total_embedding_rows(self) -> int:
         return sum(self.cardinalities)
 
+    @property
+    def earlier_cardinalities(self) -> tuple[tuple[int, ...], ...]:
+        """The table sizes of the datasets this one's vocabulary grew from, oldest first (the layouts its
+        rows were first initialised in: dlrmflow.engine.serving.embedding_rows)."""
+        entries = (self.vocabulary or {}).get("lineage") or []
+        return tuple(tuple(int(c) for c in e["cardinalities"]) for e in entries)
+
+    def descends_from(self, fingerprint: str) -> bool:
+        """This dataset is the one of ``fingerprint`` or its vocabulary grew from it (its ids keep that one's)."""
+        entries = (self.vocabulary or {}).get("lineage") or []
+        return fingerprint == self.fingerprint or any(e["fingerprint"] == fingerprint for e in entries)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

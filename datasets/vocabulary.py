@@ -47,11 +47,29 @@ class ParentVocabulary:
     fingerprint: str
     cardinalities: list[int]
     files: dict[str, list[VocabularyFile]]
+    # Every dataset the new one's ids descend from, oldest first, this parent last (:func:`lineage_entry`).
+    lineage: list[dict[str, Any]]
 
     @property
     def record(self) -> dict[str, str]:
         """What the new dataset's meta.json says of its parent."""
         return {"dataset": self.directory, "fingerprint": self.fingerprint}
+
+    def processed_inputs(self) -> dict[str, str]:
+        """Input path -> the dataset of the lineage that already holds its rows."""
+        return {path: entry["dataset"] for entry in self.lineage for path in entry["inputs"]}
+
+
+def lineage_entry(directory: str, meta: DatasetMeta) -> dict[str, Any]:
+    """One generation of a growing vocabulary: the dataset, its fingerprint, its tables' sizes (the layout
+    its rows were initialised in, :mod:`dlrmflow.engine.serving.embedding_rows`) and its input files."""
+    return {"dataset": directory, "fingerprint": meta.fingerprint, "cardinalities": list(meta.cardinalities),
+            "inputs": [str(i["path"]) for i in meta.inputs]}
+
+
+def lineage(meta: DatasetMeta) -> list[dict[str, Any]]:
+    """The datasets ``meta``'s ids descend from, oldest first (empty: a vocabulary of its own)."""
+    return list((meta.vocabulary or {}).get("lineage") or [])
 
 
 def write_partition(dataset_dir: str | os.PathLike, table: str, index: int, values: pa.Array,
@@ -111,11 +129,11 @@ def read_range(dataset_dir: str, files: list[VocabularyFile], lo: Any, hi: Any) 
 def vocabulary_record(files: dict[str, list[VocabularyFile]], parent: ParentVocabulary | None) -> dict[str, Any]:
     """meta.json's ``vocabulary``."""
     return {"tables": {t: [asdict(f) for f in fs] for t, fs in files.items()},
-            "parent": parent.record if parent else None}
+            "parent": parent.record if parent else None, "lineage": parent.lineage if parent else []}
 
 
-def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_per_table: int | None
-                ) -> ParentVocabulary:
+def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_per_table: int | None,
+                sparse_columns: list[str] | None = None) -> ParentVocabulary:
     """The vocabulary of the dataset at ``directory`` for a run of ``source_format`` with that hash cap;
     a DatasetError naming the problem when it cannot serve as one."""
     path = Path(directory).resolve()
@@ -130,6 +148,9 @@ def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_pe
     if meta.source_format != source_format:
         raise DatasetError(f"{where} was preprocessed as --format {meta.source_format!r}, this run is "
                            f"--format {source_format!r}")
+    if sparse_columns is not None and list(meta.sparse_columns) != list(sparse_columns):
+        raise DatasetError(f"{where} has {len(meta.sparse_columns)} categorical tables "
+                           f"({', '.join(meta.sparse_columns[:3])}...), this run has {len(sparse_columns)}")
     cap = meta.transform.get("max_rows_per_table")
     if cap != max_rows_per_table:
         raise DatasetError(f"{where} was preprocessed with --max-rows-per-table {cap}, this run has "
@@ -139,4 +160,5 @@ def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_pe
     missing = [f.name for fs in files.values() for f in fs if not (path / f.name).is_file()]
     if missing:
         raise DatasetError(f"{where} is incomplete: missing {', '.join(missing[:3])}")
-    return ParentVocabulary(str(path), meta.fingerprint, list(meta.cardinalities), files)
+    return ParentVocabulary(str(path), meta.fingerprint, list(meta.cardinalities), files,
+                            [*lineage(meta), lineage_entry(str(path), meta)])

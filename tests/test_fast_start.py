@@ -31,6 +31,9 @@ print(json.dumps([status, sorted({m.split('.')[0] for m in sys.modules} & set(js
     (["plan", "DATA", "--batch-size", "0", "--output", "X"], "dlrmflow plan: error: "),
     (["demo", "--rows", "0"], "dlrmflow demo: error: "),
     (["resume", "X"], "dlrmflow resume: error: X does not exist"),
+    (["train", "DATA", "--output", "X", "--mode", "local", "--init-from", "Y"], "dlrmflow train: error: --init-from Y: no such run"),
+    (["train", "DATA", "--output", "X", "--mode", "local", "--init-from", "."],
+     "dlrmflow train: error: --init-from . holds no finished run"),
     (["resume", "."], "dlrmflow resume: error: . has no run_config.json: nothing to resume"),
 ])
 def test_a_bad_option_is_refused_before_any_heavy_import(tmp_path, argv, error):

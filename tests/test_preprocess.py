@@ -467,6 +467,30 @@ def test_a_day_preprocessed_with_its_own_dataset_as_vocabulary_gets_the_same_ids
     assert read_meta(tmp_path / "again").cardinalities == read_meta(tmp_path / "ds").cardinalities
 
 
+def test_a_growing_vocabulary_records_its_lineage_and_refuses_a_day_it_already_holds(tmp_path):
+    """Each dataset lists the datasets its ids descend from, oldest first, with their table sizes (the layouts
+    rows are first initialised in) and inputs; a day file one of them already holds is refused, nothing
+    written."""
+    run = dict(block_bytes=32 << 10, max_reject_fraction=0.05)
+    for day in range(3):
+        _write_tied_tsv(tmp_path / f"day_{day}", 600, seed=day)
+    preprocess([tmp_path / "day_0"], tmp_path / "ds0", **run)
+    preprocess([tmp_path / "day_1"], tmp_path / "ds1", vocabulary=tmp_path / "ds0", **run)
+    preprocess([tmp_path / "day_2"], tmp_path / "ds2", vocabulary=tmp_path / "ds1", **run)
+    metas = [read_meta(tmp_path / f"ds{d}") for d in range(3)]
+    assert metas[0].vocabulary["lineage"] == [] and metas[0].earlier_cardinalities == ()
+    assert [e["fingerprint"] for e in metas[2].vocabulary["lineage"]] == [metas[0].fingerprint, metas[1].fingerprint]
+    assert metas[2].vocabulary["lineage"][0]["inputs"] == [str((tmp_path / "day_0").resolve())]
+    assert metas[2].earlier_cardinalities == (tuple(metas[0].cardinalities), tuple(metas[1].cardinalities))
+    assert metas[2].descends_from(metas[0].fingerprint) and not metas[0].descends_from(metas[2].fingerprint)
+    for day in (0, 1):
+        with pytest.raises(UserInputError, match=f"day_{day} was already preprocessed into .*ds{day}"):
+            preprocess([tmp_path / f"day_{day}"], tmp_path / "x", vocabulary=tmp_path / "ds2", **run)
+    with pytest.raises(UserInputError, match="day_0 was already preprocessed"):  # among new days, too
+        preprocess([tmp_path / "day_2", tmp_path / "day_0"], tmp_path / "x", vocabulary=tmp_path / "ds1", **run)
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_vocabulary_that_cannot_serve_is_a_clear_error(tmp_path, data_dir):
     _write_tied_tsv(tmp_path / "day_0", 300, seed=1)
     preprocess([tmp_path / "day_0"], tmp_path / "ds", max_reject_fraction=0.05)

@@ -22,7 +22,8 @@ METAVARS = {"dataset_dir": "DATASET_DIR", "output_dir": "RUN_DIR", "plan_dir": "
             "top_mlp": "SIZES", "dnn": "SIZES", "cross_layers": "L", "eval_fraction": "F", "metrics_every": "N",
             "eval_every": "N", "lr_num_warmup_steps": "N", "lr_decay_start_step": "ITER", "lr_num_decay_steps": "N",
             "parity": "R", "kills": KILL_METAVAR,
-            "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N"}
+            "rebuild_chunk": "STRIPES", "rebuild_rate": "MB/S", "parity_batches": "N", "checkpoint_every": "N",
+            "init_from": "RUN_DIR"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +44,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def check(args: argparse.Namespace) -> None:
-    """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module)."""
-    config_from_args(args)
+    """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module); with
+    --init-from, that the directory holds a finished run (the rest is checked against the dataset later)."""
+    from dlrmflow.engine.training.continuation import read_finished_run
+
+    config = config_from_args(args)
+    if config.init_from is not None:
+        read_finished_run(config.init_from)
 
 
 class TrainingStopped(UserInputError):

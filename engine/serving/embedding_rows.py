@@ -14,6 +14,13 @@ spec's ``init_std`` is set, ``b = sqrt(3) * init_std`` in every table (standard 
 ``init_std``: the models whose references start every row near zero, docs/models.md). Any process
 can therefore create or check any shard, in any order, and get the same bits.
 
+A vocabulary that grew (``dlrmflow preprocess --vocabulary``) keeps every earlier id, so a row is
+initialised as the vocabulary that first held it did: ``id`` and ``n_k`` are the row's global id and
+its table's size in that earlier layout (``RowSpec.earlier_cardinalities``, oldest first). An id's
+initial value therefore never changes as its tables grow, and training day 0 then, continued, day 1
+starts from the same rows as one run over both days. A run continued from a finished run
+(``--init-from``, ``RowSpec.start``) starts every row that run had from its final value instead.
+
 Updates. :func:`apply_update` takes the rows a batch touched as one ``[U, width]`` block and
 the gradient of their weights ``[U, dim]`` and returns the updated block. Every trainer mode
 calls exactly this function on exactly such a block, which is why modes that store rows in
@@ -22,6 +29,7 @@ different places (local table, servers, caches) still produce bit-identical rows
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -59,6 +67,10 @@ class RowSpec:
     # None: facebookresearch/dlrm's per-table bound sqrt(1/n); a number: every weight uniform with this
     # standard deviation (the model's choice, models.row_init_std).
     init_std: float | None = None
+    # The cardinalities of the vocabularies this one grew from, oldest first (module docstring).
+    earlier_cardinalities: tuple[tuple[int, ...], ...] = ()
+    # A finished run's final rows to start from (``--init-from``); None: every row from its hash.
+    start: StartingRows | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in STATE_WIDTH:
@@ -70,6 +82,10 @@ class RowSpec:
             raise UserInputError(f"embedding dim must be >= 1, got {self.dim}")
         if len(self.table_offsets) != len(self.cardinalities):
             raise ValueError("table_offsets and cardinalities disagree on the number of tables")
+        for earlier in (*self.earlier_cardinalities, *([self.start.cardinalities] if self.start else [])):
+            if len(earlier) != len(self.cardinalities) or any(
+                    e > n for e, n in zip(earlier, self.cardinalities, strict=True)):
+                raise ValueError(f"an earlier vocabulary's cardinalities {earlier} do not fit in {self.cardinalities}")
 
     @property
     def state_width(self) -> int:
@@ -96,33 +112,96 @@ def _mix64(x, xp: ModuleType):
     return x ^ (x >> xp.uint64(31))
 
 
-def table_bounds(spec: RowSpec, ids, xp: ModuleType = np):
-    """Per-id init bound (float32): ``sqrt(1 / n_k)`` of the table each global id belongs to, or
-    ``sqrt(3) * init_std`` for every id when the spec sets ``init_std``."""
-    if spec.init_std is not None:
-        return xp.full(ids.shape[0], np.float32(np.sqrt(3.0) * spec.init_std), dtype=xp.float32)
+def _offsets(cardinalities) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(cardinalities, np.int64))[:-1]]).astype(np.int64)
+
+
+def _table_and_local(spec: RowSpec, ids, xp: ModuleType):
+    """Per global id: its table and its row within the table."""
     offsets = xp.asarray(np.asarray(spec.table_offsets, dtype=np.int64))
-    sizes = np.maximum(np.asarray(spec.cardinalities, np.float64), 1.0)
-    bounds = xp.asarray(np.sqrt(1.0 / sizes).astype(np.float32))
     table = xp.searchsorted(offsets, ids, side="right") - 1
-    return bounds[table]
+    return table, ids - offsets[table]
+
+
+def birth_layout(spec: RowSpec, ids, xp: ModuleType = np):
+    """Per global id: the global id and the table size it had in the first vocabulary that held it (the
+    spec's own layout without earlier ones; module docstring)."""
+    table, local = _table_and_local(spec, ids, xp)
+    base = ids
+    size = xp.asarray(np.asarray(spec.cardinalities, np.int64))[table]
+    for cards in reversed(spec.earlier_cardinalities):  # newest to oldest: the oldest that held a row wins
+        sizes = xp.asarray(np.asarray(cards, np.int64))[table]
+        inside = local < sizes
+        base = xp.where(inside, xp.asarray(_offsets(cards))[table] + local, base)
+        size = xp.where(inside, sizes, size)
+    return base, size
+
+
+def table_bounds(spec: RowSpec, sizes, xp: ModuleType = np):
+    """Per-row init bound (float32) for rows of tables of ``sizes`` rows: ``sqrt(1 / n_k)``, or
+    ``sqrt(3) * init_std`` for every row when the spec sets ``init_std``."""
+    if spec.init_std is not None:
+        return xp.full(sizes.shape[0], np.float32(np.sqrt(3.0) * spec.init_std), dtype=xp.float32)
+    return xp.sqrt(1.0 / xp.maximum(sizes.astype(xp.float64), 1.0)).astype(xp.float32)
 
 
 def init_rows(spec: RowSpec, ids, xp: ModuleType = np):
-    """Initial rows ``[len(ids), spec.width]`` float32 for global ``ids``: hashed weights, zero state."""
+    """Initial rows ``[len(ids), spec.width]`` float32 for global ``ids``: hashed weights, zero state; with
+    ``spec.start``, the final rows of the run it continues for the ids that run had."""
     ids = xp.asarray(ids, dtype=xp.int64)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.total_rows):
         raise ValueError(f"row ids must lie in [0, {spec.total_rows})")
+    base, sizes = birth_layout(spec, ids, xp)
     columns = xp.arange(spec.dim, dtype=xp.uint64)[None, :]
-    counter = ids.astype(xp.uint64)[:, None] * xp.uint64(spec.dim) + columns
+    counter = base.astype(xp.uint64)[:, None] * xp.uint64(spec.dim) + columns
     seed_key = _mix64(xp.asarray([spec.seed & 0xFFFFFFFFFFFFFFFF], dtype=xp.uint64), xp)
     bits = _mix64(counter * xp.uint64(_GOLDEN) + seed_key, xp)
     # Top 24 bits -> an exact float32 in [0, 1); 2u - 1 is exact too, so only the final scale rounds.
     unit = (bits >> xp.uint64(40)).astype(xp.float32) * xp.float32(2.0**-24)
-    weights = (unit * xp.float32(2.0) - xp.float32(1.0)) * table_bounds(spec, ids, xp)[:, None]
+    weights = (unit * xp.float32(2.0) - xp.float32(1.0)) * table_bounds(spec, sizes, xp)[:, None]
     rows = xp.zeros((ids.shape[0], spec.width), dtype=xp.float32)
     rows[:, : spec.dim] = weights
+    if spec.start is not None:
+        table, local = _table_and_local(spec, ids, xp)
+        had = spec.start.cardinalities_array(xp)[table]
+        kept = xp.flatnonzero(local < had)
+        if kept.size:
+            parent_ids = xp.asarray(_offsets(spec.start.cardinalities))[table[kept]] + local[kept]
+            rows[kept] = xp.asarray(spec.start.read(_to_numpy(parent_ids)))
     return rows
+
+
+def _to_numpy(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+@dataclass(frozen=True)
+class StartingRows:
+    """The final rows of a finished run (``RUN_DIR/final_state``) a run continues from: ``cardinalities``
+    are its tables' sizes; its rows are read by id from the shard files, memory-mapped (each process
+    opens them once), so a shard reads only its own rows. Every process must see ``state_dir`` at the
+    same path (as a run directory: row_files' docstring)."""
+
+    state_dir: str
+    cardinalities: tuple[int, ...]
+    width: int
+
+    def cardinalities_array(self, xp: ModuleType = np):
+        return xp.asarray(np.asarray(self.cardinalities, np.int64))
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """The run's final rows of its global ``ids`` ``[len(ids), width]``."""
+        rows = _final_rows(self.state_dir)
+        if rows.width != self.width:
+            raise ValueError(f"{self.state_dir}: rows of width {rows.width}, expected {self.width}")
+        return rows[ids]
+
+
+@functools.lru_cache(maxsize=4)
+def _final_rows(state_dir: str):
+    from dlrmflow.engine.run_state import state_rows  # run_state imports torch: only when continuing a run
+
+    return state_rows(state_dir)
 
 
 def sgd_update(block: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:

@@ -41,6 +41,18 @@ def make_dense_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.o
     return torch.optim.SGD(model.parameters(), lr=config.lr)
 
 
+def start_from_run(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The dense parameters and the dense optimizer's state of the finished run ``setup.init_from``
+    (:mod:`.continuation`); this run's own learning rate (the saved state carries the run's)."""
+    from dlrmflow.engine.run_state import load_dense
+
+    state = load_dense(setup.init_from.state_dir)
+    model.load_state_dict(state["dense"])
+    optimizer.load_state_dict(state["dense_optimizer"])
+    for group in optimizer.param_groups:
+        group["lr"] = setup.config.lr
+
+
 def batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same
     # code path whatever NumPy's buffer alignment was.

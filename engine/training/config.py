@@ -32,7 +32,7 @@ DEFAULT_TOP_MLP = (512, 256, 1)
 # Settings left out of a dump while at their defaults: a DLRM run's run_config.json and checkpoint
 # fingerprint stay what they were before these settings existed, so such runs still resume.
 OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers", "trainers", "lr_num_warmup_steps", "lr_decay_start_step",
-                      "lr_num_decay_steps", "eval_every")
+                      "lr_num_decay_steps", "eval_every", "init_from")
 
 # Fields whose `dlrmflow train` option is not --field-name; fields in NO_OPTION have none.
 OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_dir": "--plan",
@@ -140,8 +140,12 @@ class TrainConfig(ConfigModel):
                                 "continues with `dlrmflow resume RUN_DIR`")
     resume: bool = Field(
         False, description="continue the unfinished run in output_dir from its checkpoint (same configuration)")
+    init_from: str | None = Field(
+        None, description="start from the final state of a finished run (RUN_DIR) on this dataset or one whose "
+                          "vocabulary it grew from: its dense parameters, optimizer state and embedding rows "
+                          "(rows new in this vocabulary start as usual)")
 
-    @field_validator("dataset_dir", "output_dir", "plan_dir", mode="before")
+    @field_validator("dataset_dir", "output_dir", "plan_dir", "init_from", mode="before")
     @classmethod
     def _path_as_text(cls, value: Any) -> Any:
         return os.fspath(value) if isinstance(value, os.PathLike) else value

@@ -100,7 +100,7 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
     trainer included) and ``batches`` (reading the global batch and splitting it)."""
     n, offsets, every = setup.iterations, setup.stream.offsets, setup.config.metrics_every
     eval_every, base_lr = setup.config.eval_every, setup.config.lr
-    schedule = LrSchedule.of(setup.config)
+    schedule = LrSchedule.of(setup.config, setup.steps_before)
     checkpoints = hooks.checkpoints
     params = list(model.parameters())
     sync_seconds = np.zeros(n)

@@ -36,7 +36,14 @@ from dlrmflow.engine.training.checkpoint import (
     start_placed_shards,
 )
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.common import TrainLog, collect_state, deterministic_torch, evaluate, make_dense_optimizer
+from dlrmflow.engine.training.common import (
+    TrainLog,
+    collect_state,
+    deterministic_torch,
+    evaluate,
+    make_dense_optimizer,
+    start_from_run,
+)
 from dlrmflow.engine.training.faults import FaultInjector, kills_since
 from dlrmflow.engine.training.final_state import seal_final_state, write_final_state
 from dlrmflow.engine.training.loop import LoopHooks, Report
@@ -119,6 +126,8 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
             model = build_model(setup.model_config, seed=config.seed).to(device)
             optimizer = make_dense_optimizer(config, model)
             log = TrainLog.empty(n)
+            if setup.init_from is not None:  # its rows come with the spec (spec.start); a resume's override both
+                start_from_run(setup, model, optimizer)
             if resumed is not None:
                 restore_dense(resumed, model, optimizer)
                 log = TrainLog.restore(n, resumed["log"], device)
@@ -126,7 +135,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
             if resumed is not None:
                 store.resume_from(resumed["traffic"], cache_of(resumed), rows)
             del rows
-            store.schedule = LrSchedule.of(config)  # the row updates' learning rates (the loop sets the dense ones)
+            store.schedule = LrSchedule.of(config, setup.steps_before)  # the row updates' learning rates (the loop sets the dense ones)
             hooks = LoopHooks(report=report if lead else None)
             if config.eval_every and lead:
                 hooks.evaluate = lambda t: evaluate(setup, model, store, device, during_training=True)

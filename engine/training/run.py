@@ -27,6 +27,7 @@ from dlrmflow.engine.run_state import ITERATIONS_FILE, commit_state_dir, write_s
 from dlrmflow.engine.training.checkpoint import finish_run_dir, start_run_dir, unfinished_run_message
 from dlrmflow.engine.training.common import best_evaluation, evaluation_row
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.continuation import init_from_record
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.setup import RunSetup, prepare_run
 from dlrmflow.engine.training.timing import run_timing
@@ -196,5 +197,6 @@ def _summary(setup: RunSetup, traffic: dict[str, int], log: dict, metrics: dict,
         "best_evaluation_iteration": None if best is None else best["iteration"],  # the lowest held-out log loss
         "lr_schedule": {"warmup_steps": config.lr_num_warmup_steps, "decay_start_step": config.lr_decay_start_step,
                         "decay_steps": config.lr_num_decay_steps},
+        "init_from": None if setup.init_from is None else init_from_record(setup.init_from),
         **setup.checks,
     }

@@ -32,11 +32,12 @@ class LrSchedule:
     warmup_steps: int = 0  # W
     decay_start_step: int = 0  # D
     decay_steps: int = 0  # N; 0: no decay
+    steps_before: int = 0  # a run continued from another (--init-from): the steps its state has taken
 
     @classmethod
-    def of(cls, config: Any) -> LrSchedule:
-        """The schedule a TrainConfig asks for."""
-        return cls(config.lr_num_warmup_steps, config.lr_decay_start_step, config.lr_num_decay_steps)
+    def of(cls, config: Any, steps_before: int = 0) -> LrSchedule:
+        """The schedule a TrainConfig asks for (``steps_before``: RunSetup.steps_before)."""
+        return cls(config.lr_num_warmup_steps, config.lr_decay_start_step, config.lr_num_decay_steps, steps_before)
 
     @property
     def constant(self) -> bool:
@@ -46,7 +47,7 @@ class LrSchedule:
         """The learning rate of iteration ``t`` (from 0) for the base rate ``base``."""
         if self.constant:
             return base
-        s = t + 1  # the reference's step count during iteration t
+        s = self.steps_before + t + 1  # the reference's step count during iteration t
         if s < self.warmup_steps:
             return base * (s / self.warmup_steps)
         if self.decay_steps:

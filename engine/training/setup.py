@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -12,11 +13,12 @@ import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batches import BatchStream, batches_ending_by, global_ids
-from dlrmflow.engine.models import model_config, row_init_std, row_width
+from dlrmflow.engine.models import architecture, model_config, row_init_std, row_width
 from dlrmflow.engine.planning.planner import CapacityError, Plan, load_plan
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.training.checkpoint import check_resumable, refuse_unfinished_run
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
+from dlrmflow.engine.training.continuation import FinishedRun, check_init_from
 from dlrmflow.engine.training.faults import Kill, check_kills
 from dlrmflow.engine.training.modes import MODES
 
@@ -40,6 +42,12 @@ class RunSetup:
     kills: list[Kill] = field(default_factory=list)  # the parsed kills
     plan_fingerprint: str | None = None
     resume_at: int | None = None  # resume: the iteration of the checkpoint the run continues from
+    init_from: FinishedRun | None = None  # --init-from: the finished run it starts from (spec.start: its rows)
+    @property
+    def steps_before(self) -> int:
+        """Optimizer steps taken before this run's first iteration (--init-from: the finished run's)."""
+        return 0 if self.init_from is None else self.init_from.steps
+
     # Tests only: trainer 0 also gathers the whole final state into its result (``whole_state``), as runs
     # did before each shard wrote its own rows: every row in one process.
     whole_state: bool = False
@@ -113,7 +121,14 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         cardinalities=tuple(meta.cardinalities),
         lr=config.embedding_lr if config.embedding_lr is not None else config.lr,
         init_std=row_init_std(config.model),
+        earlier_cardinalities=meta.earlier_cardinalities,
     )
+    init_from = None
+    if config.init_from is not None:  # InitFromError: not a finished run, another model, unrelated data
+        init_from, start = check_init_from(config.init_from, config=config, meta=meta,
+                                           architecture=architecture(architecture_config), row_width=spec.dim,
+                                           width=spec.width)
+        spec = dataclasses.replace(spec, start=start)
     checks: dict[str, Any] = {}
     if plan is not None:
         if plan.num_iterations < iterations:
@@ -138,7 +153,7 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     else:
         refuse_unfinished_run(config.output_dir)  # names `dlrmflow resume RUN_DIR`
     return RunSetup(config, meta, stream, iterations, eval_start, architecture_config, spec, plan, checks, kills,
-                    plan_fp, resume_at)
+                    plan_fp, resume_at, init_from)
 
 
 def plan_fingerprint(plan) -> str | None:

@@ -1,0 +1,175 @@
+"""Training that continues a finished run (``--init-from``) and next-day evaluation (issue 30).
+
+The specification: day 0 trained, then day 1 continued from it, ends bit-identical to one run over day 0's
+batches then day 1's, in every mode, for a table layout that grew in between (rows new on day 1 start as
+usual; a learning-rate warm-up that spans both days continues). Every refusal names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+from dlrmflow.cli import main
+from dlrmflow.datasets.meta import PartFile, read_meta, write_meta
+from dlrmflow.datasets.preprocess import preprocess
+from dlrmflow.datasets.synthetic import generate_rows
+from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.run_state import load_state, read_summary, state_differences
+from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.run import prepare_run, train
+
+ROWS_PER_DAY = 1024  # whole batches of 128: day 1's first batch is the reference's batch after day 0's last
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      silence_logs=logging.CRITICAL) as c, Client(c) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory) -> dict[str, Path]:
+    """Generated day files (one generator vocabulary, a seed per day) preprocessed as the daily loop does:
+    day 1 with day 0's dataset as its vocabulary; and the reference's data, day 0's rows then day 1's."""
+    root = tmp_path_factory.mktemp("days")
+    settings = dict(block_bytes=64 << 10, seed=3)
+    for day in range(2):
+        (root / f"day_{day}.tsv").write_bytes(generate_rows(0, ROWS_PER_DAY, seed=11 + day, scale=0.002))
+    preprocess([root / "day_0.tsv"], root / "ds0", **settings)
+    preprocess([root / "day_1.tsv"], root / "ds1", vocabulary=root / "ds0", **settings)
+    return {"ds0": root / "ds0", "ds1": root / "ds1", "both": one_after_the_other(root / "ds0", root / "ds1",
+                                                                                  root / "both")}
+
+
+def one_after_the_other(first: Path, second: Path, out: Path) -> Path:
+    """A dataset of ``first``'s rows then ``second``'s, in ``second``'s vocabulary (which keeps every id of
+    ``first``'s): what one run over both days reads."""
+    out.mkdir()
+    meta0, meta1 = read_meta(first), read_meta(second)
+    files = []
+    for tag, src, meta in (("a", first, meta0), ("b", second, meta1)):
+        for f in meta.files:
+            shutil.copyfile(src / f.name, out / f"{tag}-{f.name}")
+            files.append(PartFile(f"{tag}-{f.name}", f.rows))
+    both = meta1.__class__(**{**meta1.__dict__, "files": files, "rows": meta0.rows + meta1.rows,
+                              "fingerprint": "both-" + meta1.fingerprint[:20]})
+    write_meta(out, both)
+    return out
+
+
+def config(dataset: Path, out: Path, mode: str, **kw) -> TrainConfig:
+    base = dict(dataset_dir=str(dataset), mode=mode, output_dir=str(out), batch_size=128, embedding_dim=4,
+                eval_fraction=0.0, metrics_every=4, num_shards=2)
+    layers = dict(bottom_mlp=(8, 4), top_mlp=(8, 1)) if kw.get("model", "dlrm") == "dlrm" else dict(dnn=(8,))
+    base.update({k: v for k, v in layers.items() if k not in kw})
+    return TrainConfig(**{**base, **kw})
+
+
+CASES = {  # mode, then the settings that a continuation must carry over
+    "local-dlrm-warmup": ("local", dict(lr_num_warmup_steps=12)),  # the warm-up ends on day 1
+    "remote-parity-deepfm-adam": ("remote", dict(model="deepfm", dense_optimizer="adam", parity=1)),
+    "remote-wide-deep-sgd-rows": ("remote", dict(model="wide-deep", embedding_optimizer="sgd")),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_day_1_continued_from_day_0_is_bit_identical_to_one_run_over_both_days(case, days, tmp_path, cluster):
+    mode, settings = CASES[case]
+    client = cluster if mode != "local" else None
+    meta0, meta1 = read_meta(days["ds0"]), read_meta(days["ds1"])
+    assert sum(meta1.cardinalities) > sum(meta0.cardinalities)  # day 1 brought new rows
+
+    day0 = train(config(days["ds0"], tmp_path / "day0", mode, **settings), client=client)
+    day1 = train(config(days["ds1"], tmp_path / "day1", mode, init_from=str(tmp_path / "day0"), **settings),
+                 client=client)
+    both = train(config(days["both"], tmp_path / "both", mode, **settings), client=client)
+    assert day0["iterations"] + day1["iterations"] == both["iterations"] == 16
+
+    assert day1["state_sha256"] == both["state_sha256"]
+    assert state_differences(load_state(tmp_path / "day1"), load_state(tmp_path / "both")) == []
+    assert day1["init_from"] == {"run_dir": str((tmp_path / "day0").resolve()),
+                                 "state_sha256": day0["state_sha256"], "steps_before": 8}
+    # The start mattered: day 1 trained from a fresh start ends elsewhere.
+    fresh = train(config(days["ds1"], tmp_path / "fresh", mode, **settings), client=client)
+    assert fresh["state_sha256"] != day1["state_sha256"]
+
+
+def test_a_continued_run_keeps_every_row_of_the_run_and_starts_new_ones_as_usual(days, tmp_path):
+    """Zero iterations' worth of change is not possible to train, so read the start directly: the rows a
+    continued run starts from, on the grown layout, are the finished run's rows where it had them."""
+    from dlrmflow.engine.serving.embedding_rows import init_rows
+
+    train(config(days["ds0"], tmp_path / "day0", "local"))
+    setup = prepare_run(config(days["ds1"], tmp_path / "day1", "local", init_from=str(tmp_path / "day0")))
+    fresh = prepare_run(config(days["ds1"], tmp_path / "fresh", "local"))
+    finished = load_state(tmp_path / "day0")["embedding"]["rows"].numpy()
+    meta0, meta1 = read_meta(days["ds0"]), read_meta(days["ds1"])
+    for k, (n0, n1) in enumerate(zip(meta0.cardinalities, meta1.cardinalities, strict=True)):
+        ids = meta1.table_offsets[k] + np.arange(n1)
+        start = init_rows(setup.spec, ids)
+        assert np.array_equal(start[:n0].view(np.int32), finished[meta0.table_offsets[k]:][:n0].view(np.int32)), k
+        assert np.array_equal(start[n0:].view(np.int32), init_rows(fresh.spec, ids[n0:]).view(np.int32)), k
+
+
+def _refusal(days, tmp_path, **kw) -> str:
+    with pytest.raises(UserInputError) as info:
+        prepare_run(config(days["ds1"], tmp_path / "new", "local", **kw))
+    assert not (tmp_path / "new").exists()
+    return str(info.value)
+
+
+def test_init_from_refuses_what_it_cannot_continue(days, tmp_path):
+    finished = tmp_path / "day0"
+    train(config(days["ds0"], finished, "local"))
+    assert "no such run directory" in _refusal(days, tmp_path, init_from=str(tmp_path / "nowhere"))
+    assert _refusal(days, tmp_path, init_from=str(finished), model="deepfm").startswith(
+        f"model: --init-from {finished} trained --model dlrm, this run is --model deepfm")
+    assert _refusal(days, tmp_path, init_from=str(finished), top_mlp=(16, 1)).startswith("top_mlp: ")
+    assert _refusal(days, tmp_path, init_from=str(finished), embedding_dim=8, bottom_mlp=(8, 8)).startswith(
+        "embedding_dim: ")
+    assert _refusal(days, tmp_path, init_from=str(finished), embedding_optimizer="sgd").startswith(
+        "embedding_optimizer: ")
+    assert _refusal(days, tmp_path, init_from=str(finished), dense_optimizer="adam").startswith("dense_optimizer: ")
+
+    # A run on data this dataset's ids do not descend from (day 1's own vocabulary, not day 0's).
+    preprocess([days["ds0"].parent / "day_1.tsv"], tmp_path / "alone", block_bytes=64 << 10, seed=3)
+    train(config(tmp_path / "alone", tmp_path / "alone-run", "local"))
+    assert "does not descend from it" in _refusal(days, tmp_path, init_from=str(tmp_path / "alone-run"))
+
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(finished, unfinished)
+    (unfinished / "UNFINISHED").write_text("")
+    assert "holds an unfinished run" in _refusal(days, tmp_path, init_from=str(unfinished))
+    (unfinished / "UNFINISHED").unlink()
+    (unfinished / "summary.json").unlink()
+    assert "holds no finished run" in _refusal(days, tmp_path, init_from=str(unfinished))
+    stateless = tmp_path / "stateless"
+    train(config(days["ds0"], stateless, "local", save_state=False))
+    assert "kept no final state" in _refusal(days, tmp_path, init_from=str(stateless))
+
+
+def test_train_init_from_on_the_command_line_refuses_in_one_line(days, tmp_path, capsys):
+    code = main(["train", str(days["ds1"]), "--mode", "local", "--output", str(tmp_path / "new"),
+                 "--init-from", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--init-from" in err[0] and "no such run directory" in err[0]
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_continued_run_can_itself_be_continued(days, tmp_path):
+    """The steps a state has taken add up along a chain of runs (the schedule reads them)."""
+    train(config(days["ds0"], tmp_path / "a", "local"))
+    train(config(days["ds1"], tmp_path / "b", "local", init_from=str(tmp_path / "a")))
+    c = train(config(days["ds1"], tmp_path / "c", "local", init_from=str(tmp_path / "b"), iterations=3))
+    assert c["init_from"]["steps_before"] == 16
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["init_from"]["run_dir"] == str(
+        (tmp_path / "b").resolve())
+    assert read_summary(tmp_path / "c")["iterations"] == 3
