@@ -109,3 +109,10 @@ def tag_this_run(tags: list[str]) -> None:
     with get_client(sync_client=True) as client:
         current = client.read_flow_run(run_id).tags or []
         client.update_flow_run(run_id, tags=sorted({*current, *tags}))
+
+
+def evaluate_run_name() -> str:
+    """``evaluate-<run>-on-<dataset>``."""
+    params = _params()
+    return artifact_key("evaluate", dataset_label(params.get("run_dir", "")), "on",
+                        dataset_label(params.get("dataset_dir", "")))

@@ -173,3 +173,75 @@ def test_a_continued_run_can_itself_be_continued(days, tmp_path):
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["init_from"]["run_dir"] == str(
         (tmp_path / "b").resolve())
     assert read_summary(tmp_path / "c")["iterations"] == 3
+
+
+# ---- next-day evaluation ----------------------------------------------------------------------------
+
+
+def test_evaluate_scores_a_run_on_the_next_days_data_as_training_would_see_it(days, tmp_path):
+    """Yesterday's model on today's data: the rows training's own evaluation reads (a continued run's
+    start), so on the run's own held-out rows it agrees with the run's final evaluation; the constant
+    prediction's log loss is the labels' entropy; new ids are counted."""
+    from dlrmflow.engine.training.metrics import log_loss
+    from dlrmflow.engine.training.scoring import evaluate_run
+
+    run = train(config(days["ds0"], tmp_path / "day0", "local", eval_fraction=0.25, iterations=4))
+    own = evaluate_run(tmp_path / "day0", days["ds0"])
+    assert own["rows"] == ROWS_PER_DAY and own["new_ids"] == 0 and own["new_id_lookups"] == 0
+    assert own["run_iterations"] == 4
+
+    next_day = evaluate_run(tmp_path / "day0", days["ds1"], batch_size=100)
+    meta0, meta1 = read_meta(days["ds0"]), read_meta(days["ds1"])
+    assert next_day["rows"] == meta1.rows and next_day["new_ids"] == sum(meta1.cardinalities) - sum(meta0.cardinalities)
+    assert next_day["new_id_lookups"] > 0 and 0 < next_day["new_id_lookup_share"] < 1
+    assert 0 < next_day["auc"] < 1
+    labels = np.concatenate([b.labels for b in __import__("dlrmflow.engine.batches", fromlist=["BatchStream"])
+                             .BatchStream(days["ds1"], 512)])
+    rate = labels.mean()
+    assert next_day["constant_log_loss"] == pytest.approx(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))
+    assert next_day["constant_log_loss"] == log_loss(labels, np.full(len(labels), rate))
+    # The batch size does not change the scores (same model, same rows): the same AUC bits.
+    assert evaluate_run(tmp_path / "day0", days["ds1"], batch_size=333)["auc"] == next_day["auc"]
+
+    # On its own held-out rows: the same numbers as the run's final evaluation.
+    held_out = one_after_the_other_tail(days["ds0"], tmp_path / "held-out", first_row=int(0.75 * ROWS_PER_DAY))
+    mine = evaluate_run(tmp_path / "day0", held_out, batch_size=4096)
+    assert (mine["auc"], mine["log_loss"]) == (run["eval_auc"], run["eval_log_loss"])
+
+
+def one_after_the_other_tail(dataset: Path, out: Path, first_row: int) -> Path:
+    """The rows ``[first_row, end)`` of ``dataset`` as a dataset of the same vocabulary."""
+    import pyarrow.parquet as pq
+
+    meta = read_meta(dataset)
+    out.mkdir()
+    tables, start = [], 0
+    for f in meta.files:
+        table = pq.read_table(dataset / f.name)
+        lo = max(0, first_row - start)
+        if lo < f.rows:
+            tables.append(table.slice(lo))
+        start += f.rows
+    import pyarrow as pa
+
+    pq.write_table(pa.concat_tables(tables), out / "part-00000.parquet")
+    rows = meta.rows - first_row
+    write_meta(out, meta.__class__(**{**meta.__dict__, "files": [PartFile("part-00000.parquet", rows)], "rows": rows}))
+    return out
+
+
+def test_evaluate_on_the_command_line_and_its_refusals(days, tmp_path, capsys, prefect_harness):
+    train(config(days["ds0"], tmp_path / "day0", "local", iterations=2))
+    assert main(["evaluate", str(tmp_path / "day0"), str(days["ds1"]), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rows"] == read_meta(days["ds1"]).rows and result["auc"] is not None
+
+    preprocess([days["ds0"].parent / "day_1.tsv"], tmp_path / "alone", block_bytes=64 << 10, seed=3)
+    for argv, error in (
+        ([str(tmp_path / "nowhere"), str(days["ds1"])], "RUN_DIR " + str(tmp_path / "nowhere") + ": no such run"),
+        ([str(tmp_path / "day0"), str(tmp_path / "nowhere")], "does not exist"),
+        ([str(tmp_path / "day0"), str(tmp_path / "alone")], "does not descend from it"),
+    ):
+        assert main(["evaluate", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and error in err[0], err

@@ -46,11 +46,13 @@ def config_from_args(args: argparse.Namespace):
 def check(args: argparse.Namespace) -> None:
     """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module); with
     --init-from, that the directory holds a finished run (the rest is checked against the dataset later)."""
-    from dlrmflow.engine.training.continuation import read_finished_run
+    from dlrmflow.datasets.meta import read_meta
+    from dlrmflow.engine.training.continuation import parent_cardinalities, read_finished_run
 
     config = config_from_args(args)
     if config.init_from is not None:
-        read_finished_run(config.init_from)
+        run = read_finished_run(config.init_from)
+        parent_cardinalities(run, read_meta(config.dataset_dir), f"--init-from {config.init_from}")
 
 
 class TrainingStopped(UserInputError):

@@ -15,6 +15,9 @@ from dlrmflow.engine.models import dcn_v2, deepfm, dlrm, wide_deep
 
 # Each model name of MODELS and its module.
 MODULES: dict[str, ModuleType] = {"dlrm": dlrm, "wide-deep": wide_deep, "deepfm": deepfm, "dcn-v2": dcn_v2}
+# Each model name and its architecture's dataclass (what a final state's model_config holds).
+CONFIGS: dict[str, type] = {"dlrm": dlrm.DLRMConfig, "wide-deep": wide_deep.WideDeepConfig,
+                            "deepfm": deepfm.DeepFMConfig, "dcn-v2": dcn_v2.DCNv2Config}
 
 
 def row_width(name: str, embedding_dim: int) -> int:
@@ -33,6 +36,11 @@ def model_config(name: str, settings: Any, *, num_dense: int, num_tables: int) -
     bottom_layers, top_mlp, dnn, cross_layers) asks for on data with these feature counts.
     A UserInputError says what does not fit."""
     return MODULES[name].config_from(settings, num_dense, num_tables)
+
+
+def config_of(name: str, values: dict[str, Any]) -> Any:
+    """The architecture of model ``name`` from its fields as a final state records them (``model_config``)."""
+    return CONFIGS[name](**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def build_model(config: Any, seed: int = 0) -> nn.Module:

@@ -150,26 +150,33 @@ def _evaluate(setup: Any, config: TrainConfig, meta: Any, model: torch.nn.Module
     if setup.eval_start >= meta.rows:
         return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
     stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
-    progress = PhaseProgress("final evaluation rows", meta.rows - setup.eval_start)
-    labels, probs, done = [], [], 0
-    for batch in stream:
-        ids = global_ids(batch.sparse, stream.offsets)
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        weights = read(uniq)[:, : setup.spec.dim]
-        embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
-        dense, _ = batch_tensors(batch, device)
-        logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], setup.spec.dim))
-        probs.append(torch.sigmoid(logits).cpu().numpy())
-        labels.append(batch.labels)
-        done += len(batch.labels)
-        progress(done)
-    y, p = np.concatenate(labels), np.concatenate(probs)
+    y, p = score_rows(stream, model, read, setup.spec.dim, device,
+                      PhaseProgress("final evaluation rows", meta.rows - setup.eval_start))
     auc = roc_auc(y, p)
     return {
         "eval_rows": int(len(y)),
         "eval_auc": None if np.isnan(auc) else auc,
         "eval_log_loss": log_loss(y, p),
     }
+
+
+def score_rows(stream: BatchStream, model: torch.nn.Module, read: Any, dim: int, device: torch.device,
+               progress: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The labels and the model's click probabilities of every row ``stream`` gives; ``read(ids)``: the
+    rows of sorted unique global ids as a tensor (their first ``dim`` values are the weights)."""
+    labels, probs, done = [], [], 0
+    for batch in stream:
+        ids = global_ids(batch.sparse, stream.offsets)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        weights = read(uniq)[:, :dim]
+        embeddings = weights.index_select(0, torch.from_numpy(inverse.reshape(-1)).to(device))
+        dense, _ = batch_tensors(batch, device)
+        logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], dim))
+        probs.append(torch.sigmoid(logits).cpu().numpy())
+        labels.append(batch.labels)
+        done += len(batch.labels)
+        progress(done)
+    return np.concatenate(labels), np.concatenate(probs)
 
 
 def evaluation_row(t: int, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -16,9 +16,9 @@ layout, with each layout's own offsets. The continued run starts
 So day 0, then day 1 continued from it, ends bit-identical to one run over day 0's batches then day 1's.
 
 This module loads no torch: the CLI checks the run directory with :func:`read_finished_run` before the
-heavy imports. Refused, naming the problem: a directory that holds no finished run (missing, unfinished, no final state),
-another model or architecture, other row widths or optimizers, and a run on data whose ids this dataset's
-do not keep.
+heavy imports. Refused, naming the problem: a directory that holds no finished run (missing, unfinished,
+no final state), another model or architecture, other row widths or optimizers, and a run on data whose
+ids this dataset's do not keep.
 """
 
 from __future__ import annotations

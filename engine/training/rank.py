@@ -135,7 +135,8 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
             if resumed is not None:
                 store.resume_from(resumed["traffic"], cache_of(resumed), rows)
             del rows
-            store.schedule = LrSchedule.of(config, setup.steps_before)  # the row updates' learning rates (the loop sets the dense ones)
+            # The row updates' learning rates (the loop sets the dense ones).
+            store.schedule = LrSchedule.of(config, setup.steps_before)
             hooks = LoopHooks(report=report if lead else None)
             if config.eval_every and lead:
                 hooks.evaluate = lambda t: evaluate(setup, model, store, device, during_training=True)

@@ -1,0 +1,94 @@
+"""A finished run's model scored on a dataset, without training: ``dlrmflow evaluate RUN_DIR DATASET``.
+
+Progressive validation, as CTR teams report it: yesterday's model on today's data before it trains on
+it. The dataset's vocabulary must keep the run's ids (the same dataset, or one grown from it:
+:mod:`.continuation`); a row the run never had (a value new today) reads as a continued run would start
+it (:func:`~dlrmflow.engine.serving.embedding_rows.init_rows`), and the result says how many lookups
+met such a row.
+
+Reported: AUC, log loss, and the constant-prediction log loss (every row predicted at the data's click
+rate: the entropy of the labels, the baseline a model must beat; log loss / that = normalised entropy).
+The rows come from the run's shard files, memory-mapped, by id: no process holds the tables.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlrmflow.datasets.meta import read_meta
+from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.models import build_model, row_init_std
+from dlrmflow.engine.models.registry import config_of
+from dlrmflow.engine.phases import PhaseProgress
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.training.common import deterministic_torch, score_rows
+from dlrmflow.engine.training.continuation import InitFromError, parent_cardinalities, read_finished_run
+from dlrmflow.engine.training.metrics import log_loss, roc_auc
+
+
+def constant_log_loss(labels: np.ndarray) -> float | None:
+    """Log loss of predicting every row at the labels' own positive rate (None without rows)."""
+    if len(labels) == 0:
+        return None
+    return log_loss(labels, np.full(len(labels), float(np.mean(labels))))
+
+
+def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, batch_size: int = 4096,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Score the final model of ``run_dir`` on every row of ``dataset_dir`` (module docstring)."""
+    from dlrmflow.engine.run_state import load_dense
+
+    run = read_finished_run(run_dir, option="RUN_DIR")
+    meta = read_meta(dataset_dir)
+    where = f"RUN_DIR {run_dir}"
+    dense = load_dense(run.state_dir)
+    model_config = config_of(dense["model"], dense["model_config"])
+    if (model_config.num_dense, model_config.num_tables) != (len(meta.dense_columns), len(meta.sparse_columns)):
+        raise InitFromError(f"{where}'s model reads {model_config.num_dense} dense features and "
+                            f"{model_config.num_tables} tables; {dataset_dir} has {len(meta.dense_columns)} and "
+                            f"{len(meta.sparse_columns)}")
+    cards = parent_cardinalities(run, meta, where)
+    embedding = dense["embedding"]
+    spec = RowSpec(dim=int(embedding["dim"]), optimizer=embedding["optimizer"], seed=int(run.summary.get("seed", 0)),
+                   table_offsets=tuple(meta.table_offsets), cardinalities=tuple(meta.cardinalities),
+                   init_std=row_init_std(dense["model"]), earlier_cardinalities=meta.earlier_cardinalities,
+                   start=run.starting_rows(cards))
+    torch_device = torch.device(device)
+
+    def read(ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(init_rows(spec, ids)).to(torch_device)
+
+    stream = BatchStream(dataset_dir, batch_size)
+    with deterministic_torch(torch_device), torch.no_grad():
+        model = build_model(model_config).to(torch_device)
+        model.load_state_dict(dense["dense"])
+        model.eval()
+        labels, probs = score_rows(stream, model, read, spec.dim, torch_device,
+                                   PhaseProgress("evaluation rows", meta.rows))
+    lookups = _new_id_lookups(stream, np.asarray(cards, np.int64))
+    auc = roc_auc(labels, probs)
+    return {
+        "run_dir": run.run_dir,
+        "dataset": str(dataset_dir),
+        "dataset_fingerprint": meta.fingerprint,
+        "model": dense["model"],
+        "run_iterations": run.steps,
+        "rows": int(len(labels)),
+        "positive_rate": float(np.mean(labels)) if len(labels) else None,
+        "auc": None if np.isnan(auc) else float(auc),
+        "log_loss": log_loss(labels, probs) if len(labels) else None,
+        "constant_log_loss": constant_log_loss(labels),
+        "new_ids": int(sum(meta.cardinalities) - sum(cards)),  # rows of this vocabulary the run never had
+        "new_id_lookups": lookups,  # lookups (rows x tables) that met such a row
+        "new_id_lookup_share": lookups / (len(labels) * len(cards)) if len(labels) else 0.0,
+    }
+
+
+def _new_id_lookups(stream: BatchStream, had: np.ndarray) -> int:
+    """Lookups of the rows of ``stream`` that meet an id beyond ``had`` rows of its table (an ids-only pass)."""
+    ids_only = BatchStream(stream.dataset_dir, stream.batch_size, sparse_only=True)
+    return sum(int(np.count_nonzero(np.asarray(batch.sparse) >= had[None, :])) for batch in ids_only)

@@ -1,0 +1,18 @@
+"""The evaluate flow: a finished run's model scored on a dataset, without training (progressive validation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from dlrmflow.flows.run_names import evaluate_run_name
+from dlrmflow.tasks.evaluate import evaluate_task, publish_evaluation_task
+
+
+@flow(name="evaluate", flow_run_name=evaluate_run_name)
+def evaluate_flow(run_dir: str, dataset_dir: str, batch_size: int = 4096, device: str = "cpu") -> dict[str, Any]:
+    """AUC, log loss and constant-prediction log loss of ``run_dir``'s final model on every row of ``dataset_dir``."""
+    result = evaluate_task(run_dir, dataset_dir, batch_size, device)
+    publish_evaluation_task(result)
+    return result
