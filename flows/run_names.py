@@ -116,3 +116,8 @@ def evaluate_run_name() -> str:
     params = _params()
     return artifact_key("evaluate", dataset_label(params.get("run_dir", "")), "on",
                         dataset_label(params.get("dataset_dir", "")))
+
+
+def daily_run_name() -> str:
+    """``daily-<state dir>``."""
+    return artifact_key("daily", dataset_label(_field(_params().get("config"), "state_dir", "")))
