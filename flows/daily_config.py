@@ -28,8 +28,8 @@ class DailyConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    landing: str = Field(description="the day files: a directory (every file in it) or a glob; days are taken "
-                         "in the natural order of their names (day_2 before day_10)")
+    landing: str = Field(description="the day files: a directory (every file in it but hidden and .json ones) "
+                         "or a glob; days are taken in the natural order of their names (day_2 before day_10)")
     state_dir: str = Field(description="where each day's dataset, plan and run, and the history, go")
     format: Literal[FORMAT_NAMES] = field_of(PreprocessConfig, "format")
     min_frequency: int = field_of(PreprocessConfig, "min_frequency")
@@ -58,7 +58,9 @@ class DailyConfig(BaseModel):
         """The landing's files in natural name order; DailyConfigError when the landing does not exist."""
         landing = Path(self.landing)
         if landing.is_dir():
-            files = [p for p in landing.iterdir() if p.is_file() and not p.name.startswith(".")]
+            # Not hidden files, nor metadata beside the data (dlrmflow generate's FILE.params.json).
+            files = [p for p in landing.iterdir()
+                     if p.is_file() and not p.name.startswith(".") and p.suffix != ".json"]
         elif any(c in self.landing for c in "*?["):
             files = [Path(p) for p in glob.glob(self.landing) if Path(p).is_file()]
         elif landing.exists():
@@ -80,6 +82,13 @@ def natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+RAW_SUFFIXES = (".gz", ".tsv", ".csv", ".txt")
+
+
 def day_name(path: Path) -> str:
-    """A day's directory name in the state dir: the file name without its extensions."""
-    return path.name.split(".")[0] or path.name
+    """A day's name (its directory in the state dir): the file name without raw-data extensions
+    (``day_0.tsv.gz`` -> ``day_0``; Criteo Terabyte's ``day_0`` has none)."""
+    name = path.name
+    while Path(name).suffix in RAW_SUFFIXES and Path(name).stem:
+        name = Path(name).stem
+    return name

@@ -8,7 +8,7 @@ field's type and bounds, and the rules between fields (the training runs fit in 
 the kills name shards and iterations that exist, P <= L). A problem raises
 :class:`PipelineConfigError` (a ``UserInputError``: the CLI prints one line and exits 2) naming the
 config's fields (``train_iterations``, ``rows``, ...), never a command-line option, because the
-same model is the ``config`` parameter of the ``pipeline/nightly`` deployment. Rows read from
+same model is the ``config`` parameter of the ``pipeline/demo`` deployment. Rows read from
 ``raw_inputs`` are known only after preprocessing: the pipeline calls :meth:`check_rows` then.
 """
 

@@ -17,7 +17,7 @@ from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.synthetic import generate_rows
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.run_state import read_summary
-from dlrmflow.flows.daily_config import DailyConfig, natural_key
+from dlrmflow.flows.daily_config import DailyConfig, day_name, natural_key
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -73,10 +73,12 @@ def test_two_nights_then_a_night_with_nothing_new(tmp_path, capsys):
 
 def test_days_go_in_natural_order_and_a_landing_must_exist(tmp_path):
     assert sorted(["day_10", "day_2", "day_1"], key=natural_key) == ["day_1", "day_2", "day_10"]
-    for name in ("day_10.tsv", "day_2.tsv", ".hidden"):
+    for name in ("day_10.tsv", "day_2.tsv", "day_2.tsv.params.json", ".hidden", "day_3"):
         (tmp_path / name).write_text("")
     config = DailyConfig(landing=str(tmp_path), state_dir=str(tmp_path / "s"))
-    assert [p.name for p in config.day_files()] == ["day_2.tsv", "day_10.tsv"]
+    assert [p.name for p in config.day_files()] == ["day_2.tsv", "day_3", "day_10.tsv"]
+    assert [day_name(p) for p in config.day_files()] == ["day_2", "day_3", "day_10"]
+    assert day_name(Path("day_0.tsv.gz")) == "day_0" and day_name(Path("day.2.csv")) == "day.2"
     assert [p.name for p in DailyConfig(landing=str(tmp_path / "day_1*"), state_dir="s").day_files()] == [
         "day_10.tsv"]
     with pytest.raises(UserInputError, match="landing: .* does not exist"):

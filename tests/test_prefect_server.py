@@ -5,7 +5,7 @@ loopback port with its own PREFECT_HOME (so it never touches ~/.prefect, nor the
 ``prefect_harness`` server) and gives the children PREFECT_API_URL in their environment (for the
 README's ``prefect config set``); then it runs the README's next lines verbatim in a shell with the
 venv's ``bin`` first on PATH (what ``source .venv/bin/activate`` does): ``prefect work-pool create``,
-``prefect deploy --all``, ``prefect worker start``, and the ``prefect deployment run 'pipeline/nightly'``
+``prefect deploy --all``, ``prefect worker start``, and the ``prefect deployment run 'pipeline/demo'``
 command, which must complete. It checks through the Prefect API what a user sees in the UI.
 
 They run in a copy of the project root (``prefect.yaml`` and the ``flows/`` its entrypoints name), as
@@ -42,6 +42,7 @@ POOL = "dlrmflow"
 START_TIMEOUT_S = 180  # a cold server start migrates a fresh SQLite database; 2 busy cores are slow
 RUN_TIMEOUT_S = 420
 PIPELINE_SUBFLOWS = {"generate", "preprocess", "profile", "plan", "compare-caches", "train"}
+DAILY_SECTION = "### `dlrmflow daily`"
 
 
 def _free_port() -> int:
@@ -50,11 +51,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def readme_deployment_block() -> list[str]:
-    """The shell commands of the README's Prefect deployment block: continuation lines joined (their
-    backslash-newline kept, as a shell reads them), a ``# ...`` comment after a command left out."""
+def readme_deployment_block(heading: str = README_SECTION) -> list[str]:
+    """The shell commands of the first block under the README's ``heading`` (the Prefect deployment block):
+    continuation lines joined (their backslash-newline kept, as a shell reads them), a ``# ...`` comment
+    after a command left out."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index(README_SECTION):]
+    section = text[text.index(heading):]
     block = section[section.index("```\n") + 4:]
     block = block[:block.index("```")]
     commands, pending = [], ""
@@ -222,7 +224,8 @@ def test_the_prefect_yaml_header_gives_the_readme_deployment_command():
 def test_every_deployment_is_created_from_prefect_yaml(prefect_server, worker):
     with _api(prefect_server.api_url) as client:
         deployments = client.read_deployments()
-        nightly = client.read_deployment_by_name("pipeline/nightly")
+        nightly = client.read_deployment_by_name("daily/nightly")
+        demo = client.read_deployment_by_name("pipeline/demo")
     assert {(d.entrypoint, d.name) for d in deployments} == _declared_deployments()
     assert {d.work_pool_name for d in deployments} == {POOL}
     # Every run starts in the project root, whatever directory the worker runs in.
@@ -232,11 +235,12 @@ def test_every_deployment_is_created_from_prefect_yaml(prefect_server, worker):
         ], d.name
     [schedule] = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("0 2 * * *", "UTC", True)
+    assert demo.schedules == []
 
 
 @pytest.mark.slow
 def test_the_readme_pipeline_deployment_command_completes_on_the_worker(prefect_server, worker):
-    """The README's ``prefect deployment run 'pipeline/nightly' --watch ...``, verbatim: it exits 0 once the
+    """The README's ``prefect deployment run 'pipeline/demo' --watch ...``, verbatim: it exits 0 once the
     run completed (``--watch`` exits 1 for any other end), with every step a completed subflow run. Its
     ``kills`` SIGKILL a data shard's worker during the parity run: a completed ``recover-shard`` flow run
     hangs under that run's ``train`` flow run, and the run still ends bit-identical to the one without."""
@@ -252,7 +256,7 @@ def test_the_readme_pipeline_deployment_command_completes_on_the_worker(prefect_
 
     from dlrmflow.datasets.meta import read_meta
 
-    command = readme_command("prefect deployment run 'pipeline/nightly'")
+    command = readme_command("prefect deployment run 'pipeline/demo'")
     [param] = [arg for arg in shell_words(command) if arg.startswith("config=")]
     config = json.loads(param.removeprefix("config="))
     work_dir = prefect_server.project / config["work_dir"]
@@ -269,7 +273,7 @@ def test_the_readme_pipeline_deployment_command_completes_on_the_worker(prefect_
     assert run.parameters == {"config": config}
 
     with _api(prefect_server.api_url) as client:
-        assert run.deployment_id == client.read_deployment_by_name("pipeline/nightly").id
+        assert run.deployment_id == client.read_deployment_by_name("pipeline/demo").id
         subflows = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
         names = {s.id: client.read_flow(s.flow_id).name for s in subflows}
@@ -311,6 +315,38 @@ def test_the_readme_pipeline_deployment_command_completes_on_the_worker(prefect_
     parity_run = json.loads((work_dir / "runs" / "oracle-parity1" / "summary.json").read_text())
     assert parity_run["state_sha256"] == summary["state_sha256"]
     assert parity_run["parity"]["kills"] and parity_run["parity"]["verify"]["ok"] is True
+
+
+@pytest.mark.slow
+def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_server, worker):
+    """The README's daily example, verbatim: a day file, the ``daily/nightly`` deployment, the next day's file,
+    the deployment again. Night 1 trains day 0 from scratch; night 2 keeps day 0's ids, scores day 0's model
+    on day 1, then trains day 1 from it; each night publishes the day-by-day table and (night 2) the plot."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    commands = readme_deployment_block(DAILY_SECTION)
+    assert [c.split()[:3] for c in commands] == [["dlrmflow", "generate", "--rows"],
+                                                 ["prefect", "deployment", "run"]] * 2
+    assert commands[1] == commands[3]  # the same deployment run, a night apart
+    for command in commands:
+        try:
+            out = prefect_server.shell(command, timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"{command} still running after {RUN_TIMEOUT_S} s:\n{exc.stdout}\nworker log:\n"
+                        f"{_tail(worker)}")
+        if command.startswith("prefect deployment run"):
+            assert "Flow run finished successfully in 'Completed'" in out, out[-3000:]
+    [param] = [arg for arg in shell_words(commands[1]) if arg.startswith("config=")]
+    state = prefect_server.project / json.loads(param.removeprefix("config="))["state_dir"]
+    day0, day1 = json.loads((state / "history.json").read_text())["days"]
+    assert (day0["day"], day1["day"]) == ("day_0", "day_1")
+    assert day0["next_day_auc"] is None and 0 < day1["next_day_auc"] < 1 and day1["new_ids"] > 0
+    assert json.loads(Path(day1["run_dir"], "summary.json").read_text())["init_from"]["run_dir"] == day0["run_dir"]
+    with _api(prefect_server.api_url) as client:
+        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["daily-daily"])))
+        plot = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["daily-auc-daily"])))
+    assert len(table) == 2 and all(a.type == "markdown" for a in table)  # one version a night
+    assert any("| day_1 |" in a.data for a in table) and len(plot) == 1
 
 
 @pytest.mark.slow
