@@ -54,13 +54,14 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
-from dlrmflow.datasets.meta import META_FILE, DatasetError, DatasetMeta, PartFile, write_meta
+from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, write_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
 from dlrmflow.datasets.vocabulary import (
     ParentVocabulary,
     VocabularyFile,
     load_parent,
     read_range,
+    refuse_processed_inputs,
     value_order,
     value_range,
     vocabulary_record,
@@ -852,19 +853,6 @@ def run_preprocess(
     with output_lock(output, "preprocess"):  # two runs never write one output at once
         return _preprocess_locked(paths, output, config, raw_format, identity, fp, parent, started, client,
                                   progress, force)
-
-
-def refuse_processed_inputs(paths: list[Path], parent: ParentVocabulary) -> None:
-    """A day file whose rows a dataset of the vocabulary's lineage already holds would be trained on twice:
-    a DatasetError naming it. Preprocessing the parent's own inputs again is allowed (it gives the parent's
-    ids: the same dataset)."""
-    if {str(p) for p in paths} == set(parent.lineage[-1]["inputs"]):
-        return
-    done = parent.processed_inputs()
-    for path in paths:
-        if str(path) in done:
-            raise DatasetError(f"{path} was already preprocessed into {done[str(path)]} (an ancestor of "
-                               f"--vocabulary {parent.directory}): its rows would be trained on twice")
 
 
 def _preprocess_locked(

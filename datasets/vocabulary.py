@@ -162,3 +162,16 @@ def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_pe
         raise DatasetError(f"{where} is incomplete: missing {', '.join(missing[:3])}")
     return ParentVocabulary(str(path), meta.fingerprint, list(meta.cardinalities), files,
                             [*lineage(meta), lineage_entry(str(path), meta)])
+
+
+def refuse_processed_inputs(paths: list[Path], parent: ParentVocabulary) -> None:
+    """A day file whose rows a dataset of the vocabulary's lineage already holds would be trained on twice:
+    a DatasetError naming it. Preprocessing the parent's own inputs again is allowed (it gives the parent's
+    ids: the same dataset)."""
+    if {str(p) for p in paths} == set(parent.lineage[-1]["inputs"]):
+        return
+    done = parent.processed_inputs()
+    for path in paths:
+        if str(path) in done:
+            raise DatasetError(f"{path} was already preprocessed into {done[str(path)]} (an ancestor of "
+                               f"--vocabulary {parent.directory}): its rows would be trained on twice")

@@ -491,6 +491,21 @@ def test_a_growing_vocabulary_records_its_lineage_and_refuses_a_day_it_already_h
     assert not (tmp_path / "x").exists()
 
 
+def test_preprocess_refuses_a_day_its_vocabulary_holds_in_one_line_before_any_work(tmp_path, capsys):
+    from dlrmflow.cli import main
+
+    for day in range(2):
+        _write_tied_tsv(tmp_path / f"day_{day}", 300, seed=day)
+    preprocess([tmp_path / "day_0"], tmp_path / "ds0", max_reject_fraction=0.05)
+    preprocess([tmp_path / "day_1"], tmp_path / "ds1", vocabulary=tmp_path / "ds0", max_reject_fraction=0.05)
+    capsys.readouterr()
+    assert main(["preprocess", str(tmp_path / "day_0"), "--output", str(tmp_path / "x"), "--vocabulary",
+                 str(tmp_path / "ds1")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "day_0 was already preprocessed into" in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_vocabulary_that_cannot_serve_is_a_clear_error(tmp_path, data_dir):
     _write_tied_tsv(tmp_path / "day_0", 300, seed=1)
     preprocess([tmp_path / "day_0"], tmp_path / "ds", max_reject_fraction=0.05)

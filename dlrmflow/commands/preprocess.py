@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from dlrmflow.commands.options import add_config_options, checked_config
@@ -28,9 +29,13 @@ def check(args: argparse.Namespace) -> None:
     --vocabulary that cannot serve is a DatasetError naming why)."""
     config = checked_config(args, PreprocessConfig)
     if config.vocabulary is not None:
-        from dlrmflow.datasets.vocabulary import load_parent
+        from dlrmflow.datasets.formats import get_format
+        from dlrmflow.datasets.vocabulary import load_parent, refuse_processed_inputs
 
-        load_parent(config.vocabulary, source_format=config.format, max_rows_per_table=config.max_rows_per_table)
+        parent = load_parent(config.vocabulary, source_format=config.format,
+                             max_rows_per_table=config.max_rows_per_table,
+                             sparse_columns=get_format(config.format).sparse)
+        refuse_processed_inputs([Path(p).resolve() for p in config.inputs], parent)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
