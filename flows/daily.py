@@ -31,10 +31,11 @@ from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.flows.daily_config import DailyConfig, DailyConfigError, day_name
 from dlrmflow.flows.dataset import preprocess_flow
 from dlrmflow.flows.plan import plan_flow
-from dlrmflow.flows.run_names import daily_run_name
+from dlrmflow.flows.run_names import daily_run_name, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.daily import publish_daily_report_task
 from dlrmflow.tasks.evaluate import evaluate_task
+from dlrmflow.tasks.reporting import dataset_label
 
 HISTORY_FILE = "history.json"
 
@@ -107,6 +108,7 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
     """Process every day file of ``config.landing`` not yet in ``config.state_dir`` (module docstring)."""
     logger = get_run_logger()
     state = Path(config.state_dir)
+    tag_this_run(["daily", f"state:{dataset_label(state)}", f"model:{config.model}"])
     history = read_history(state)
     todo = new_days(config, history)
     if not todo:
