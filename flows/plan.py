@@ -35,9 +35,14 @@ def compare_caches_flow(
     embedding_dim: int = TrainConfig.default("embedding_dim"),
     output_dir: str | None = None,
     drop_last: bool = PlanConfig.default("drop_last"),
+    feasible_only: bool = True,
 ) -> dict[str, Any]:
-    """No cache, LRU, static hot set, oracle plan, Belady MIN on one stream: table + plot artifacts."""
+    """No cache, LRU, static hot set, oracle plan, Belady MIN on one stream: table + plot artifacts.
+
+    ``feasible_only`` (a sweep, as the pipeline's): capacities too small for some policy are left out and the
+    smallest at which every policy runs is compared instead, so that no row is empty; ``False``
+    (``dlrmflow compare-caches``: the capacities the user asked for): each is reported, infeasible or not."""
     report = compare_task(dataset_dir, batch_size, capacities, lookahead, prefetch_distance, embedding_dim,
-                          drop_last)
+                          drop_last, feasible_only)
     report.update(publish_comparison_task(report, output_dir or dataset_dir))
     return report

@@ -28,7 +28,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
-from dlrmflow.flows.run_names import recover_run_name, verify_run_name
+from dlrmflow.flows.run_names import recover_run_name, recover_tags, tag_this_run, verify_run_name
 from dlrmflow.tasks.recovery import publish_recovery_task
 
 # Flow parameters must be JSON: the rebuild itself (a closure over the live shard group) is
@@ -42,10 +42,12 @@ _IDS = itertools.count(1)
 def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: int, run: str = "") -> dict[str, Any]:
     """Rebuild the lost embedding shards from survivors + parity, chunk by chunk, while training runs.
 
-    ``run`` names the training run in the report's artifact key (``shard-recovery-<run>``)."""
+    ``run`` names the training run in the run's name and its report's artifact key (``shard-recovery-<run>``);
+    the run is tagged ``recovery`` and ``lost:<member>``."""
     from dlrmflow.tasks.reporting import FlowProgress
 
     logger = get_run_logger()
+    tag_this_run(recover_tags(lost))
     with _LOCK:
         rebuild = _REBUILDS.pop(recovery_id)
     logger.info("lost %s: rebuilding %d stripes on fresh workers (those some live member touched are copied, "

@@ -17,8 +17,7 @@ from prefect import get_client
 from prefect.runtime import flow_run
 
 from dlrmflow.engine.planning.planner import PlanConfig
-from dlrmflow.engine.training.modes import MODES
-from dlrmflow.tasks.reporting import artifact_key, dataset_label
+from dlrmflow.tasks.reporting import artifact_key, dataset_label, run_dir_label, train_run_label
 
 
 def _field(obj: Any, name: str, default: Any = None) -> Any:
@@ -32,11 +31,13 @@ def _params() -> dict[str, Any]:
 
 
 def train_name(config: Any) -> str:
-    """``train-<mode>`` for a local run, else ``train-<mode>-k<shards>-r<parity>``; then ``-w<W>`` with W > 1
-    trainers, the model unless it is DLRM (``-deepfm``) and ``-resume`` when resuming."""
+    """``train-<mode>`` for a local run, else ``train-<mode>-k<shards>-r<parity>``; then the run directory's
+    label (:func:`~dlrmflow.tasks.reporting.run_dir_label`: ``demo-oracle-parity1-3f9a0c``, so two runs in two
+    directories never share a name); then ``-w<W>`` with W > 1 trainers, the model unless it is DLRM
+    (``-deepfm``) and ``-resume`` when resuming."""
     mode = _field(config, "mode", "local")
-    name = f"train-{mode}" if not MODES[mode].servers else \
-        f"train-{mode}-k{_field(config, 'num_shards', 0)}-r{_field(config, 'parity', 0)}"
+    name = "train-" + train_run_label(mode, _field(config, "num_shards", 0), _field(config, "parity", 0),
+                                      _field(config, "output_dir", "") or ".")
     model = _field(config, "model", "dlrm")
     trainers = _field(config, "trainers", 1)
     return artifact_key(name, f"w{trainers}" if trainers > 1 else "", "" if model == "dlrm" else model,
@@ -62,8 +63,15 @@ def train_run_name() -> str:
 
 
 def recover_run_name() -> str:
-    """``recover-data-shard-0`` (every lost member, in order)."""
-    return artifact_key("recover", *_params().get("lost", []))
+    """``recover-data-shard-0-<training run>`` (every lost member, in order; then the training run's label,
+    its ``run`` parameter)."""
+    params = _params()
+    return artifact_key("recover", *params.get("lost", []), params.get("run", ""))
+
+
+def recover_tags(lost: list[str]) -> list[str]:
+    """``recovery`` and ``lost:<member>`` for each member lost (``lost:data-shard-0``)."""
+    return ["recovery", *(f"lost:{artifact_key(member)}" for member in lost)]
 
 
 def verify_run_name() -> str:
@@ -97,8 +105,25 @@ def compare_caches_run_name() -> str:
 
 
 def pipeline_run_name() -> str:
+    """``pipeline-<work dir label>`` (:func:`~dlrmflow.tasks.reporting.run_dir_label`)."""
     config = _params().get("config")
-    return artifact_key("pipeline", Path(str(_field(config, "work_dir", "runs/demo"))).name)
+    return artifact_key("pipeline", run_dir_label(str(_field(config, "work_dir", "runs/demo"))))
+
+
+def pipeline_tags(config: Any) -> list[str]:
+    """``pipeline``, ``dataset:<work dir name>`` and what the run does: ``parity`` (``kills`` with kills),
+    ``link:<rate>mbit`` with an emulated link, ``model:<model>``, ``trainers:<W>`` with W > 1."""
+    tags = ["pipeline", f"dataset:{artifact_key(Path(str(_field(config, 'work_dir', 'runs/demo'))).resolve().name)}",
+            f"model:{_field(config, 'model', 'dlrm')}"]
+    if _field(config, "parity", 0):
+        tags.append("parity")
+        if _field(config, "kills"):
+            tags.append("kills")
+    if _field(config, "link_rate", 0):
+        tags.append(f"link:{_field(config, 'link_rate')}mbit")
+    if (_field(config, "trainers", 1) or 1) > 1:
+        tags.append(f"trainers:{_field(config, 'trainers')}")
+    return tags
 
 
 def tag_this_run(tags: list[str]) -> None:

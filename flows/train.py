@@ -19,6 +19,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
+from prefect.utilities.annotations import quote
 
 from dlrmflow.engine.serving.cluster import dask_scheduler
 from dlrmflow.engine.training.checkpoint import unfinished_run_message
@@ -27,7 +28,7 @@ from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.summary import train_summary
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
-from dlrmflow.tasks.reporting import PHASES_LOGGER, PROGRESS, artifact_key, dataset_label, engine_events_to_run_log
+from dlrmflow.tasks.reporting import PHASES_LOGGER, PROGRESS, engine_events_to_run_log, train_run_label
 from dlrmflow.tasks.train import check_task, publish_train_report_task, train_task
 
 # One record, once the run's input check passed: a plain logger (not the run's), so that a listener in the
@@ -65,11 +66,11 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
     if config.resume:
         logger.info("resuming %s from its checkpoint at iteration %d", config.output_dir, setup.resume_at)
     if not MODES[config.mode].servers:
-        summary = train_task(setup, None)
+        trained = train_task(setup, None, return_state=True)
     else:
         # Each rebuild is a recover-shard child of this flow run, whatever thread notices the loss.
-        runner = recovery_runner(artifact_key(dataset_label(config.dataset_dir), config.mode,
-                                              f"parity{config.parity}")) if config.parity else None
+        runner = recovery_runner(train_run_label(config.mode, config.num_shards, config.parity,
+                                                 config.output_dir)) if config.parity else None
         # With parity a LocalCluster gets one worker per shard (data and parity: separate fault
         # domains) plus a spare, so a rebuild starts at once on a fresh worker.
         workers = config.num_shards + config.parity + 1 if config.parity else None
@@ -79,11 +80,16 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
             if config.trainers > 1:
                 logger.info("%d trainers, each training %d rows of every batch", config.trainers,
                             config.batch_size // config.trainers)
-            summary = train_task(setup, address, runner)
+            trained = train_task(setup, address, runner, return_state=True)
+    summary = trained.result()
     logger.info("publishing the run's tables and plots ...", extra=PROGRESS)
-    publish_train_report_task(summary)
+    # The summary holds each recover-shard subflow's result: passed as is, Prefect would record that
+    # subflow run as an input of the report task (a ``flow_run`` input, which the UI's task run pages
+    # reject). Quoted, its values are not traced; the report's one input is the train task, by wait_for on
+    # its state with a stand-in for its data (Prefect looks into a state's data too, and reads it back).
+    publish_train_report_task(quote(summary), wait_for=[trained.model_copy(update={"data": True})])
     done = train_summary(summary)
+    auc = "none" if done.eval_auc is None else f"{done.eval_auc:.4f}"
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",
-                done.mean_iteration_ms, 100 * done.stall_fraction, done.eval_auc, done.state_sha256[:16],
-                extra=PROGRESS)
+                done.mean_iteration_ms, 100 * done.stall_fraction, auc, done.state_sha256[:16], extra=PROGRESS)
     return summary

@@ -2,7 +2,8 @@
 
 The summary is one markdown artifact (key ``pipeline-summary-<work dir>``): the measurements as a
 table (the same formatter as every table artifact) and one row per step run (its name linked to the
-run, its artifacts linked by key), read back from the Prefect API: the pipeline's child flow runs
+run, its artifacts linked by key, one list item per step so that nothing is cut off at the page's
+width), read back from the Prefect API: the pipeline's child flow runs
 and theirs (a training run's recover-shard runs), and the artifacts with a key that each one made.
 """
 
@@ -68,14 +69,27 @@ def _ui(path: str) -> str:
     return f"{base.rstrip('/')}{path}" if base else path
 
 
+def short_key(key: str, run_name: str) -> str:
+    """``key`` without the part it shares with its run's name: a run's keys end in what names the run
+    (``train-summary-oracle-k2-r1-demo-oracle-parity1-3f9a0c`` of run ``train-oracle-k2-r1-demo-...``
+    -> ``train-summary``), which the step's line says already."""
+    parts, name = key.split("-"), run_name.split("-")
+    shared = 0
+    while shared < min(len(parts) - 1, len(name) - 1) and parts[-1 - shared] == name[-1 - shared]:
+        shared += 1
+    return "-".join(parts[:len(parts) - shared]) if shared else key
+
+
 def steps_markdown(steps: list[dict[str, Any]]) -> str:
-    """One row per step run: step (flow), its run linked, its artifacts linked by key."""
-    lines = ["| Step | Run | Artifacts |", "|---|---|---|"]
+    """One list item per step run: the step (flow), its run linked, and its artifacts linked by key under it,
+    each named by the part of its key that its run's name does not say. A list, not a table: a table's
+    row does not wrap in the Prefect UI, and a run's keys make a row wider than the page."""
+    lines = []
     for step in steps:
-        keys = ", ".join(f"[{k}]({_ui(f'/artifacts/key/{k}')})" for k in step["keys"]) or "none"
         run = _ui(f"/runs/flow-run/{step['id']}")
-        lines.append(f"| {step['flow']} | [{step['name']}]({run}) | {keys} |")
-    return "\n".join(lines)
+        keys = ", ".join(f"[{short_key(k, step['name'])}]({_ui(f'/artifacts/key/{k}')})" for k in step["keys"])
+        lines.append(f"- **{step['flow']}**: [{step['name']}]({run})" + (f" — {keys}" if keys else ""))
+    return "\n".join(lines) or "no step ran"
 
 
 @task(name="publish-pipeline-summary")

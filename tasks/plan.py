@@ -70,14 +70,24 @@ def publish_plan_task(plan: PlanResult, dataset_dir: str) -> str:
 
 @task(name="simulate-cache-policies")
 def compare_task(dataset_dir: str, batch_size: int, capacities: list[str | int], lookahead: int,
-                 prefetch_distance: int, embedding_dim: int, drop_last: bool) -> dict[str, Any]:
+                 prefetch_distance: int, embedding_dim: int, drop_last: bool, feasible_only: bool = False
+                 ) -> dict[str, Any]:
     progress = FlowProgress("policy simulations done")
     report = cache_policies.compare_dataset(
         dataset_dir, batch_size, capacities, window=lookahead, distance=prefetch_distance,
-        embedding_dim=embedding_dim, drop_last=drop_last, progress=progress,
+        embedding_dim=embedding_dim, drop_last=drop_last, progress=progress, feasible_only=feasible_only,
     )
     progress.finish()
     return report
+
+
+def _left_out(report: dict[str, Any]) -> str:
+    """What the table says of the sweep's capacities it left out (too small for some policy), if any."""
+    left_out = report.get("left_out") or []
+    if not left_out:
+        return ""
+    return (f"; capacities {', '.join(f'{c:,}' for c in left_out)} left out: below "
+            f"{report['smallest_feasible']:,} rows some policy cannot run")
 
 
 @task(name="publish-cache-comparison")
@@ -92,8 +102,8 @@ def publish_comparison_task(report: dict[str, Any], output_dir: str) -> dict[str
     )
     dataset, batch = report["dataset"], report["batch_size"]
     publish_table(plan_key("cache-policies", dataset, batch), format_table(report["rows"], COMPARISON_COLUMNS),
-                  f"Cache policies on {report['dataset']} ({report['iterations']} iterations, "
-                  f"{report['uses']:,} row uses, embedding dim {report['embedding_dim']})")
+                  f"Cache policies on {report['dataset']} ({report['iterations']:,} iterations, "
+                  f"{report['uses']:,} row uses, embedding dim {report['embedding_dim']}){_left_out(report)}")
     publish_plot(plan_key("cache-policies-plot", dataset, batch), png,
                  f"Rows fetched vs cache capacity, per policy ({dataset_label(dataset)}, batch {batch})")
     return {"report": str(out / COMPARISON_FILE), "plot": str(png)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from prefect import task
@@ -22,11 +23,21 @@ RECORD_ITEMS = [
 ]
 
 
+_EXCEPTION_REPR = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt|Closed))\((?:(['\"])(.*?)\2)?\)")
+
+
+def readable_error(text: str) -> str:
+    """An error as a person reads it, not its Python repr: ``members [0] lost: OSError("Unable to contact
+    Actor's worker")`` -> ``members [0] lost: OSError: Unable to contact Actor's worker``."""
+    return _EXCEPTION_REPR.sub(lambda m: f"{m[1]}: {m[3]}" if m[3] else m[1], str(text))
+
+
 def recovery_table(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per figure of the record, one per new worker and one per failure that showed the loss."""
     items = [(what, result.get(key), unit) for what, key, unit in RECORD_ITEMS]
     items += [(f"New worker of {member}", worker, "") for member, worker in result.get("new_workers", {}).items()]
-    items += [(f"Noticed by ({n})", cause, "") for n, cause in enumerate(result.get("causes", []), start=1)]
+    items += [(f"Noticed by ({n})", readable_error(cause), "")
+              for n, cause in enumerate(result.get("causes", []), start=1)]
     return metric_table(items)
 
 

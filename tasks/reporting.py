@@ -2,9 +2,10 @@
 
 This module is the one place that publishes artifacts. Every table goes through one formatter
 (:func:`format_table`, :func:`metric_table`): plain-English headers with the unit in brackets,
-numbers rounded and kept as numbers, lists joined into text, never a Python repr. Every key goes
-through :func:`artifact_key`, which names what distinguishes runs (dataset, mode), so a key's
-history in the UI compares like with like.
+numbers rounded (counts of 1,000 and more with thousands separators, as text), lists joined into
+text, never a Python repr. Every key goes through :func:`artifact_key`; a run's keys and its flow
+run's name carry :func:`run_dir_label`, which identifies the run directory, so a run repeated in
+its directory (every night) adds versions to its own keys and never to another run's.
 
 The engine reports progress through a plain ``(done, total)`` callback; :class:`FlowProgress` is
 that callback for flows: it logs a line and keeps a Prefect progress artifact up to date. The
@@ -15,6 +16,7 @@ engine reports events (a kill, a loss, a rebuild) on standard :mod:`logging` log
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import math
 import re
@@ -32,6 +34,8 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+
+from dlrmflow.engine.training.modes import MODES
 
 # ---- keys ---------------------------------------------------------------------------------------
 
@@ -53,6 +57,26 @@ def dataset_label(path: str | Path) -> str:
     if name in ("dataset", "plan", "caches") and path.parent.name:
         return path.parent.name
     return Path(name).stem if path.suffix in (".gz", ".tsv", ".csv", ".txt") else name
+
+
+def run_dir_label(path: str | Path) -> str:
+    """What names a run directory in run names and artifact keys: its name after its parent's (the
+    grandparent's when the parent is ``runs``, as in the pipeline's ``WORK/runs/NAME``) and six hex
+    digits of its absolute path, so two directories never share a label and a directory keeps its own:
+    ``/w/demo/runs/oracle-parity1`` -> ``demo-oracle-parity1-3f9a0c``."""
+    resolved = Path(path).expanduser().resolve()
+    parent = resolved.parent
+    if parent.name == "runs" and parent.parent.name:
+        parent = parent.parent
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:6]
+    return artifact_key(parent.name, resolved.name, digest)
+
+
+def train_run_label(mode: str, num_shards: int, parity: int, output_dir: str | Path) -> str:
+    """``<mode>[-k<shards>-r<parity>]-<run dir label>``: what a training run's name and keys carry
+    (``oracle-k2-r1-demo-oracle-parity1-3f9a0c``; shards and parity only with embedding servers)."""
+    servers = MODES[mode].servers if mode in MODES else bool(num_shards)
+    return artifact_key(mode, f"k{num_shards}-r{parity}" if servers else "", run_dir_label(output_dir))
 
 
 # ---- the table formatter -----------------------------------------------------------------------------
@@ -85,8 +109,10 @@ def format_value(value: Any, unit: str = "") -> Any:
     """``value`` as a table cell in ``unit``: a rounded number (kept a number), or readable text.
 
     None -> ``""``; booleans -> ``yes``/``no``; lists -> their items joined by ``, ``; mappings ->
-    ``key: value`` pairs joined by ``; ``; counts -> int; ms/s/x -> 3 significant digits (at least
-    the integer part); MB -> bytes / 1e6, 3 significant digits; % -> fraction * 100, one decimal."""
+    ``key: value`` pairs joined by ``; ``; counts -> int, as text with thousands separators from 1,000
+    (``"146,072"``); ms/s/x -> 3 significant digits (at least the integer part); MB -> bytes / 1e6, 3
+    significant digits; % -> fraction * 100, one decimal; a plain number -> 4 significant digits
+    (thousands separated from 10,000 on)."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -98,7 +124,7 @@ def format_value(value: Any, unit: str = "") -> Any:
     if not isinstance(value, (int, float)):
         return str(value)
     if unit == "count":
-        return int(value)
+        return _grouped(int(value), 1000)
     if unit == "%":
         return round(100.0 * value, 1)
     if unit == "MB":
@@ -106,8 +132,26 @@ def format_value(value: Any, unit: str = "") -> Any:
     if unit in ("ms", "s", "x"):
         return _significant(float(value), 3)
     if isinstance(value, int):
+        return _grouped(value, 10_000)
+    return _grouped(_significant(value, 4), 10_000)
+
+
+def _grouped(value: int | float, from_: int) -> int | float | str:
+    """``value`` with thousands separators (text) when ``abs(value) >= from_``, else the number itself."""
+    if not math.isfinite(value) or abs(value) < from_:
         return value
-    return _significant(value, 4)
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,}"
+
+
+def _readable_unit(value: Any, unit: str) -> tuple[Any, str]:
+    """A duration under a second in ms, under a millisecond in µs (``0.0000387 s`` -> ``38.7 µs``)."""
+    if unit in ("s", "ms") and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+        ms = value * 1000 if unit == "s" else value
+        if abs(ms) < 1:
+            return ms * 1000, "µs"
+        if abs(ms) < 1000 and unit == "s":
+            return ms, "ms"
+    return value, unit
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> list[dict[str, Any]]:
@@ -120,9 +164,11 @@ METRIC_COLUMNS = (Column("Metric", "metric"), Column("Value", "value"), Column("
 
 def metric_table(items: Sequence[tuple[str, Any, str]]) -> list[dict[str, Any]]:
     """A table of ``(what, value, unit)`` items, one per row: Metric | Value | Unit (the layout of every
-    one-record table; values formatted as :func:`format_value` does, so numbers stay numbers)."""
-    rows = [{"metric": what, "value": format_value(value, unit),
-             "unit": "" if unit == "count" else ("MB" if unit == "MB" else unit)} for what, value, unit in items]
+    one-record table; values formatted as :func:`format_value` does). A duration under a second is given
+    in ms, under a millisecond in µs, so that no value reads 0.0000387 s."""
+    readable = [(what, *_readable_unit(value, unit)) for what, value, unit in items]
+    rows = [{"metric": what, "value": format_value(value, "ms" if unit == "µs" else unit),
+             "unit": "" if unit == "count" else unit} for what, value, unit in readable]
     return [{c.title: row[c.key] for c in METRIC_COLUMNS} for row in rows]
 
 

@@ -27,6 +27,7 @@ from dlrmflow.tasks.reporting import (
     metric_table,
     publish_plot,
     publish_table,
+    train_run_label,
 )
 
 # (what, summary key, unit) of the train-summary table.
@@ -37,7 +38,7 @@ SUMMARY_ITEMS = [
     ("Stalled (share of iteration time)", "stall_fraction", "%"), ("Fetched", "bytes_fetched", "MB"),
     ("Written back", "bytes_written_back", "MB"), ("Final train loss (mean)", "final_train_loss_mean", ""),
     ("Eval AUC", "eval_auc", ""), ("Eval log loss", "eval_log_loss", ""),
-    ("Best evaluation (lowest log loss) at iteration", "best_evaluation_iteration", "count"),
+    ("Best evaluation (lowest log loss), after iterations", "best_evaluation_iteration", "count"),
     ("State SHA-256", "state_sha256", ""),
 ]
 PARITY_ITEMS = [
@@ -51,16 +52,50 @@ RECOVERY_ITEMS = [
     ("bulk copy", "copy_seconds", "s"), ("training waited for fix-ups", "locked_seconds", "s"),
     ("restarts", "restarts", "count"),
 ]
-METRICS_COLUMNS = [Column("Iteration", "iteration", "count"), Column("Training loss", "loss"),
+# Iterations count from 0, as in iterations.csv, the plots and a kill's ``shard:I@ITER``: a metrics row covers
+# iterations ``lo..hi`` (the engine's row says how many were done: ``hi + 1``); an evaluation is made after
+# ``iteration`` iterations were done, at the start of iteration ``iteration``.
+METRICS_COLUMNS = [Column("Iterations", "iterations"), Column("Training loss", "loss"),
                    Column("Iteration time", "iteration_ms", "ms"), Column("Stalled", "stall_ms", "ms")]
-EVALUATION_COLUMNS = [Column("Iteration", "iteration", "count"), Column("Held-out AUC", "auc"),
+EVALUATION_COLUMNS = [Column("After iterations", "iteration", "count"), Column("Held-out AUC", "auc"),
                       Column("Held-out log loss", "logloss")]
 
 
+def iteration_span(row: dict[str, Any], every: int) -> tuple[int, int]:
+    """The iterations (from 0) of an engine metrics row: those since the previous row, due every ``every``
+    iterations and after the last (``{"iteration": 6}`` with every 50: iterations 0..5)."""
+    done = int(row["iteration"])
+    return (done - 1) // every * every, done - 1
+
+
+def iterations_text(row: dict[str, Any], every: int) -> str:
+    """``iteration 2`` or ``iterations 0–49``: the iterations a metrics row's means are over."""
+    lo, hi = iteration_span(row, every)
+    return f"iteration {hi:,}" if lo == hi else f"iterations {lo:,}–{hi:,}"
+
+
+def metrics_rows(run: TrainSummary) -> list[dict[str, Any]]:
+    """The train-metrics table's rows: each engine row with the span of iterations (from 0) it covers."""
+    return [{**row, "iterations": iterations_text(row, run.metrics_every).removeprefix("iterations ")
+             .removeprefix("iteration ")} for row in run.metrics]
+
+
+def metrics_description(run: TrainSummary) -> str:
+    """What the train-metrics table's rows are: means over windows of ``metrics_every`` iterations, or over
+    the whole run when it is not longer than one window."""
+    if run.iterations <= run.metrics_every:
+        return f"training loss and iteration time, means over the run's {run.iterations:,} iterations"
+    if run.metrics_every == 1:
+        return "training loss and iteration time of each iteration (iterations count from 0)"
+    return (f"training loss and iteration time, means over each {run.metrics_every:,} iterations "
+            f"(iterations count from 0)")
+
+
 def train_artifact_key(base: str, run: TrainSummary) -> str:
-    """``base-<dataset>-<mode>`` (``-parity<R>`` with parity shards): a key's history holds like runs only."""
-    parity = run.parity_shards
-    return artifact_key(base, dataset_label(run.dataset), run.mode, f"parity{parity}" if parity else "")
+    """``base-<mode>[-k<K>-r<R>]-<run dir label>`` (``train-summary-oracle-k2-r1-demo-oracle-parity1-3f9a0c``): the
+    run directory identifies the run, so a key's history is that run's, night after night, and a run in
+    another directory never becomes the newest version of this one's keys."""
+    return artifact_key(base, train_run_label(run.mode, run.num_shards, run.parity_shards, run.output_dir))
 
 
 # A RunSetup holds the plan and the dataset's stream: hashing it for a cache key would cost a pass
@@ -82,8 +117,8 @@ def train_task(setup: RunSetup, dask_address: str | None, recovery_runner: Calla
     progress = FlowProgress(f"{config.mode} training iterations")
 
     def on_metrics(row: dict[str, Any]) -> None:
-        logger.info("iteration %d: loss %.4f, %.2f ms/iteration, stall %.2f ms",
-                    row["iteration"], row["loss"], row["iteration_ms"], row["stall_ms"])
+        logger.info("%s: loss %.4f, %.2f ms/iteration, stall %.2f ms", iterations_text(row, config.metrics_every),
+                    row["loss"], row["iteration_ms"], row["stall_ms"])
 
     with engine_events_to_run_log(logger):
         if not MODES[config.mode].servers:
@@ -122,14 +157,14 @@ def publish_train_report_task(summary: dict[str, Any]) -> list[str]:
     what = f"{run.mode} training of {dataset_label(run.dataset)}"
     keys = [
         publish_table(train_artifact_key("train-summary", run), summary_table(summary), f"{what}: run summary"),
-        publish_table(train_artifact_key("train-metrics", run), format_table(run.metrics, METRICS_COLUMNS),
-                      f"{what}: means over every {run.metrics_every} iterations"),
+        publish_table(train_artifact_key("train-metrics", run), format_table(metrics_rows(run), METRICS_COLUMNS),
+                      f"{what}: {metrics_description(run)}"),
     ]
     if len(run.evaluations) > 1:  # --eval-every: the held-out metrics as training went
         keys.append(publish_table(train_artifact_key("train-evaluations", run),
                                   format_table(run.evaluations, EVALUATION_COLUMNS),
-                                  f"{what}: held-out AUC and log loss (best at iteration "
-                                  f"{run.best_evaluation_iteration})"))
+                                  f"{what}: held-out AUC and log loss (best after "
+                                  f"{run.best_evaluation_iteration:,} iterations)"))
     out = Path(run.output_dir)
     log = out / "iterations.csv"
     if log.is_file():

@@ -22,15 +22,23 @@ from dlrmflow.tasks.train import summary_table
 # ---- the formatter --------------------------------------------------------------------------------
 
 
-def test_numbers_are_rounded_in_their_units_and_stay_numbers():
+def test_numbers_are_rounded_in_their_units_and_large_ones_have_thousands_separators():
     assert format_value(3.81110000944318e-05, "s") == 3.81e-05
     assert format_value(57.51234, "ms") == 57.5
     assert format_value(1234.5678, "ms") == 1235.0
     assert format_value(0.123456, "%") == 12.3
     assert format_value(4_787_404, "MB") == 4.79
-    assert format_value(146072.0, "count") == 146072 and isinstance(format_value(146072.0, "count"), int)
+    assert format_value(146072.0, "count") == "146,072" and format_value(999, "count") == 999
     assert format_value(0.7312345678, "") == 0.7312
-    assert format_value(12, "") == 12
+    assert format_value(12, "") == 12 and format_value(1234, "") == 1234 and format_value(123456, "") == "123,456"
+
+
+def test_a_duration_under_a_second_is_given_in_ms_or_us_in_a_metric_table():
+    rows = {row["Metric"]: (row["Value"], row["Unit"]) for row in metric_table(
+        [("tiny", 0.0000387, "s"), ("short", 0.0123456, "s"), ("long", 12.345, "s"), ("stall", 0.01, "ms"),
+         ("zero", 0.0, "s")])}
+    assert rows == {"tiny": (38.7, "µs"), "short": (12.3, "ms"), "long": (12.3, "s"), "stall": (10.0, "µs"),
+                    "zero": (0.0, "s")}
 
 
 def test_no_python_reprs():
@@ -52,13 +60,15 @@ def test_headers_are_plain_english_with_units():
 
 
 def test_a_recovery_record_is_several_readable_rows():
-    record = {"lost": ["data shard 0"], "detected_s": 1.2345678, "seconds": 0.0123456, "rows_rebuilt": 40,
+    record = {"lost": ["data shard 0"], "detected_s": 1.2345678, "seconds": 0.0123456, "rows_rebuilt": 40_000,
               "chunks": 2, "stripes_generated": 3, "new_workers": {"data shard 0": "tcp://127.0.0.1:1"},
-              "causes": ["members [0] lost: OSError('gone')"], "restarts": 0}
+              "causes": ["members [0] lost: OSError(\"Unable to contact Actor's worker\")"], "restarts": 0}
     table = recovery_table(record)
     by_metric = {row["Metric"]: row for row in table}
     assert by_metric["Lost"]["Value"] == "data shard 0"
-    assert by_metric["Rebuilt after detection"] == {"Metric": "Rebuilt after detection", "Value": 0.0123, "Unit": "s"}
+    assert by_metric["Rebuilt after detection"] == {"Metric": "Rebuilt after detection", "Value": 12.3, "Unit": "ms"}
+    assert by_metric["Rows copied"]["Value"] == "40,000"
+    assert by_metric["Noticed by (1)"]["Value"] == "members [0] lost: OSError: Unable to contact Actor's worker"
     assert by_metric["New worker of data shard 0"]["Value"] == "tcp://127.0.0.1:1"
     assert len(table) > 10 and all(list(row) == ["Metric", "Value", "Unit"] for row in table)
     json.dumps(table)  # what Prefect stores
@@ -186,3 +196,44 @@ def _read_artifact(client, artifact_id) -> float:
 
     (artifact,) = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
     return artifact.data
+
+
+# ---- the train report's iterations, the pipeline summary's steps ------------------------------------
+
+
+def test_metrics_rows_count_iterations_from_0_like_the_plots_and_say_what_they_average():
+    from dlrmflow.engine.training.summary import TrainSummary
+    from dlrmflow.tasks.train import iterations_text, metrics_description, metrics_rows
+
+    assert iterations_text({"iteration": 3}, 1) == "iteration 2"  # the third iteration: 0, 1, 2
+    assert iterations_text({"iteration": 100}, 50) == "iterations 50–99"
+    assert iterations_text({"iteration": 6}, 50) == "iterations 0–5"  # the last row: a shorter window
+    assert iterations_text({"iteration": 1005}, 500) == "iterations 1,000–1,004"
+
+    def run(iterations, every, metrics):
+        return TrainSummary(mode="local", dataset="d", output_dir="/r", iterations=iterations, batch_size=8,
+                            num_shards=0, capacity=None, mean_iteration_ms=1.0, median_iteration_ms=1.0,
+                            stall_fraction=0.0, bytes_fetched=0, bytes_written_back=0, final_train_loss=0.5,
+                            final_train_loss_mean=0.5, eval_auc=None, eval_log_loss=None, state_sha256="0",
+                            metrics_every=every, metrics=metrics)
+
+    short = run(6, 50, [{"iteration": 6, "loss": 0.5, "iteration_ms": 1.0, "stall_ms": 0.0}])
+    assert [r["iterations"] for r in metrics_rows(short)] == ["0–5"]
+    assert "50" not in metrics_description(short) and "6 iterations" in metrics_description(short)
+    long = run(120, 50, [{"iteration": t, "loss": 0.5, "iteration_ms": 1.0, "stall_ms": 0.0} for t in (50, 100, 120)])
+    assert [r["iterations"] for r in metrics_rows(long)] == ["0–49", "50–99", "100–119"]
+    assert "each 50 iterations" in metrics_description(long)
+
+
+def test_the_pipeline_summary_lists_each_step_with_short_links_that_wrap():
+    from dlrmflow.tasks.pipeline_report import short_key, steps_markdown
+
+    name = "train-oracle-k2-r1-demo-oracle-parity1-3f9a0c"
+    assert short_key("train-summary-oracle-k2-r1-demo-oracle-parity1-3f9a0c", name) == "train-summary"
+    assert short_key("skew-profile-demo", "profile-demo") == "skew-profile"
+    assert short_key("other", name) == "other"
+    markdown = steps_markdown([{"id": "1", "name": name, "flow": "train",
+                                "keys": ["train-metrics-oracle-k2-r1-demo-oracle-parity1-3f9a0c"]}])
+    assert "|" not in markdown and markdown.startswith("- **train**: [" + name + "](")
+    assert "[train-metrics](" in markdown and "/artifacts/key/train-metrics-oracle-k2-r1-demo-oracle-parity1-3f9a0c)" \
+        in markdown

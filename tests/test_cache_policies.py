@@ -83,6 +83,25 @@ def test_infeasible_capacity_is_reported_not_hidden():
         assert "iteration 0 uses 3 rows > capacity 2" in r.note
 
 
+def test_a_sweep_leaves_out_capacities_too_small_for_some_policy_and_compares_the_smallest_that_fits(tmp_path):
+    """The pipeline's capacity sweep: with small settings half its capacities were too small for some policy
+    (rows empty but for a note; at cache_fraction, the headline read "infeasible"). As a sweep, every row has
+    figures; the capacities asked for one by one (``dlrmflow compare-caches``) are reported, infeasible or not."""
+    from dlrmflow.engine.planning.cache_policies import build_trace, compare_dataset, smallest_feasible_capacity
+
+    dataset = make_dataset(tmp_path / "d", 3, 400, [20, 60])
+    smallest = smallest_feasible_capacity(build_trace(dataset, 20), 4, 2)
+    asked = [1, 2, smallest - 1, smallest + 5]
+    every = compare_dataset(dataset, 20, asked, window=4, distance=2, embedding_dim=4)
+    assert any(r["rows_fetched"] is None for r in every["rows"]) and every["left_out"] == []
+    sweep = compare_dataset(dataset, 20, asked, window=4, distance=2, embedding_dim=4, feasible_only=True)
+    assert sweep["capacities"] == [smallest, smallest + 5] and sweep["left_out"] == [1, 2, smallest - 1]
+    assert sweep["smallest_feasible"] == smallest
+    assert all(r["rows_fetched"] is not None for r in sweep["rows"])  # no row empty but for a note
+    below = compare_dataset(dataset, 20, [smallest - 1], window=4, distance=2, embedding_dim=4)
+    assert any(r["rows_fetched"] is None for r in below["rows"])  # one row fewer and some policy cannot run
+
+
 # ---- naive references ----------------------------------------------------------------------------
 
 

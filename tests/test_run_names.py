@@ -3,23 +3,76 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.flows.run_names import train_name, train_tags
+from dlrmflow.flows.run_names import pipeline_tags, recover_tags, train_name, train_tags
+from dlrmflow.tasks.reporting import run_dir_label
 
 
-def test_train_names_and_tags_say_mode_shards_parity_model_and_dataset():
-    oracle = TrainConfig(dataset_dir="/data/criteo", mode="oracle", output_dir="o", plan_dir="p", num_shards=2,
-                         parity=1, kills=["shard:0@3"])
-    assert train_name(oracle) == "train-oracle-k2-r1"
+def test_train_names_and_tags_say_mode_shards_parity_model_and_dataset(tmp_path):
+    oracle = TrainConfig(dataset_dir="/data/criteo", mode="oracle", output_dir=str(tmp_path / "runs" / "o"),
+                         plan_dir="p", num_shards=2, parity=1, kills=["shard:0@3"])
+    label = run_dir_label(tmp_path / "runs" / "o")
+    assert train_name(oracle) == f"train-oracle-k2-r1-{label}"
     assert train_tags(oracle) == ["mode:oracle", "model:dlrm", "dataset:criteo", "parity", "kills"]
-    remote = {"dataset_dir": "/w/demo/dataset", "mode": "remote", "num_shards": 4, "parity": 0}  # from a deployment
-    assert train_name(remote) == "train-remote-k4-r0"
+    remote = {"dataset_dir": "/w/demo/dataset", "mode": "remote", "num_shards": 4, "parity": 0,
+              "output_dir": "/w/demo/runs/remote"}  # from a deployment
+    assert train_name(remote) == f"train-remote-k4-r0-{run_dir_label('/w/demo/runs/remote')}"
     assert train_tags(remote) == ["mode:remote", "model:dlrm", "dataset:demo"]
-    assert train_name({"mode": "local", "resume": True}) == "train-local-resume"
+    assert train_name({"mode": "local", "resume": True, "output_dir": "/r/x"}) == \
+        f"train-local-{run_dir_label('/r/x')}-resume"
     deepfm = {**remote, "model": "deepfm", "resume": True}
-    assert train_name(deepfm) == "train-remote-k4-r0-deepfm-resume" and "model:deepfm" in train_tags(deepfm)
+    assert train_name(deepfm).endswith("-deepfm-resume") and "model:deepfm" in train_tags(deepfm)
+
+
+def test_a_run_dir_label_names_the_directory_and_never_two():
+    label = run_dir_label("/w/demo/runs/oracle-parity1")
+    assert label.startswith("demo-oracle-parity1-") and len(label.rsplit("-", 1)[1]) == 6  # `runs` skipped
+    assert run_dir_label("/tmp/kill").startswith("tmp-kill-")
+    assert run_dir_label("/w/demo/runs/oracle-parity1") == label  # the same directory, night after night
+    assert run_dir_label("/v/demo/runs/oracle-parity1") != label  # same last components, another directory
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", run_dir_label("/W/Some Dir/Run_1"))  # a valid artifact key
+
+
+def test_two_train_runs_in_two_directories_never_share_a_name_or_an_artifact_key(tmp_path):
+    """A standalone ``dlrmflow train --parity 1 --kill shard:0@3`` run and the demo's parity run: same mode,
+    shards and parity, so far both ``train-oracle-k2-r1``, and the standalone run's artifacts became the newest
+    versions of the demo's keys. Their run directories tell them apart."""
+    from dlrmflow.engine.training.summary import TrainSummary
+    from dlrmflow.tasks.train import train_artifact_key
+
+    dirs = [tmp_path / "demo" / "runs" / "oracle-parity1", tmp_path / "kill"]
+    configs = [TrainConfig(dataset_dir="/w/demo/dataset", mode="oracle", output_dir=str(d), plan_dir="p",
+                           num_shards=2, parity=1) for d in dirs]
+    names = [train_name(c) for c in configs]
+    assert names[0] != names[1] and all(n.startswith("train-oracle-k2-r1-") for n in names)
+
+    def summary(run_dir):
+        return TrainSummary(mode="oracle", dataset="/w/demo/dataset", output_dir=str(run_dir), iterations=6,
+                            batch_size=512, num_shards=2, capacity=None, mean_iteration_ms=1.0,
+                            median_iteration_ms=1.0, stall_fraction=0.0, bytes_fetched=0, bytes_written_back=0,
+                            final_train_loss=0.5, final_train_loss_mean=0.5, eval_auc=None, eval_log_loss=None,
+                            state_sha256="0" * 64, metrics_every=50, parity={"parity_shards": 1})
+
+    keys = [train_artifact_key("train-summary", summary(d)) for d in dirs]
+    assert keys[0] != keys[1]
+    # A run's keys carry what its name carries: the summary links open this run's own artifacts.
+    assert [k.removeprefix("train-summary-") for k in keys] == [n.removeprefix("train-") for n in names]
+    assert all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", k) for k in keys)
+
+
+def test_the_pipeline_and_recovery_runs_are_tagged():
+    from dlrmflow.flows.pipeline_config import PipelineConfig
+
+    config = PipelineConfig(work_dir="/w/Nightly", parity=1, kills=["shard:0@3"], link_rate=20)
+    assert pipeline_tags(config) == ["pipeline", "dataset:nightly", "model:dlrm", "parity", "kills", "link:20mbit"]
+    assert pipeline_tags({"work_dir": "/w/demo", "parity": 0, "link_rate": 0}) == \
+        ["pipeline", "dataset:demo", "model:dlrm"]
+    assert recover_tags(["data shard 0", "parity shard 0"]) == ["recovery", "lost:data-shard-0",
+                                                                "lost:parity-shard-0"]
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -60,5 +113,6 @@ def test_flow_runs_are_named_and_tagged(tmp_path):
             by_flow.setdefault(client.read_flow(run.flow_id).name, []).append(run)
     assert "compare-caches-clicks-b20" in {r.name for r in by_flow["compare-caches"]}
     (recovery,) = [r for r in by_flow["recover-shard"] if r.parameters.get("run") == "clicks-oracle-parity1"]
-    assert recovery.name == "recover-data-shard-0"
+    assert recovery.name == "recover-data-shard-0-clicks-oracle-parity1"
+    assert set(recovery.tags) >= {"recovery", "lost:data-shard-0"}
     assert parent is not None

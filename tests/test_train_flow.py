@@ -15,6 +15,7 @@ from dlrmflow.cli import main
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.run_state import load_state, read_summary, state_differences, state_hash
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.tasks.reporting import run_dir_label
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -104,15 +105,16 @@ def test_flow_publishes_metrics_artifacts(dataset, tmp_path):
                                    metrics_every=2), return_state=True)
     summary, run_id = state.result(), state.state_details.flow_run_id
     assert summary["iterations"] == 6 and len(summary["metrics"]) == 3
-    names = ["train-metrics-data-local", "train-summary-data-local", "train-loss-data-local", "train-time-data-local"]
+    label = run_dir_label(tmp_path / "run")  # the run directory names the keys: no other run adds to them
+    names = [f"train-{what}-local-{label}" for what in ("metrics", "summary", "loss", "time")]
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=names), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
         run = client.read_flow_run(run_id)
     assert {a.key for a in artifacts} == set(names)
     # The run says what it runs: its name, and tags for its mode and dataset.
-    assert run.name == "train-local" and {"mode:local", "dataset:data"} <= set(run.tags)
-    table = next(a for a in artifacts if a.key == "train-metrics-data-local").data
+    assert run.name == f"train-local-{label}" and {"mode:local", "dataset:data"} <= set(run.tags)
+    table = next(a for a in artifacts if a.key == f"train-metrics-local-{label}").data
     assert '"Iteration time (ms)"' in table and "_ms" not in table
     assert (tmp_path / "run" / "loss.png").is_file() and (tmp_path / "run" / "iteration_time.png").is_file()
 
@@ -206,14 +208,42 @@ def test_a_kill_its_detection_and_the_rebuild_are_logged_in_the_train_run(tmp_pa
     dataset = make_dataset(tmp_path / "kill-data", 23)
     summary = train_flow(TrainConfig(dataset_dir=str(dataset), mode="remote", output_dir=str(tmp_path / "run"),
                                      batch_size=16, iterations=10, embedding_dim=4, bottom_mlp=[8, 4],
-                                     top_mlp=[8, 1], num_shards=2, parity=1, kills=["shard:1@4"]))
+                                     top_mlp=[8, 1], num_shards=2, parity=1, kills=["shard:1@4"], metrics_every=1))
     assert summary["parity"]["verify"]["ok"]
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["train-remote-k2-r1"])))
+        name = f"train-remote-k2-r1-{run_dir_label(tmp_path / 'run')}"
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
     (run,) = [r for r in runs if r.parameters["config"]["output_dir"] == str(tmp_path / "run")]
     assert {"mode:remote", "parity", "kills"} <= set(run.tags)
     log = "\n".join(_run_log(run.id))
     assert "killed data shard 1: SIGKILL to its Dask worker" in log and "at the start of iteration 4" in log
+    # Iterations count from 0 in the log as in iterations.csv: iteration 3's loss, then the kill before iteration 4.
+    assert log.index("iteration 3: loss") < log.index("killed data shard 1") < log.index("iteration 4: loss")
     assert "lost data shard 1 (" in log
     assert "rebuilt data shard 1:" in log
     assert log.index("killed data shard 1") < log.index("lost data shard 1") < log.index("rebuilt data shard 1")
+
+
+def test_a_kill_run_s_report_task_has_the_train_task_as_input_and_no_flow_run(dataset, tmp_path):
+    """The report task's input, the run's summary, holds each recover-shard subflow's result; Prefect would
+    record that subflow run as a ``flow_run`` input, which the UI's task run pages reject (its Task Runs tab
+    said "No task runs", its artifacts' Task Run links were blank). Its one input is the train task."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter
+
+    from dlrmflow.flows.train import train_flow
+
+    state = train_flow(TrainConfig(dataset_dir=str(dataset), mode="remote", output_dir=str(tmp_path / "kill"),
+                                   batch_size=32, iterations=6, embedding_dim=4, bottom_mlp=[8, 4], top_mlp=[8, 1],
+                                   num_shards=2, parity=1, kills=["shard:0@3"]), return_state=True)
+    summary, run_id = state.result(), state.state_details.flow_run_id
+    assert [r["lost"] for r in summary["parity"]["recoveries"]] == [["data shard 0"]]
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+                                      task_run_filter=TaskRunFilter())
+    by_name = {t.task_key.split(".")[-1] if t.task_key else t.name: t for t in tasks}
+    report = next(t for t in tasks if t.name.startswith("publish-train-report"))
+    train = next(t for t in tasks if t.name.startswith("train-dlrm"))
+    inputs = [i for group in report.task_inputs.values() for i in group]
+    assert inputs and all(i.input_type == "task_run" for i in inputs), (by_name, report.task_inputs)
+    assert {i.id for i in inputs} == {train.id}

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for c in args.capacity:
         parse_capacity(c, meta.total_embedding_rows)
     return compare_caches_flow(args.dataset, args.batch_size, args.capacity, args.lookahead,
-                               args.prefetch_distance, args.embedding_dim, args.output, args.drop_last)
+                               args.prefetch_distance, args.embedding_dim, args.output, args.drop_last,
+                               feasible_only=False)
 
 
 def summarize(r: dict[str, Any]) -> str:

@@ -175,17 +175,34 @@ def simulate_static(trace: Trace, capacity: int) -> PolicyResult:
     return PolicyResult("static", capacity, trace.uses, lo + cold, lo + cold, f"{lo} rows pinned")
 
 
-def windowed_fetches(trace: Trace, capacity: int, window: int, distance: int) -> tuple[int, int] | str:
-    """(rows fetched, rows written back) of the lookahead policy, or why ``capacity`` is too small."""
+def _windowed(trace: Trace, window: int, distance: int):
+    """The lookahead policy's decisions on ``trace``, its occupancy and the rows it must hold at each iteration."""
     n = len(trace.batches)
     d = decide_range(
         enumerate(trace.batches), first=0, stop=n, num_iterations=n, window=window,
         distance=distance, candidates=True, num_rows=trace.num_rows,
     )
     if not n:
-        return 0, 0
+        return d, None, None
     occ = occupancy(d.prefetch_counts, d.evict_counts, distance)
-    base = occ - coverage(d.cand_start, d.cand_end, n)
+    return d, occ, occ - coverage(d.cand_start, d.cand_end, n)
+
+
+def smallest_feasible_capacity(trace: Trace, window: int, distance: int) -> int:
+    """The fewest cache rows at which every policy runs: the most rows one iteration uses (LRU, static hot
+    set, Belady MIN) or the oracle plan must hold at once (``P + 1`` consecutive iterations' rows)."""
+    if not trace.batches:
+        return 1
+    _, _, base = _windowed(trace, window, distance)
+    return max(1, trace.max_batch_rows, int(base.max()))
+
+
+def windowed_fetches(trace: Trace, capacity: int, window: int, distance: int) -> tuple[int, int] | str:
+    """(rows fetched, rows written back) of the lookahead policy, or why ``capacity`` is too small."""
+    n = len(trace.batches)
+    d, occ, base = _windowed(trace, window, distance)
+    if not n:
+        return 0, 0
     if base.max() > capacity:
         u = int(np.argmax(base > capacity))
         span = f"iterations {u}..{min(u + distance, n - 1)} use" if distance else f"iteration {u} uses"
@@ -317,8 +334,13 @@ def compare_dataset(
     embedding_dim: int,
     drop_last: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    feasible_only: bool = False,
 ) -> dict[str, Any]:
-    """Every policy on the batch stream of ``dataset_dir``: a JSON-able report (``rows`` is the table)."""
+    """Every policy on the batch stream of ``dataset_dir``: a JSON-able report (``rows`` is the table).
+
+    ``feasible_only`` (a sweep, as the pipeline's): the capacities at which some policy cannot run are left
+    out (``left_out``) and the smallest at which every policy runs (``smallest_feasible``) takes their place,
+    so that every row of the table has figures; else every capacity asked for is reported, infeasible or not."""
     from dlrmflow.engine.planning.planner import PlanConfig  # validates B, L, P like a plan would
 
     PlanConfig(batch_size, window, distance, drop_last=drop_last)
@@ -330,6 +352,12 @@ def compare_dataset(
     if not rows:
         raise UserInputError("give at least one cache capacity")
     trace = build_trace(dataset_dir, batch_size, drop_last=drop_last)
+    left_out: list[int] = []
+    smallest = None
+    if feasible_only:
+        smallest = smallest_feasible_capacity(trace, window, distance)
+        left_out = sorted({c for c in rows if c < smallest})
+        rows = [c for c in rows if c >= smallest] + ([smallest] if left_out else [])
     results = compare_policies(trace, rows, window=window, distance=distance, progress=progress)
     return {
         "dataset": str(dataset_dir),
@@ -342,6 +370,8 @@ def compare_dataset(
         "uses": trace.uses,
         "max_batch_rows": trace.max_batch_rows,
         "capacities": sorted(set(rows)),
+        "left_out": left_out,
+        "smallest_feasible": smallest,
         "rows": [r.row(embedding_dim) for r in results],
     }
 

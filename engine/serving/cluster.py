@@ -62,6 +62,9 @@ HOUSEKEEPING = {
 }
 
 
+WORKER_LOGGING = "dlrmflow.engine.serving.worker_logging"
+
+
 def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
 
@@ -85,6 +88,7 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
             dashboard_address=":0",  # a free port: never collides with another cluster's 8787
             memory_limit=memory_limit,
             silence_logs=logging.ERROR,
+            preload=[WORKER_LOGGING],  # no heartbeat traceback from a worker (engine/serving/worker_logging.py)
             host=host,
         )
         if trainers > 1:
@@ -124,8 +128,24 @@ def _reported(start: Callable[[], LocalCluster]) -> Iterator[LocalCluster]:
     try:
         yield cluster
     finally:
-        with phase_reported("Dask: closing the LocalCluster"):
+        with phase_reported("Dask: closing the LocalCluster"), _quiet_close():
             cluster.close()
+
+
+@contextmanager
+def _quiet_close() -> Iterator[None]:
+    """While a LocalCluster closes, the warnings of its normal shutdown stay out of the terminal: its nannies
+    (in this process) kill a worker slow to exit, saying "Worker process still alive after ... killing" (on a
+    busy machine, every time). Errors still show."""
+    loggers = [logging.getLogger(name) for name in ("distributed.nanny", "distributed.core")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 @contextmanager
