@@ -35,7 +35,7 @@ from dlrmflow.flows.run_names import daily_run_name, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.daily import publish_daily_report_task
 from dlrmflow.tasks.evaluate import evaluate_task
-from dlrmflow.tasks.reporting import dataset_label
+from dlrmflow.tasks.reporting import run_dir_label
 
 HISTORY_FILE = "history.json"
 
@@ -108,7 +108,7 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
     """Process every day file of ``config.landing`` not yet in ``config.state_dir`` (module docstring)."""
     logger = get_run_logger()
     state = Path(config.state_dir)
-    tag_this_run(["daily", f"state:{dataset_label(state)}", f"model:{config.model}"])
+    tag_this_run(["daily", f"state:{run_dir_label(state)}", f"model:{config.model}"])
     history = read_history(state)
     todo = new_days(config, history)
     if not todo:

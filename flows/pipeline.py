@@ -35,10 +35,10 @@ from dlrmflow.engine.training.summary import TrainSummary, saved_run, train_summ
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
-from dlrmflow.flows.run_names import pipeline_run_name
+from dlrmflow.flows.run_names import pipeline_run_name, pipeline_tags, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.pipeline_report import publish_pipeline_summary_task
-from dlrmflow.tasks.reporting import Column, artifact_key, format_table
+from dlrmflow.tasks.reporting import Column, artifact_key, format_table, run_dir_label
 
 
 def _trainers(cfg: PipelineConfig, mode: str) -> int:
@@ -102,7 +102,9 @@ def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
     """Generate or read raw data, preprocess, profile, plan, compare caches, train remote vs oracle (unshaped,
     and behind a ``link_rate`` Mbit/s emulated link).
 
-    The run is named ``pipeline-<work dir name>``; every step run is tagged ``dataset:<work dir name>``."""
+    The run is named ``pipeline-<work dir label>`` and tagged (:func:`pipeline_tags`); every step run is
+    tagged ``dataset:<work dir name>``."""
+    tag_this_run(pipeline_tags(config))
     with tags(f"dataset:{artifact_key(Path(config.work_dir).resolve().name)}"):
         return _pipeline(config)
 
@@ -166,7 +168,7 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
     result["link"] = {"rate_mbit": cfg.link_rate, "skipped": link_skipped}
     result["summary"] = summary_rows(profile, result["caches"], runs, link_skipped, cfg)
     table = format_table(result["summary"], SUMMARY_COLUMNS)
-    publish_pipeline_summary_task(artifact_key("pipeline-summary", work.name), str(work), table)
+    publish_pipeline_summary_task(artifact_key("pipeline-summary", run_dir_label(work)), str(work), table)
     return result
 
 

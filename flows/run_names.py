@@ -137,12 +137,12 @@ def tag_this_run(tags: list[str]) -> None:
 
 
 def evaluate_run_name() -> str:
-    """``evaluate-<run>-on-<dataset>``."""
+    """``evaluate-<run dir label>-on-<dataset>``."""
     params = _params()
-    return artifact_key("evaluate", dataset_label(params.get("run_dir", "")), "on",
+    return artifact_key("evaluate", run_dir_label(params.get("run_dir", "")), "on",
                         dataset_label(params.get("dataset_dir", "")))
 
 
 def daily_run_name() -> str:
-    """``daily-<state dir>``."""
-    return artifact_key("daily", dataset_label(_field(_params().get("config"), "state_dir", "")))
+    """``daily-<state dir label>``."""
+    return artifact_key("daily", run_dir_label(_field(_params().get("config"), "state_dir", "")))

@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import task
 
-from dlrmflow.tasks.reporting import artifact_key, dataset_label, publish_markdown, publish_plot
+from dlrmflow.tasks.reporting import artifact_key, publish_markdown, publish_plot, run_dir_label
 
 AUC_PLOT = "next_day_auc.png"
 
@@ -58,7 +58,7 @@ def plot_next_day_auc(days: list[dict[str, Any]], path: str | Path) -> Path:
 @task(name="publish-daily-report")
 def publish_daily_report_task(days: list[dict[str, Any]], state_dir: str) -> dict[str, str]:
     """The day-by-day table and the next-day AUC plot as artifacts keyed by the state directory."""
-    label = dataset_label(state_dir)
+    label = run_dir_label(state_dir)
     keys = {"table": publish_markdown(artifact_key("daily", label), "### Day by day\n\n" + daily_table(days),
                                       f"the daily loop in {state_dir}")}
     if any(d["next_day_auc"] is not None for d in days):

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from dlrmflow.tasks.reporting import artifact_key, dataset_label, metric_table, publish_table
+from dlrmflow.tasks.reporting import artifact_key, dataset_label, metric_table, publish_table, run_dir_label
 
 
 @task(name="evaluate")
@@ -28,7 +28,7 @@ def _fixed(x: float | None) -> str:
 @task(name="publish-evaluation")
 def publish_evaluation_task(result: dict[str, Any]) -> str:
     """The evaluation as a table artifact, keyed by the run and the dataset."""
-    key = artifact_key("evaluate", dataset_label(result["run_dir"]), dataset_label(result["dataset"]))
+    key = artifact_key("evaluate", run_dir_label(result["run_dir"]), "on", dataset_label(result["dataset"]))
     table = metric_table([("rows", result["rows"], "count"), ("AUC", result["auc"], ""),
                           ("log loss", result["log_loss"], ""),
                           ("constant-prediction log loss", result["constant_log_loss"], ""),

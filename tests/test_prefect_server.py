@@ -324,6 +324,8 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
     on day 1, then trains day 1 from it; each night publishes the day-by-day table and (night 2) the plot."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+    from dlrmflow.tasks.reporting import run_dir_label
+
     commands = readme_deployment_block(DAILY_SECTION)
     assert [c.split()[:3] for c in commands] == [["dlrmflow", "generate", "--rows"],
                                                  ["prefect", "deployment", "run"]] * 2
@@ -342,9 +344,11 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
     assert (day0["day"], day1["day"]) == ("day_0", "day_1")
     assert day0["next_day_auc"] is None and 0 < day1["next_day_auc"] < 1 and day1["new_ids"] > 0
     assert json.loads(Path(day1["run_dir"], "summary.json").read_text())["init_from"]["run_dir"] == day0["run_dir"]
+    label = run_dir_label(state)
     with _api(prefect_server.api_url) as client:
-        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["daily-daily"])))
-        plot = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["daily-auc-daily"])))
+        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"daily-{label}"])))
+        plot = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"daily-auc-{label}"])))
     assert len(table) == 2 and all(a.type == "markdown" for a in table)  # one version a night
     assert any("| day_1 |" in a.data for a in table) and len(plot) == 1
 
