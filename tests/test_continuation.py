@@ -245,3 +245,21 @@ def test_evaluate_on_the_command_line_and_its_refusals(days, tmp_path, capsys, p
         assert main(["evaluate", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and error in err[0], err
+
+
+def test_a_finished_run_replaced_after_the_check_is_refused_not_read(days, tmp_path):
+    """A process that opens the run's files after it was written over (a Dask worker of a later run, say)
+    refuses; one that opened them before keeps reading the rows that were checked."""
+    from dlrmflow.engine.serving import embedding_rows
+    from dlrmflow.engine.serving.embedding_rows import init_rows
+
+    train(config(days["ds0"], tmp_path / "day0", "local"))
+    checked = prepare_run(config(days["ds1"], tmp_path / "day1", "local", init_from=str(tmp_path / "day0")))
+    ids = np.arange(50)
+    before = init_rows(checked.spec, ids)
+    shutil.rmtree(tmp_path / "day0")
+    train(config(days["ds0"], tmp_path / "day0", "local", seed=5))
+    assert np.array_equal(init_rows(checked.spec, ids).view(np.int32), before.view(np.int32))  # opened before
+    embedding_rows._final_rows.cache_clear()  # a process that opens the files now
+    with pytest.raises(UserInputError, match="changed since the run that continues it was checked"):
+        init_rows(checked.spec, ids)

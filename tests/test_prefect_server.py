@@ -342,8 +342,17 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
     state = prefect_server.project / json.loads(param.removeprefix("config="))["state_dir"]
     day0, day1 = json.loads((state / "history.json").read_text())["days"]
     assert (day0["day"], day1["day"]) == ("day_0", "day_1")
-    assert day0["next_day_auc"] is None and 0 < day1["next_day_auc"] < 1 and day1["new_ids"] > 0
-    assert json.loads(Path(day1["run_dir"], "summary.json").read_text())["init_from"]["run_dir"] == day0["run_dir"]
+    # Night 1: day 0 from scratch. Night 2: day 1 kept day 0's ids and grew; its model continued day 0's
+    # (oracle, parity verified), scored on day 1 before training on it.
+    assert day0["next_day_auc"] is None and day0["new_ids"] == day0["embedding_rows"] > 0
+    summary0, summary1 = (json.loads(Path(d["run_dir"], "summary.json").read_text()) for d in (day0, day1))
+    assert summary0["init_from"] is None and summary1["init_from"]["run_dir"] == day0["run_dir"]
+    assert summary1["mode"] == "oracle" and summary1["parity"]["verify"]["ok"] is True
+    meta1 = json.loads(Path(day1["dataset"], "meta.json").read_text())
+    assert meta1["vocabulary"]["parent"]["fingerprint"] == summary0["dataset_fingerprint"]
+    assert day1["new_ids"] == sum(meta1["cardinalities"]) - day0["embedding_rows"] > 0
+    assert 0 < day1["next_day_auc"] < 1 and day1["next_day_log_loss"] > 0 and day1["next_day_constant_log_loss"] > 0
+    assert 0 < day1["new_id_lookup_share"] < 1 and (state / "next_day_auc.png").stat().st_size > 0
     label = run_dir_label(state)
     with _api(prefect_server.api_url) as client:
         table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"daily-{label}"])))

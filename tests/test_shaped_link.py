@@ -132,8 +132,15 @@ with shaped_link(10_000_000) as link:
 
 
 def start_builder() -> tuple[subprocess.Popen, str, str, int]:
+    """The builder, once the process it started is inside the namespace: ``ip netns exec`` joins it a moment
+    after its pid exists, and a process not yet inside is not one the link's cleanup can find."""
     proc = subprocess.Popen([sys.executable, "-c", BUILDER], stdout=subprocess.PIPE, text=True)
     namespace, root_veth, inside_pid = proc.stdout.readline().split()
+    deadline = time.monotonic() + 30
+    while inside_pid not in subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                                           text=True).stdout.split():
+        assert time.monotonic() < deadline, f"process {inside_pid} never entered {namespace}"
+        time.sleep(0.05)
     return proc, namespace, root_veth, int(inside_pid)
 
 

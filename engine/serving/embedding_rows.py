@@ -185,22 +185,29 @@ class StartingRows:
     state_dir: str
     cardinalities: tuple[int, ...]
     width: int
+    state_sha256: str  # the manifest's: a final state written over since the run was checked is refused
 
     def cardinalities_array(self, xp: ModuleType = np):
         return xp.asarray(np.asarray(self.cardinalities, np.int64))
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The run's final rows of its global ``ids`` ``[len(ids), width]``."""
-        rows = _final_rows(self.state_dir)
+        rows = _final_rows(self.state_dir, self.state_sha256)
         if rows.width != self.width:
             raise ValueError(f"{self.state_dir}: rows of width {rows.width}, expected {self.width}")
         return rows[ids]
 
 
 @functools.lru_cache(maxsize=4)
-def _final_rows(state_dir: str):
-    from dlrmflow.engine.run_state import state_rows  # run_state imports torch: only when continuing a run
+def _final_rows(state_dir: str, state_sha256: str):
+    """The shard files of ``state_dir``, memory-mapped once per process; keyed by the state's SHA-256 too, so
+    that a process that outlives one run (a Dask worker) never serves the files of a replaced run."""
+    from dlrmflow.engine.run_state import read_manifest, state_rows  # torch: only when continuing a run
 
+    manifest = read_manifest(state_dir)
+    if manifest is None or manifest["state_sha256"] != state_sha256:
+        raise UserInputError(f"{state_dir} changed since the run that continues it was checked (its state "
+                             f"SHA-256 is no longer {state_sha256[:12]}...)")
     return state_rows(state_dir)
 
 

@@ -61,7 +61,8 @@ class FinishedRun:
         """The run's final rows for a layout whose tables held ``cardinalities`` rows in the run's dataset."""
         from dlrmflow.engine.serving.embedding_rows import StartingRows  # torch: not in the CLI's early check
 
-        return StartingRows(self.state_dir, tuple(int(c) for c in cardinalities), int(self.manifest["width"]))
+        return StartingRows(self.state_dir, tuple(int(c) for c in cardinalities), int(self.manifest["width"]),
+                            str(self.manifest["state_sha256"]))
 
 
 def read_finished_run(run_dir: str | os.PathLike, *, option: str = "--init-from") -> FinishedRun:

@@ -43,14 +43,14 @@ class RunSetup:
     plan_fingerprint: str | None = None
     resume_at: int | None = None  # resume: the iteration of the checkpoint the run continues from
     init_from: FinishedRun | None = None  # --init-from: the finished run it starts from (spec.start: its rows)
+    # Tests only: trainer 0 also gathers the whole final state into its result (``whole_state``), as runs
+    # did before each shard wrote its own rows: every row in one process.
+    whole_state: bool = False
+
     @property
     def steps_before(self) -> int:
         """Optimizer steps taken before this run's first iteration (--init-from: the finished run's)."""
         return 0 if self.init_from is None else self.init_from.steps
-
-    # Tests only: trainer 0 also gathers the whole final state into its result (``whole_state``), as runs
-    # did before each shard wrote its own rows: every row in one process.
-    whole_state: bool = False
 
 
 def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:
