@@ -35,7 +35,7 @@ from dlrmflow.flows.run_names import daily_run_name, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.daily import publish_daily_report_task
 from dlrmflow.tasks.evaluate import evaluate_task
-from dlrmflow.tasks.reporting import run_dir_label
+from dlrmflow.tasks.reporting import reported_dask_scheduler, run_dir_label
 
 HISTORY_FILE = "history.json"
 
@@ -70,8 +70,10 @@ def _train_config(config: DailyConfig, dataset: Path, plan: Path, run: Path, ini
                        init_from=init_from)
 
 
-def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """One day: preprocess, plan, evaluate the latest model on it, train from it; its history row."""
+def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, address: str) -> dict[str, Any]:
+    """One day: preprocess and plan on the Dask cluster at ``address``, evaluate the latest model on it, train
+    from it (on ``config.dask_address``, else a LocalCluster of the run's own: one worker per shard); its
+    history row."""
     logger = get_run_logger()
     name = day_name(path)
     where = Path(config.state_dir).resolve() / "days" / name
@@ -80,11 +82,11 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None) ->
     preprocess_flow(PreprocessConfig(inputs=[str(path)], output=str(dataset), format=config.format, seed=config.seed,
                                      min_frequency=config.min_frequency, max_rows_per_table=config.max_rows_per_table,
                                      vocabulary=previous["dataset"] if previous else None),
-                    dask_address=config.dask_address)
+                    dask_address=address)
     meta = read_meta(dataset)
     plan_flow(PlanJobConfig(dataset_dir=str(dataset), output_dir=str(plan), batch_size=config.batch_size,
                             lookahead=config.lookahead, prefetch_distance=config.prefetch_distance),
-              dask_address=config.dask_address)
+              dask_address=address)
     evaluation = None
     if previous is not None:  # yesterday's model on today's data, before it trains on it
         evaluation = evaluate_task(previous["run_dir"], str(dataset), config.batch_size)
@@ -117,8 +119,9 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
         return {"state_dir": str(state), "new_days": [], "days": history, "report": None}
     logger.info("%d new day(s) in %s: %s", len(todo), config.landing, ", ".join(day_name(p) for p in todo))
     state.mkdir(parents=True, exist_ok=True)
-    for path in todo:
-        history.append(run_day(config, path, history[-1] if history else None))
-        write_history(state, history)
+    with reported_dask_scheduler(config.dask_address) as address:  # one cluster for the night's data work
+        for path in todo:
+            history.append(run_day(config, path, history[-1] if history else None, address))
+            write_history(state, history)
     report = publish_daily_report_task(history, str(state))
     return {"state_dir": str(state), "new_days": [day_name(p) for p in todo], "days": history, "report": report}
