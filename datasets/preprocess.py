@@ -59,6 +59,7 @@ from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResu
 from dlrmflow.datasets.vocabulary import (
     ParentVocabulary,
     VocabularyFile,
+    content_digest,
     load_parent,
     read_range,
     refuse_processed_inputs,
@@ -961,7 +962,8 @@ def _preprocess_locked(
             },
             inputs=identity,
             fingerprint=fp,
-            extra={"input_lines": lines, "reject_examples": examples},
+            extra={"input_lines": lines, "reject_examples": examples,
+                   "input_digests": {str(path): content_digest(path) for path in paths}},
             vocabulary=vocabulary_record(vocabulary_files, parent),
         )
         for name, n in written:

@@ -11,6 +11,7 @@ daily loop: the same raw value keeps its id day after day, and new values take t
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,9 +63,11 @@ class ParentVocabulary:
 
 def lineage_entry(directory: str, meta: DatasetMeta) -> dict[str, Any]:
     """One generation of a growing vocabulary: the dataset, its fingerprint, its tables' sizes (the layout
-    its rows were initialised in, :mod:`dlrmflow.engine.serving.embedding_rows`) and its input files."""
+    its rows were initialised in, :mod:`dlrmflow.engine.serving.embedding_rows`), its input files and their
+    content digests."""
     return {"dataset": directory, "fingerprint": meta.fingerprint, "cardinalities": list(meta.cardinalities),
-            "inputs": [str(i["path"]) for i in meta.inputs]}
+            "inputs": [str(i["path"]) for i in meta.inputs],
+            "digests": list((meta.extra or {}).get("input_digests", {}).values())}
 
 
 def lineage(meta: DatasetMeta) -> list[dict[str, Any]]:
@@ -166,12 +169,35 @@ def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_pe
 
 def refuse_processed_inputs(paths: list[Path], parent: ParentVocabulary) -> None:
     """A day file whose rows a dataset of the vocabulary's lineage already holds would be trained on twice:
-    a DatasetError naming it. Preprocessing the parent's own inputs again is allowed (it gives the parent's
+    a DatasetError naming it, found by its path or, for a copy under another name, by its content
+    (:func:`content_digest`). Preprocessing the parent's own inputs again is allowed (it gives the parent's
     ids: the same dataset)."""
     if {str(p) for p in paths} == set(parent.lineage[-1]["inputs"]):
         return
     done = parent.processed_inputs()
+    by_content = {digest: entry for entry in parent.lineage for digest in entry.get("digests", [])}
     for path in paths:
         if str(path) in done:
             raise DatasetError(f"{path} was already preprocessed into {done[str(path)]} (an ancestor of "
                                f"--vocabulary {parent.directory}): its rows would be trained on twice")
+        same = by_content.get(content_digest(path))
+        if same is not None:
+            raise DatasetError(f"{path} has the content of a file already preprocessed into {same['dataset']} "
+                               f"(an ancestor of --vocabulary {parent.directory}): its rows would be trained on twice")
+
+
+DIGEST_SPAN = 1 << 20  # bytes read at each end of a file for its content digest
+
+
+def content_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's size and its first and last MiB: tells a day file copied under another name from
+    every other day's file without reading it all (day files of one size and equal ends do not occur)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(str(size).encode())
+        digest.update(f.read(DIGEST_SPAN))
+        if size > DIGEST_SPAN:
+            f.seek(max(DIGEST_SPAN, size - DIGEST_SPAN))
+            digest.update(f.read(DIGEST_SPAN))
+    return digest.hexdigest()

@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
+from prefect.utilities.annotations import quote
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
@@ -121,7 +122,10 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
     state.mkdir(parents=True, exist_ok=True)
     with reported_dask_scheduler(config.dask_address) as address:  # one cluster for the night's data work
         for path in todo:
-            history.append(run_day(config, path, history[-1] if history else None, address))
+            with tags(f"day:{day_name(path)}", f"state:{run_dir_label(state)}"):  # the day's subflow runs
+                history.append(run_day(config, path, history[-1] if history else None, address))
             write_history(state, history)
-    report = publish_daily_report_task(history, str(state))
+    # Quoted: the rows hold values of the subflows' results, which Prefect would record as flow_run inputs of
+    # the report task (the UI's task run pages reject those; tasks/train.py's report says the same).
+    report = publish_daily_report_task(quote(history), str(state))
     return {"state_dir": str(state), "new_days": [day_name(p) for p in todo], "days": history, "report": report}

@@ -32,22 +32,25 @@ def daily_table(days: list[dict[str, Any]]) -> str:
 
 
 def plot_next_day_auc(days: list[dict[str, Any]], path: str | Path) -> Path:
-    """Next-day AUC (and log loss, right axis) per day: the model trained through the day before, scored on
-    the day."""
+    """Next-day AUC (top) and log loss against the constant prediction's (bottom) per day: the model trained
+    through the day before, scored on the day."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scored = [d for d in days if d["next_day_auc"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([d["day"] for d in scored], [d["next_day_auc"] for d in scored], "o-", color="tab:blue")
-    ax.set_xlabel("day (scored before training on it)")
-    ax.set_ylabel("next-day AUC", color="tab:blue")
-    right = ax.twinx()
-    right.plot([d["day"] for d in scored], [d["next_day_log_loss"] for d in scored], "s--", color="tab:orange")
-    right.set_ylabel("next-day log loss", color="tab:orange")
-    ax.set_title("The model trained through the day before, on each new day")
+    names = [d["day"] for d in scored]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    top.plot(names, [d["next_day_auc"] for d in scored], "o-", color="tab:blue")
+    top.set_ylabel("next-day AUC")
+    top.set_title("The model trained through the day before, on each new day")
+    bottom.plot(names, [d["next_day_log_loss"] for d in scored], "o-", color="tab:orange", label="model")
+    bottom.plot(names, [d["next_day_constant_log_loss"] for d in scored], "s--", color="tab:gray",
+                label="constant prediction")
+    bottom.set_ylabel("next-day log loss")
+    bottom.set_xlabel("day (scored before training on it)")
+    bottom.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

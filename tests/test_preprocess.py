@@ -488,6 +488,10 @@ def test_a_growing_vocabulary_records_its_lineage_and_refuses_a_day_it_already_h
             preprocess([tmp_path / f"day_{day}"], tmp_path / "x", vocabulary=tmp_path / "ds2", **run)
     with pytest.raises(UserInputError, match="day_0 was already preprocessed"):  # among new days, too
         preprocess([tmp_path / "day_2", tmp_path / "day_0"], tmp_path / "x", vocabulary=tmp_path / "ds1", **run)
+    shutil.copyfile(tmp_path / "day_1", tmp_path / "day_1_again")  # delivered twice, under another name
+    with pytest.raises(UserInputError, match="day_1_again has the content of a file already preprocessed into "
+                                             ".*ds1"):
+        preprocess([tmp_path / "day_1_again"], tmp_path / "x", vocabulary=tmp_path / "ds2", **run)
     assert not (tmp_path / "x").exists()
 
 
