@@ -6,7 +6,8 @@ docs/network.md), the trainer's side runs here. Each exchange writes ``--rows`` 
 other rows (distinct random ids, so the two sets are disjoint, as most of an oracle's are); the two ways
 alternate in blocks of ``--per-block`` exchanges for ``--blocks`` blocks (the machine's load drifts). Per
 (rate, way): the median wall time of one exchange, and the CPU milliseconds per exchange of this process
-(client and scheduler) and of the servers together. The line "one direction at the rate" is the rows of one
+(client and scheduler) and of the servers together (their idle housekeeping included: it grows with the
+wall time). A warm-up block of each way runs first, unmeasured. The line "one direction at the rate" is the rows of one
 direction at the link's rate: no way of sending both can take less. Every exchange's fetched rows are
 checked against a copy of the table kept here (bit for bit): the answer must not depend on the way.
 
@@ -61,6 +62,22 @@ def main() -> int:
             group = start_shards(client, spec, args.shards)
             home = init_rows(spec, np.arange(spec.total_rows))
             rng = np.random.default_rng(0)
+
+            def one_exchange() -> tuple[float, bool]:
+                """A random exchange (a row's write and a fetch never share an id): (seconds, rows right)."""
+                ids = rng.choice(spec.total_rows, 2 * args.rows, replace=False)
+                write, fetch = ids[: args.rows], ids[args.rows:]
+                rows = rng.standard_normal((args.rows, spec.width)).astype(np.float32)
+                start = time.perf_counter()
+                got = group.exchange(write, rows, fetch)
+                seconds = time.perf_counter() - start
+                home[write] = rows
+                return seconds, np.array_equal(got.view(np.uint32), home[fetch].view(np.uint32))
+
+            for min_bytes, max_rate in WAYS.values():  # warm-up, not measured: connections, first calls
+                ShardGroup.overlap_min_bytes, ShardGroup.overlap_max_rate = min_bytes, max_rate
+                for _ in range(args.per_block):
+                    one_exchange()
             for part in args.rates.split(","):
                 mbit = None if part in ("unshaped", "0") else float(part)
                 cluster.link.set_rate(None if mbit is None else int(mbit * 1e6))
@@ -71,14 +88,9 @@ def main() -> int:
                         ShardGroup.overlap_min_bytes, ShardGroup.overlap_max_rate = min_bytes, max_rate
                         here, there = time.process_time(), servers_cpu(client, cluster.servers)
                         for _ in range(args.per_block):
-                            ids = rng.choice(spec.total_rows, 2 * args.rows, replace=False)
-                            write, fetch = ids[: args.rows], ids[args.rows:]
-                            rows = rng.standard_normal((args.rows, spec.width)).astype(np.float32)
-                            start = time.perf_counter()
-                            got = group.exchange(write, rows, fetch)
-                            wall[way].append(time.perf_counter() - start)
-                            home[write] = rows
-                            if not np.array_equal(got.view(np.uint32), home[fetch].view(np.uint32)):
+                            seconds, right = one_exchange()
+                            wall[way].append(seconds)
+                            if not right:
                                 print(f"{way}: fetched rows differ from the table's", file=sys.stderr)
                                 return 1
                         cpu[way][0] += time.process_time() - here
