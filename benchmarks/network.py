@@ -18,8 +18,10 @@ take minutes at the slow rates. None of them is part of an iteration's time.
 
 Per (config, rate, mode): the median and 10th percentile of every iteration of every round, the stall
 (share of iteration time spent waiting for embedding traffic; ``remote``'s is the share of its
-iteration spent on embedding traffic), bytes fetched and written back, and the frames the link
-carried. Per (config, rate): oracle vs remote and vs local (medians), and the physical limit of the
+iteration spent on embedding traffic), bytes fetched and written back, the frames the link
+carried, and the CPU milliseconds per iteration of this process (trainer, Dask client and scheduler)
+and of the servers, over the second half of the iterations (median over the rounds).
+Per (config, rate): oracle vs remote and vs local (medians), and the physical limit of the
 oracle's speed-up, remote / max(local, the oracle's bytes per iteration / rate) (it can hide traffic
 behind compute, not beat either; each direction has the full rate, so the bytes are the larger of
 fetched and written back), with the speed-up as a share of it. Every run of a configuration must end
@@ -34,6 +36,12 @@ Needs root or CAP_NET_ADMIN (network namespaces, tc); without them it says so in
 
 from __future__ import annotations
 
+# isort: off
+# First: importing dlrmflow sets OMP_WAIT_POLICY=PASSIVE, which libgomp reads once, when torch loads; torch
+# loaded first would spin its threads between parallel regions and collapse every mode on a busy machine
+# (docs/oracle-overhead.md). A value in the environment still wins.
+import dlrmflow  # noqa: F401
+# isort: on
 import argparse
 import contextlib
 import json
@@ -86,9 +94,24 @@ def prepare(key: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {**data, "slots": data["plan"].num_slots}
 
 
+def server_cpu_seconds(client: Client | None, servers: list[str]) -> float:
+    """CPU seconds the embedding-server processes have used so far (0 without servers)."""
+    if client is None or not servers:
+        return 0.0
+    return float(sum(client.run(time.process_time, workers=servers).values()))
+
+
 def train_point(data: dict[str, Any], mode: str, link: ShapedLink | None, mbit: float | None,
-                args: argparse.Namespace, client: Client | None, work: Path) -> dict[str, Any]:
-    """One training run of ``mode`` with the link at ``mbit``; the fields benchmarks/train.py's ``combine`` reads."""
+                args: argparse.Namespace, client: Client | None, work: Path,
+                servers: list[str] | None = None) -> dict[str, Any]:
+    """One training run of ``mode`` with the link at ``mbit``; the fields benchmarks/train.py's ``combine`` reads.
+
+    CPU per iteration of the second half of the iterations (the steady state the medians also use): this
+    process (the trainer, its threads and the Dask client and scheduler) and the servers together, read at
+    the middle and the last iteration (the servers' read is one ``client.run``, a round trip in one
+    iteration)."""
+    servers = [] if mode == "local" else list(servers or [])
+    cpu: dict[str, tuple[float, float, int]] = {}
     cfg, iterations = data["cfg"], data["iterations"]
     config = TrainConfig(
         dataset_dir=str(data["dataset"]), mode=mode, output_dir=str(work / f"run-{data['key']}-{mode}"),
@@ -103,6 +126,8 @@ def train_point(data: dict[str, Any], mode: str, link: ShapedLink | None, mbit: 
         before = link.sent_bytes()
 
     def unshape_after_the_last_iteration(done: int, total: int) -> None:
+        if done in (total // 2, total) and total >= 2:
+            cpu["mid" if done < total else "end"] = (time.process_time(), server_cpu_seconds(client, servers), done)
         if link is not None and done == total:
             link_bytes.update({k: v - before[k] for k, v in link.sent_bytes().items()})
             link.set_rate(None)
@@ -117,9 +142,14 @@ def train_point(data: dict[str, Any], mode: str, link: ShapedLink | None, mbit: 
                    steady_stall_fraction=float(steady[:, 3].sum() / steady[:, 2].sum()),
                    iteration_ms=per_it[:, 2].tolist(), stall_ms=per_it[:, 3].tolist(),
                    link_bytes=link_bytes.get("inside", 0) + link_bytes.get("root", 0))
+    if "mid" in cpu and "end" in cpu:
+        n = cpu["end"][2] - cpu["mid"][2]
+        summary.update(trainer_cpu_ms=1e3 * (cpu["end"][0] - cpu["mid"][0]) / n,
+                       servers_cpu_ms=1e3 * (cpu["end"][1] - cpu["mid"][1]) / n)
     log(f"[{data['key']}] {rate_label(mbit) if mode != 'local' else 'no link':>14} {mode:<7} "
         f"median {summary['median_iteration_ms']:8.1f} ms, stall {100 * summary['stall_fraction']:5.1f}%, "
-        f"run {wall:.1f} s")
+        f"CPU/it trainer {summary.get('trainer_cpu_ms', float('nan')):.1f} ms servers "
+        f"{summary.get('servers_cpu_ms', float('nan')):.1f} ms, run {wall:.1f} s")
     return summary
 
 
@@ -150,7 +180,8 @@ def run_config(data: dict[str, Any], rates: list[float | None], modes: list[str]
             link = cluster.link
             log(f"[{key}] {args.shards} embedding servers at {', '.join(cluster.servers)} behind "
                 f"{link.root_veth} <-> {link.namespace}")
-        warm = {m: train_point(data, m, link, None, args, client, work) for m in remote_modes}
+        servers = list(cluster.servers) if remote_modes else []
+        warm = {m: train_point(data, m, link, None, args, client, work, servers) for m in remote_modes}
         points: list[tuple[float | None, str]] = [(None, "local")] if "local" in modes else []
         for mbit in rates:
             need = transfer_seconds(warm["remote"], mbit) if "remote" in warm else 0.0
@@ -163,11 +194,14 @@ def run_config(data: dict[str, Any], rates: list[float | None], modes: list[str]
             points += [(mbit, m) for m in remote_modes]
         for round_ in range(args.repeats):
             for mbit, mode in rotated(points, round_ * max(1, len(points) // args.repeats)):
-                runs.setdefault((mbit, mode), []).append(train_point(data, mode, link, mbit, args, client, work))
+                runs.setdefault((mbit, mode), []).append(
+                    train_point(data, mode, link, mbit, args, client, work, servers))
     rows = []
     for (_, mode), each in runs.items():
         row = combine(key, mode, each)
         row["link_bytes_each_round"] = [r["link_bytes"] for r in each]
+        for field in ("trainer_cpu_ms", "servers_cpu_ms"):  # the median over the rounds
+            row[field] = float(np.median([r[field] for r in each])) if all(field in r for r in each) else None
         rows.append(row)
     return rows, skipped
 
@@ -206,7 +240,7 @@ def same_state(rows: list[dict]) -> dict[str, bool]:
 
 def print_table(rows: list[dict], points: list[dict], skipped: list[dict], same: dict[str, bool]) -> None:
     header = (f"{'cfg':<4}{'link':>15} {'mode':<8}{'median ms':>10}{'p10 ms':>9}{'stall %':>9}{'fetched MB':>12}"
-              f"{'written MB':>12}{'link MB':>9}")
+              f"{'written MB':>12}{'link MB':>9}{'CPU trainer':>12}{'servers':>9}")
     print("\n" + header + "\n" + "-" * len(header))
     order = {m: i for i, m in enumerate(MODES)}
     for r in sorted(rows, key=lambda r: (r["config"], -(r["rate_mbit"] or float("inf")), order[r["mode"]])):
@@ -214,7 +248,8 @@ def print_table(rows: list[dict], points: list[dict], skipped: list[dict], same:
         link_mb = np.median(r["link_bytes_each_round"]) / 1e6
         print(f"{r['config']:<4}{link:>15} {r['mode']:<8}{r['pooled_median_ms']:10.1f}{r['pooled_p10_ms']:9.1f}"
               f"{100 * r['pooled_stall_fraction']:9.1f}{r['bytes_fetched'] / 1e6:12.1f}"
-              f"{r['bytes_written_back'] / 1e6:12.1f}{link_mb:9.1f}")
+              f"{r['bytes_written_back'] / 1e6:12.1f}{link_mb:9.1f}{_fmt(r.get('trainer_cpu_ms'), '12.1f')}"
+              f"{_fmt(r.get('servers_cpu_ms'), '9.1f')}")
     header = (f"{'cfg':<4}{'link':>15}{'remote stall':>14}{'oracle/remote':>15}{'oracle/local':>14}"
               f"{'limit':>8}{'share':>8}")
     print("\n" + header + "\n" + "-" * len(header))
@@ -224,7 +259,9 @@ def print_table(rows: list[dict], points: list[dict], skipped: list[dict], same:
               f"{_fmt(p.get('oracle_vs_remote'), '14.2f')}x{_fmt(p.get('oracle_vs_local'), '13.2f')}x"
               f"{_fmt(p.get('speedup_limit'), '7.2f')}x{_fmt(share, '8.0%')}")
     print("oracle/remote: remote's median over the oracle's (the speed-up); oracle/local: the oracle's median over\n"
-          "local's; limit: remote / max(local, the oracle's bytes per iteration / rate); share: speed-up / limit")
+          "local's; limit: remote / max(local, the oracle's bytes per iteration / rate); share: speed-up / limit\n"
+          "CPU trainer / servers: CPU ms per iteration of this process and of the servers together, second half "
+          "of the iterations, median over the rounds")
     for s in skipped:
         print(f"[{s['config']}] {rate_label(s['rate_mbit'])}: skipped: {s['reason']}")
     for key, ok in same.items():

@@ -30,6 +30,7 @@ from dlrmflow.engine.run_state import load_state
 from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.placement import NoWorkersError, place_trainers
+from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_users
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
@@ -150,6 +151,15 @@ def test_one_trainer_is_not_recorded_so_old_runs_keep_their_fingerprint(tmp_path
 # ---- trainers on a cluster ---------------------------------------------------------------------------
 
 
+DEFAULT_SPLIT = (ShardGroup.overlap_min_bytes, ShardGroup.overlap_max_rate)
+
+
+def _split_exchanges(min_bytes: int, max_rate: float) -> None:
+    """On a worker: when its trainers' exchanges send each shard's fetch and write-back apart
+    (``ShardGroup.overlap_min_bytes`` and ``overlap_max_rate``; 0 and inf: always)."""
+    ShardGroup.overlap_min_bytes, ShardGroup.overlap_max_rate = min_bytes, max_rate
+
+
 @pytest.fixture(scope="module")
 def client():
     """Four plain workers (servers: up to four coded members, one per worker) and three trainer workers."""
@@ -174,9 +184,18 @@ def test_lru_and_lrpp_are_bit_identical_to_the_w_trainer_reference(client, tmp_p
                   embedding_optimizer=["adagrad", "sgd"][seed % 2], dense_optimizer=["adam", "sgd"][seed // 2],
                   embedding_lr=0.05, trainers=size, num_shards=int(rng.integers(1, 4)))
     capacity = int(rng.integers(4 * batch_size, 8 * batch_size))
-    runs = {mode: train(small_config(dataset, tmp_path / mode, mode, **kw, **common), client=client)
-            for mode, kw in (("remote", {}), ("lru", {"capacity": capacity}),
-                             ("oracle", {"plan_dir": str(tmp_path / "plan")}))}
+    runs = {"remote": train(small_config(dataset, tmp_path / "remote", "remote", **common), client=client)}
+    split = seed % 2 == 1  # the caches' write-backs and fetches as concurrent calls on every trainer
+    try:
+        if split:  # on the workers, and here (where a run may start its shards)
+            client.run(_split_exchanges, 0, float("inf"))
+            _split_exchanges(0, float("inf"))
+        for mode, kw in (("lru", {"capacity": capacity}), ("oracle", {"plan_dir": str(tmp_path / "plan")})):
+            runs[mode] = train(small_config(dataset, tmp_path / mode, mode, **kw, **common), client=client)
+    finally:
+        if split:
+            client.run(_split_exchanges, *DEFAULT_SPLIT)
+            _split_exchanges(*DEFAULT_SPLIT)
     label = f"seed {seed}: W={size} B={batch_size} L={lookahead} P={distance} K={common['num_shards']}"
     reference = load_state(tmp_path / "remote")
     for mode in ("lru", "oracle"):

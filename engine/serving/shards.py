@@ -9,7 +9,9 @@ convert values.
 
 :class:`ShardGroup` is the trainer's side: it splits a sorted id array by shard, calls all
 shards concurrently, and reassembles the answers in the caller's order. It counts the bytes
-it moved.
+it moved. An exchange with enough to move both ways sends each shard its fetch and its write-back
+as two concurrent calls, so that a link's two directions carry them at once
+(:meth:`ShardGroup._split_fetches` argues why no fetch can then read a row before its write).
 
 Whole-table reads never meet in one process: each shard writes its own rows to a file
 (:meth:`EmbeddingShard.save_rows`; a checkpoint's overlaid with the trainer's newer copies) and starts
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from distributed import Actor, Client
@@ -154,6 +157,15 @@ class ShardGroup:
     worker_of: list[str] = field(default_factory=list)  # shard k's worker address, where the starter recorded it
     bytes_fetched: int = 0
     bytes_written: int = 0
+    link_rates: list[float] = field(default_factory=list, repr=False)  # recent link-rate samples, bytes/s
+    # A shard's write-back and fetch travel as two concurrent calls (the link's two directions at once)
+    # once each direction moves this many bytes, and while the link seems slower than overlap_max_rate;
+    # else one call. A message costs about a millisecond of CPU on each side (docs/oracle-overhead.md):
+    # more than overlapping a small transfer saves, or a transfer on a fast link (loopback, a LAN: at
+    # 128 Mbit/s, 16 KiB take 1 ms).
+    overlap_min_bytes: ClassVar[int] = 16 * 1024
+    overlap_max_rate: ClassVar[float] = 16e6  # bytes per second
+    RATE_SAMPLES: ClassVar[int] = 8
 
     @property
     def num_shards(self) -> int:
@@ -171,25 +183,85 @@ class ShardGroup:
         fetch_ids: np.ndarray,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Write rows back and fetch others, one concurrent call per shard (write applied first).
+        """Write rows back and fetch others, all shards concurrently; a fetched id also written here is
+        read after its write (the shard applies the write first).
 
-        Returns the fetched rows ``[len(fetch_ids), width]`` (into ``out`` if given) once every
-        shard has answered, i.e. acknowledged its write-back."""
+        Per shard, one ``exchange`` call, or, when the shard has at least :attr:`overlap_min_bytes` to
+        move in each direction and the link is slow (:meth:`link_is_slow`), two concurrent calls
+        (:meth:`_split_fetches`) so that the fetched rows come down the link while the written rows go up.
+        Returns the fetched rows ``[len(fetch_ids), width]``
+        (into ``out`` if given) once every call has answered, i.e. every write-back is applied: a later
+        exchange's fetch, issued after this returns, sees it."""
         write_ids = np.asarray(write_ids, dtype=np.int64)
         fetch_ids = np.asarray(fetch_ids, dtype=np.int64)
         write_rows = np.asarray(write_rows, dtype=np.float32)
         if out is None:
             out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
-        calls = []
+        start = time.perf_counter()
+        plans = []  # per shard with work: (shard, positions written, fetched after the write, fetched alone)
+        sizeable = False  # some shard moves overlap_min_bytes each way: this exchange's time rates the link
         for (k, w), (_, f) in zip(self.split_by_shard(write_ids), self.split_by_shard(fetch_ids), strict=True):
             if len(w) or len(f):
+                smaller = min(len(w), len(f)) * self.spec.row_bytes
+                sizeable |= smaller > 0 and smaller >= self.overlap_min_bytes
+                plans.append((k, w, *self._split_fetches(write_ids[w], fetch_ids, f)))
+        # Every shard's fetch goes out before any write-back: on a link, a request sent after a write-back
+        # waits behind its rows in the same queue, and its answer (the other direction) starts that late.
+        calls = [(alone, call_server(self.actors[k], "fetch", self._wire(fetch_ids[alone])))
+                 for k, _, _, alone in plans if alone is not None]
+        for k, w, after, _ in plans:
+            if len(w) or len(after):
                 rows = np.ascontiguousarray(write_rows[w])
-                calls.append((f, call_server(self.actors[k], "exchange", write_ids[w], rows, fetch_ids[f])))
+                calls.append((after, call_server(self.actors[k], "exchange", self._wire(write_ids[w]), rows,
+                                                 self._wire(fetch_ids[after]))))
         for f, call in calls:
             out[f] = answer(call)
+        if sizeable:
+            split = any(alone is not None for *_, alone in plans)
+            self._rate_link(len(write_ids) * self.spec.row_bytes, len(fetch_ids) * self.spec.row_bytes, split,
+                            time.perf_counter() - start)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
+
+    def _rate_link(self, written: int, fetched: int, split: bool, seconds: float) -> None:
+        """Record the rate an exchange saw: the bytes the link had to carry one after the other (with the
+        directions apart, the larger; in one call per shard, both) over its time. Overheads make it lower
+        than the link's; both ways of sending measure the same link, so the choice does not feed itself."""
+        carried = max(written, fetched) if split else written + fetched
+        self.link_rates.append(carried / max(seconds, 1e-9))
+        del self.link_rates[: -self.RATE_SAMPLES]
+
+    def link_is_slow(self) -> bool:
+        """Whether the link seems slower than :attr:`overlap_max_rate` (the median of the last
+        ``RATE_SAMPLES`` exchanges' rates): sending the two directions apart then saves more than the
+        second message costs. True until an exchange has been rated. A timing decides only how the rows
+        travel, never which rows or in what order a shard applies them (:meth:`_split_fetches`)."""
+        return not self.link_rates or float(np.median(self.link_rates)) < self.overlap_max_rate
+
+    def _wire(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` as sent to a shard: int32 when every id fits (the shard reads them as int64). Ids go up
+        the link with the written rows, 8 bytes each against a row's ``row_bytes`` (64 for 16 floats);
+        halving them shortens the direction that carries the write-backs."""
+        return ids.astype(np.int32) if self.spec.total_rows <= np.iinfo(np.int32).max else ids
+
+    def _split_fetches(self, write_ids: np.ndarray, fetch_ids: np.ndarray, f: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One shard's fetches (``fetch_ids[f]``) in an exchange that writes ``write_ids`` to it:
+        ``(after, alone)``, positions in ``fetch_ids``.
+
+        ``after`` goes in the shard's ``exchange`` call, which writes and then fetches. When both
+        directions are worth a message of their own (:attr:`overlap_min_bytes`), the ids this exchange
+        does not write are ``alone``, a separate ``fetch`` call whose rows come down the link while the
+        written rows go up (else ``alone`` is None). The ordering rule holds without any order between
+        the two calls (Dask gives none: each takes its own pooled connection, and the worker's single
+        actor thread runs whichever arrives first): ``alone`` holds no row this exchange writes, and every
+        earlier exchange's writes were acknowledged, so applied, before this one was issued."""
+        smaller = min(len(write_ids), len(f)) * self.spec.row_bytes
+        if not (smaller > 0 and smaller >= self.overlap_min_bytes and self.link_is_slow()):
+            return f, None
+        written = np.isin(fetch_ids[f], write_ids)
+        return f[written], (None if written.all() else f[~written])
 
     def held_by_trainer(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """A resumed trainer's cache starts with ``ids`` holding ``rows``, the values its shards hold too, as
