@@ -72,9 +72,8 @@ def _train_config(config: DailyConfig, dataset: Path, plan: Path, run: Path, ini
 
 
 def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, address: str) -> dict[str, Any]:
-    """One day: preprocess and plan on the Dask cluster at ``address``, evaluate the latest model on it, train
-    from it (on ``config.dask_address``, else a LocalCluster of the run's own: one worker per shard); its
-    history row."""
+    """One day on the Dask cluster at ``address``: preprocess, plan, evaluate the latest model on it, train
+    from it; its history row."""
     logger = get_run_logger()
     name = day_name(path)
     where = Path(config.state_dir).resolve() / "days" / name
@@ -92,7 +91,7 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, ad
     if previous is not None:  # yesterday's model on today's data, before it trains on it
         evaluation = evaluate_task(previous["run_dir"], str(dataset), config.batch_size)
     summary = train_flow(_train_config(config, dataset, plan, run, previous["run_dir"] if previous else None),
-                         config.dask_address)
+                         address)
     total_ids = sum(meta.cardinalities)
     return {
         "day": name, "file": str(path), "dataset": str(dataset), "run_dir": str(run), "rows": meta.rows,
@@ -120,7 +119,10 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
         return {"state_dir": str(state), "new_days": [], "days": history, "report": None}
     logger.info("%d new day(s) in %s: %s", len(todo), config.landing, ", ".join(day_name(p) for p in todo))
     state.mkdir(parents=True, exist_ok=True)
-    with reported_dask_scheduler(config.dask_address) as address:  # one cluster for the night's data work
+    # One cluster for the whole night. With parity, one worker per data and parity shard plus a spare (the
+    # train flow's own LocalCluster: separate fault domains, a worker free for a rebuild).
+    workers = config.shards + config.parity + 1 if config.parity else None
+    with reported_dask_scheduler(config.dask_address, n_workers=workers) as address:
         for path in todo:
             with tags(f"day:{day_name(path)}", f"state:{run_dir_label(state)}"):  # the day's subflow runs
                 history.append(run_day(config, path, history[-1] if history else None, address))
