@@ -5,7 +5,8 @@ background (:mod:`..prefetch`); with several trainers, Bagpipe's LRPP cache.
 plan for the global batch, and every trainer holds the same cache slots. Each prefetched row is
 fetched from its server by one trainer and handed to the others over the trainer group (so server
 reads do not grow with W); each evicted row is written home by one trainer. After the step a row
-used at ``t`` is, by Bagpipe's classes:
+used at ``t`` is, in classes named after Bagpipe's (whose rules differ: docs/trainers.md, "Bagpipe's rules
+beside ours"):
 
 - ``no_sync``: used by one trainer and evicted after ``t``: that trainer updates it and writes it
   home; no other copy is read again;
@@ -163,9 +164,9 @@ class OracleRows(CachedRows):
 
 def sync_classes(split: BatchSplit, next_union: np.ndarray, evict: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bagpipe's classes of the rows iteration ``t`` used, as masks over ``split.union``: ``(no_sync,
-    sync_now, sync_later)`` for the plan's evictions after ``t`` (``evict``, sorted) and the next
-    iteration's ids (``next_union``, sorted). See the module docstring."""
+    """The classes (Bagpipe's names, our rules) of the rows iteration ``t`` used, as masks over
+    ``split.union``: ``(no_sync, sync_now, sync_later)`` for the plan's evictions after ``t`` (``evict``,
+    sorted) and the next iteration's ids (``next_union``, sorted). See the module docstring."""
     evicted = np.isin(split.union, evict, assume_unique=True)
     if np.count_nonzero(evicted) != len(evict):
         raise PlanViolation(f"iteration {split.t}: the plan evicts a row the batch does not use")
