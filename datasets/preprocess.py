@@ -513,11 +513,6 @@ def _block_uniques(path: str, table: str) -> tuple[pa.Array, pa.Array]:
     return t["value"].combine_chunks(), t["count"].combine_chunks()
 
 
-def _value_range(values: pa.Array, part: VocabPart) -> tuple[int, int]:
-    """The positions [a, b) of ``part``'s values in ascending ``values``."""
-    return value_range(values, part.lo, part.hi)
-
-
 def count_partition(part: VocabPart, uniques_paths: list[str], params: PreprocessParams, work_dir: str,
                     parent: ParentVocabulary | None = None):
     """Stage 2a: add up one partition's counts over every block, rank its values (count desc, value asc),
@@ -529,7 +524,7 @@ def count_partition(part: VocabPart, uniques_paths: list[str], params: Preproces
     values, counts = [], []
     for path in uniques_paths:
         v, c = _block_uniques(path, part.table)
-        a, b = _value_range(v, part)
+        a, b = value_range(v, part.lo, part.hi)
         values.append(v.slice(a, b - a))
         counts.append(c.slice(a, b - a))
     totals = pa.table({"value": pa.concat_arrays(values), "count": pa.concat_arrays(counts)}).group_by(
@@ -599,7 +594,7 @@ def map_partition(
     find = _PositionsIn(value_set)  # built once: a lookup per block would cost blocks x partition values
     for i, block in enumerate(blocks):
         v, _ = _block_uniques(block.uniques_path, part.table)
-        a, b = _value_range(v, part)
+        a, b = value_range(v, part.lo, part.hi)
         # Values under min_frequency are not in the set: index -1 picks the appended 0.
         pos = find(v.slice(a, b - a))
         block_ids = ids_here[pos]

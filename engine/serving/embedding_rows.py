@@ -123,10 +123,9 @@ def _table_and_local(spec: RowSpec, ids, xp: ModuleType):
     return table, ids - offsets[table]
 
 
-def birth_layout(spec: RowSpec, ids, xp: ModuleType = np):
-    """Per global id: the global id and the table size it had in the first vocabulary that held it (the
-    spec's own layout without earlier ones; module docstring)."""
-    table, local = _table_and_local(spec, ids, xp)
+def _birth_layout(spec: RowSpec, ids, table, local, xp: ModuleType):
+    """Per global id (in ``table`` at row ``local``): the global id and the table size it had in the first
+    vocabulary that held it (the spec's own layout without earlier ones; module docstring)."""
     base = ids
     size = xp.asarray(np.asarray(spec.cardinalities, np.int64))[table]
     for cards in reversed(spec.earlier_cardinalities):  # newest to oldest: the oldest that held a row wins
@@ -151,7 +150,8 @@ def init_rows(spec: RowSpec, ids, xp: ModuleType = np):
     ids = xp.asarray(ids, dtype=xp.int64)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.total_rows):
         raise ValueError(f"row ids must lie in [0, {spec.total_rows})")
-    base, sizes = birth_layout(spec, ids, xp)
+    table, local = _table_and_local(spec, ids, xp)
+    base, sizes = _birth_layout(spec, ids, table, local, xp)
     columns = xp.arange(spec.dim, dtype=xp.uint64)[None, :]
     counter = base.astype(xp.uint64)[:, None] * xp.uint64(spec.dim) + columns
     seed_key = _mix64(xp.asarray([spec.seed & 0xFFFFFFFFFFFFFFFF], dtype=xp.uint64), xp)
@@ -162,8 +162,7 @@ def init_rows(spec: RowSpec, ids, xp: ModuleType = np):
     rows = xp.zeros((ids.shape[0], spec.width), dtype=xp.float32)
     rows[:, : spec.dim] = weights
     if spec.start is not None:
-        table, local = _table_and_local(spec, ids, xp)
-        had = spec.start.cardinalities_array(xp)[table]
+        had = xp.asarray(np.asarray(spec.start.cardinalities, np.int64))[table]
         kept = xp.flatnonzero(local < had)
         if kept.size:
             parent_ids = xp.asarray(_offsets(spec.start.cardinalities))[table[kept]] + local[kept]
@@ -186,9 +185,6 @@ class StartingRows:
     cardinalities: tuple[int, ...]
     width: int
     state_sha256: str  # the manifest's: a final state written over since the run was checked is refused
-
-    def cardinalities_array(self, xp: ModuleType = np):
-        return xp.asarray(np.asarray(self.cardinalities, np.int64))
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         """The run's final rows of its global ``ids`` ``[len(ids), width]``."""

@@ -161,11 +161,14 @@ def _evaluate(setup: Any, config: TrainConfig, meta: Any, model: torch.nn.Module
 
 
 def score_rows(stream: BatchStream, model: torch.nn.Module, read: Any, dim: int, device: torch.device,
-               progress: Any) -> tuple[np.ndarray, np.ndarray]:
+               progress: Any, on_batch: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """The labels and the model's click probabilities of every row ``stream`` gives; ``read(ids)``: the
-    rows of sorted unique global ids as a tensor (their first ``dim`` values are the weights)."""
+    rows of sorted unique global ids as a tensor (their first ``dim`` values are the weights);
+    ``on_batch(batch)``: called with each batch, for figures of the data taken on the same pass."""
     labels, probs, done = [], [], 0
     for batch in stream:
+        if on_batch is not None:
+            on_batch(batch)
         ids = global_ids(batch.sparse, stream.offsets)
         uniq, inverse = np.unique(ids, return_inverse=True)
         weights = read(uniq)[:, :dim]

@@ -62,14 +62,20 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
     def read(ids: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(init_rows(spec, ids)).to(torch_device)
 
+    had = np.asarray(cards, np.int64)
+    new_lookups = [0]  # lookups (rows x tables) that meet an id beyond the run's rows of its table
+
+    def count_new_lookups(batch) -> None:
+        new_lookups[0] += int(np.count_nonzero(np.asarray(batch.sparse) >= had[None, :]))
+
     stream = BatchStream(dataset_dir, batch_size)
     with deterministic_torch(torch_device), torch.no_grad():
         model = build_model(model_config).to(torch_device)
         model.load_state_dict(dense["dense"])
         model.eval()
         labels, probs = score_rows(stream, model, read, spec.dim, torch_device,
-                                   PhaseProgress("evaluation rows", meta.rows))
-    lookups = _new_id_lookups(stream, np.asarray(cards, np.int64))
+                                   PhaseProgress("evaluation rows", meta.rows), on_batch=count_new_lookups)
+    lookups = new_lookups[0]
     auc = roc_auc(labels, probs)
     return {
         "run_dir": run.run_dir,
@@ -86,9 +92,3 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
         "new_id_lookups": lookups,  # lookups (rows x tables) that met such a row
         "new_id_lookup_share": lookups / (len(labels) * len(cards)) if len(labels) else 0.0,
     }
-
-
-def _new_id_lookups(stream: BatchStream, had: np.ndarray) -> int:
-    """Lookups of the rows of ``stream`` that meet an id beyond ``had`` rows of its table (an ids-only pass)."""
-    ids_only = BatchStream(stream.dataset_dir, stream.batch_size, sparse_only=True)
-    return sum(int(np.count_nonzero(np.asarray(batch.sparse) >= had[None, :])) for batch in ids_only)
