@@ -6,7 +6,14 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from dlrmflow.tasks.reporting import artifact_key, dataset_label, metric_table, publish_table, run_dir_label
+from dlrmflow.tasks.reporting import (
+    artifact_key,
+    dataset_label,
+    engine_events_to_run_log,
+    metric_table,
+    publish_table,
+    run_dir_label,
+)
 
 
 @task(name="evaluate")
@@ -14,8 +21,10 @@ def evaluate_task(run_dir: str, dataset_dir: str, batch_size: int = 4096, device
     """AUC, log loss and the constant-prediction log loss of ``run_dir``'s final model on ``dataset_dir``."""
     from dlrmflow.engine.training.scoring import evaluate_run
 
-    result = evaluate_run(run_dir, dataset_dir, batch_size=batch_size, device=device)
-    get_run_logger().info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows", dataset_label(run_dir),
+    logger = get_run_logger()
+    with engine_events_to_run_log(logger):  # the scoring pass's progress ("evaluation rows: ...")
+        result = evaluate_run(run_dir, dataset_dir, batch_size=batch_size, device=device)
+    logger.info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows", dataset_label(run_dir),
                           dataset_label(dataset_dir), _fixed(result["auc"]), _fixed(result["log_loss"]),
                           _fixed(result["constant_log_loss"]), f"{result['rows']:,}")
     return result
