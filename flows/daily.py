@@ -89,7 +89,9 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, ad
               dask_address=address)
     evaluation = None
     if previous is not None:  # yesterday's model on today's data, before it trains on it
-        evaluation = evaluate_task(previous["run_dir"], str(dataset), config.batch_size)
+        # Quoted: Prefect would take a value of an earlier subflow's result for that run's output, a
+        # ``flow_run`` input the UI's task run pages reject (flows/train.py's report says the same).
+        evaluation = evaluate_task(quote(previous["run_dir"]), quote(str(dataset)), quote(config.batch_size))
     summary = train_flow(_train_config(config, dataset, plan, run, previous["run_dir"] if previous else None),
                          address)
     total_ids = sum(meta.cardinalities)
@@ -128,6 +130,7 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
                 history.append(run_day(config, path, history[-1] if history else None, address))
             write_history(state, history)
     # Quoted: the rows hold values of the subflows' results, which Prefect would record as flow_run inputs of
-    # the report task (the UI's task run pages reject those; tasks/train.py's report says the same).
-    report = publish_daily_report_task(quote(history), str(state))
+    # the report task (the UI's task run pages reject those; flows/train.py's report says the same). A new
+    # string can be taken for one too: Prefect knows results by ``id()``, and a freed one's may be reused.
+    report = publish_daily_report_task(quote(history), quote(str(state)))
     return {"state_dir": str(state), "new_days": [day_name(p) for p in todo], "days": history, "report": report}

@@ -75,9 +75,18 @@ def recovery_runner(run: str = "") -> Runner:
     is a child of the calling flow run, whichever thread (prefetch worker, recovery thread) calls it.
     ``run`` names the training run in the reports' artifact keys."""
     in_train_context = capture_run_context()
+    # Prefect links a subflow's result and the values in it to the subflow run by their ``id()``
+    # in the train flow run's context (``link_state_to_result``), and never forgets them. The engine
+    # keeps only a copy, so once these dicts and lists were freed a new list of the flow (the report
+    # task's ``wait_for``) could reuse an address and be taken for the subflow's result: a
+    # ``flow_run`` input, which the UI's task run pages reject. Held here, as long as the train task
+    # holds the runner, no object of the flow can share their ids.
+    results: list[Any] = []
 
     def run_in_train_context(rebuild: Callable[..., dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
-        return in_train_context(run_recovery_subflow, rebuild, {**info, "run": run})
+        result = in_train_context(run_recovery_subflow, rebuild, {**info, "run": run})
+        results.append((result, *result.values()))
+        return result
 
     return run_in_train_context
 

@@ -57,5 +57,11 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
         table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"daily-{label}"])))
         plot = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"daily-auc-{label}"])))
+        tasks = {t.name: t for t in client.read_task_runs()
+                 if t.name.startswith(("evaluate", "publish-daily-report"))}
+    # The UI's task run pages reject a flow_run input: the evaluation's and the report's inputs are none.
+    assert {name.rsplit("-", 1)[0] for name in tasks} == {"evaluate", "publish-daily-report"}, tasks
+    assert all(i.input_type == "task_run" for t in tasks.values() for group in t.task_inputs.values()
+               for i in group), {name: t.task_inputs for name, t in tasks.items()}
     assert len(table) == 2 and all(a.type == "markdown" for a in table)  # one version a night
     assert any("| day_1 |" in a.data for a in table) and len(plot) == 1

@@ -116,3 +116,33 @@ def test_flow_runs_are_named_and_tagged(tmp_path):
     assert recovery.name == "recover-data-shard-0-clicks-oracle-parity1"
     assert set(recovery.tags) >= {"recovery", "lost:data-shard-0"}
     assert parent is not None
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_no_new_object_of_the_train_flow_is_taken_for_a_recovery_s_result():
+    """Prefect links a subflow's result, and the dicts and lists in it, to the subflow run by ``id()``.
+    The engine keeps only its own copy of a rebuild's record; were the linked objects freed, a new list
+    of the train flow (the report task's ``wait_for``) could reuse an address and become a ``flow_run``
+    input of that task, which the UI's task run pages reject. Not one of many new objects is linked."""
+    import gc
+
+    from prefect import flow
+    from prefect.utilities.engine import get_state_for_result
+
+    from dlrmflow.engine.coding.record import RecoveryRecord
+    from dlrmflow.flows.recovery import recovery_runner
+
+    def rebuild(progress=None):
+        record = RecoveryRecord(members=[0], detected_at=0.0, rebuilt_at=0.01, rows_rebuilt=8, chunks=1)
+        return record.as_dict(k=2, start=0.0)
+
+    @flow
+    def train_like_flow() -> int:
+        runner = recovery_runner("clicks-remote-parity1")
+        for _ in range(3):
+            runner(rebuild, {"lost": ["data shard 0"], "stripes": 8, "chunk": 8})  # the result is dropped
+        gc.collect()
+        fresh = [[] for _ in range(2000)] + [{} for _ in range(2000)] + [[i, i] for i in range(2000)]
+        return sum(get_state_for_result(obj) is not None for obj in fresh)
+
+    assert train_like_flow() == 0
