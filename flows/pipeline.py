@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, tags
+from prefect.utilities.annotations import quote
 
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 from dlrmflow.engine.planning.cache_policies import capacity_sweep
@@ -56,15 +57,13 @@ def _train_config(cfg: PipelineConfig, dataset: str, plan_dir: str | None, mode:
                        trainers=_trainers(cfg, mode))
 
 
-def _train(cfg: PipelineConfig, config: TrainConfig, fingerprint: str, dask_address: str | None = None
-           ) -> TrainSummary:
-    """The training run ``config``, skipped when up to date; on ``dask_address``, else on the pipeline's
-    ``dask_address``, else on a LocalCluster of its own."""
+def _train(cfg: PipelineConfig, config: TrainConfig, fingerprint: str, dask_address: str) -> TrainSummary:
+    """The training run ``config`` on the Dask cluster at ``dask_address``, skipped when up to date."""
     earlier = saved_run(config, fingerprint)
     if earlier is not None:
         get_run_logger().info("training run %s is up to date: skipped", config.output_dir)
         return earlier
-    return train_summary(train_flow(config, dask_address or cfg.dask_address))
+    return train_summary(train_flow(config, dask_address))
 
 
 LINK_MODES = ("remote", "oracle")
@@ -116,7 +115,11 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
     work = Path(cfg.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"work_dir": str(work), "generated": None}
-    with dask_scheduler(cfg.dask_address) as address:
+    # One cluster for every step, training included (the daily flow's): with parity, one worker per data and
+    # parity shard plus a spare (the train flow's own LocalCluster: separate fault domains, a worker free for a
+    # rebuild). Only the runs behind the emulated link need a cluster of their own.
+    workers = cfg.shards + cfg.parity + 1 if cfg.parity else None
+    with dask_scheduler(cfg.dask_address, n_workers=workers, trainers=cfg.trainers) as address:
         logger.info("Dask scheduler: %s", address)
         raw_inputs, fmt = cfg.raw_inputs, cfg.format
         if not raw_inputs:
@@ -153,22 +156,24 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
         result["caches"] = compare_caches_flow(dataset, cfg.batch_size, sweep, cfg.lookahead, cfg.prefetch_distance,
                                                output_dir=str(work / "caches"))
 
-    # Training starts its own cluster (or uses the user's): with parity it places data and parity
-    # shards on separate workers, which the pipeline's small cluster may not have.
-    runs = {mode: _train(cfg, _train_config(cfg, dataset, plans, mode, 0, mode, []), fingerprint)
-            for mode, plans in (("remote", None), ("oracle", plan_dir))}
-    link_skipped = None
-    if cfg.link_rate:
-        behind_link, link_skipped = _train_behind_link(cfg, dataset, plan_dir, fingerprint)
-        runs.update(behind_link)
-    if cfg.parity:
-        runs["oracle_parity"] = _train(cfg, _train_config(cfg, dataset, plan_dir, "oracle", cfg.parity,
-                                                          f"oracle-parity{cfg.parity}", cfg.kills), fingerprint)
+        runs = {mode: _train(cfg, _train_config(cfg, dataset, plans, mode, 0, mode, []), fingerprint, address)
+                for mode, plans in (("remote", None), ("oracle", plan_dir))}
+        link_skipped = None
+        if cfg.link_rate:
+            behind_link, link_skipped = _train_behind_link(cfg, dataset, plan_dir, fingerprint)
+            runs.update(behind_link)
+        if cfg.parity:  # last: its kills take workers of the cluster down
+            runs["oracle_parity"] = _train(cfg, _train_config(cfg, dataset, plan_dir, "oracle", cfg.parity,
+                                                              f"oracle-parity{cfg.parity}", cfg.kills), fingerprint,
+                                           address)
     result["train"] = {name: {key: getattr(run, key) for key in SUMMARY_KEYS} for name, run in runs.items()}
     result["link"] = {"rate_mbit": cfg.link_rate, "skipped": link_skipped}
     result["summary"] = summary_rows(profile, result["caches"], runs, link_skipped, cfg)
     table = format_table(result["summary"], SUMMARY_COLUMNS)
-    publish_pipeline_summary_task(artifact_key("pipeline-summary", run_dir_label(work)), str(work), table)
+    # Quoted: Prefect knows the subflows' results by ``id()``, and a new string may reuse a freed one's: it
+    # would become a ``flow_run`` input, which the UI's task run pages reject (flows/train.py says the same).
+    publish_pipeline_summary_task(quote(artifact_key("pipeline-summary", run_dir_label(work))), quote(str(work)),
+                                  quote(table))
     return result
 
 
