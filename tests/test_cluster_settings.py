@@ -34,3 +34,43 @@ def test_a_local_clusters_scheduler_and_workers_run_the_rarer_housekeeping():
         tick = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.periodic_callbacks["tick"].callback_time)
     assert seen == HOUSEKEEPING
     assert tick == 500  # ms: the scheduler in this process read the setting when it started
+
+
+def _worker_start() -> dict:
+    import os
+    import sys
+
+    from dlrmflow.engine.serving.cluster import WORKER_IMPORTS
+
+    return {"parent": os.getppid(), "imported": [m for m in WORKER_IMPORTS if m in sys.modules],
+            "threads": __import__("torch").get_num_threads(), "cwd": os.getcwd(),
+            "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MALLOC_TRIM_THRESHOLD_")}}
+
+
+@pytest.mark.slow
+def test_workers_fork_from_a_server_that_imported_the_engine_and_start_as_spawned_ones_would(tmp_path, monkeypatch):
+    """A LocalCluster's workers come from one forkserver that imported torch and the engine (no worker imports
+    them anew), and see what dlrmflow's spawned workers would: one OpenMP thread, the wait policy, no malloc
+    trim threshold (even where this process has one: a plain LocalCluster leaves Dask's), and the current
+    directory of the cluster's start (a later cluster's, after a chdir)."""
+    from distributed import Client
+
+    from dlrmflow.engine.serving.cluster import WORKER_IMPORTS, WORKER_START
+
+    if WORKER_START != "forkserver":
+        pytest.skip("this platform has no forkserver: workers are spawned")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+    seen = []
+    for where in (tmp_path / "a", tmp_path / "b"):
+        where.mkdir()
+        monkeypatch.chdir(where)
+        with local_cluster(2) as cluster, Client(cluster) as client:
+            seen.append((where, list(client.run(_worker_start).values())))
+    parents = {w["parent"] for _, workers in seen for w in workers}
+    assert len(parents) == 1 and os.getpid() not in parents  # one server, for both clusters
+    for where, workers in seen:
+        for worker in workers:
+            assert worker["imported"] == list(WORKER_IMPORTS) and worker["cwd"] == str(where)
+            assert worker["threads"] == 1
+            assert worker["env"] == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+                                     "MALLOC_TRIM_THRESHOLD_": None}

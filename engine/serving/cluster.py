@@ -22,6 +22,8 @@ between the trainer (this process) and a server crosses the shaped link.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import dask
 from distributed import Client, LocalCluster
+from distributed.utils import get_mp_context
 
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.serving.placement import RESOURCE as SERVER_RESOURCE
@@ -64,6 +67,46 @@ HOUSEKEEPING = {
 
 WORKER_LOGGING = "dlrmflow.engine.serving.worker_logging"
 
+# A LocalCluster's worker processes fork from one server process that imported these once (Python's
+# forkserver, Dask's ``distributed.worker.multiprocessing-method``), not fresh interpreters: a spawned
+# worker imports torch, Dask and the engine anew, about 3 CPU seconds each, so a 4-worker cluster cost
+# 12 CPU s and 6 s on 2 cores; forked, 0.3 s (benchmarks/cluster_start.py). The server starts with the
+# first cluster and ends with this process. A forked worker takes its current directory from the cluster's
+# starter, but its environment (and glibc's malloc settings) from the server's start, which is given what a
+# nanny gives a spawned worker: an environment variable set later in this process does not reach it (nothing
+# dlrmflow's workers run reads one). Imports that fail are skipped there and done by the worker that needs them.
+WORKER_IMPORTS = ("dlrmflow", "distributed", "numpy", "pyarrow.parquet", "torch", WORKER_LOGGING,
+                  "dlrmflow.engine.serving.shards", "dlrmflow.engine.coding.group", "dlrmflow.engine.training.workers",
+                  "dlrmflow.engine.planning.planner", "dlrmflow.engine.planning.profile",
+                  "dlrmflow.datasets.preprocess", "dlrmflow.datasets.synthetic")
+WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _start_worker_server() -> None:
+    """With :data:`WORKER_START` forkserver, start the server now (once per process) with :data:`WORKER_IMPORTS`
+    and the environment a nanny gives the workers it spawns (Dask's ``pre-spawn-environ`` as configured: one
+    OpenMP thread, no malloc trim threshold), whatever this process's environment holds by then: a
+    LocalCluster started here without dlrmflow's settings leaves Dask's in it."""
+    if WORKER_START != "forkserver":
+        return
+    get_mp_context()  # Dask sets its preload list once per process: ours replaces it
+    multiprocessing.get_context(WORKER_START).set_forkserver_preload(list(WORKER_IMPORTS))
+    spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
+    saved = {key: os.environ.get(key) for key in spawn_env}
+    try:
+        for key, value in spawn_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = str(value)
+        multiprocessing.forkserver.ensure_running()  # inherits os.environ now, and only now
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
 
 def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
@@ -80,7 +123,10 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
     # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
     # drown the flow's own progress lines in the terminal and the Prefect logs.
     logging.getLogger("distributed").setLevel(logging.WARNING)
-    with dask.config.set(HOUSEKEEPING):  # read when the scheduler starts; the nannies pass it to their workers
+    # Read when the scheduler and the nannies start; the nannies pass HOUSEKEEPING to their workers. (A worker
+    # that a nanny restarts after a kill is spawned: the start method is read at each start.)
+    with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
+        _start_worker_server()
         cluster = LocalCluster(
             n_workers=workers,
             threads_per_worker=1,
