@@ -121,3 +121,43 @@ def _check_lost_actor(client: Client) -> None:
     assert isinstance(call, DeadCall)
     results, error = wait_all([(3, call)])
     assert results == {} and isinstance(error, LostMembersError) and error.members == {3}
+
+
+GONE = "tcp://127.0.0.1:9"  # no worker listens there: like a killed worker the scheduler still listed
+
+
+def test_an_actor_placed_on_a_worker_that_left_fails_its_start_instead_of_waiting_forever(cluster):
+    from dlrmflow.engine.serving.shards import WorkerLeftError, started_actors
+
+    _, client, workers = cluster
+    futures = [client.submit(Counter, actor=True, workers=[w], pure=False) for w in (workers[0], GONE)]
+    with pytest.raises(WorkerLeftError, match=f"worker {GONE} left the Dask cluster before a counter started"):
+        started_actors(client, futures, [workers[0], GONE], "a counter", poll_s=0.2)
+    assert all(f.cancelled() for f in futures)  # the start gave up on both: a new placement starts afresh
+    again = [client.submit(Counter, actor=True, workers=[workers[0]], pure=False)]
+    [actor] = started_actors(client, again, workers[:1], "a counter")
+    assert actor.add(2).result() == 2
+
+
+def test_embedding_servers_placed_on_a_worker_that_left_are_placed_again_without_it(cluster, monkeypatch):
+    """The scheduler lists a killed worker until it notices the loss: placement may choose it, and the
+    start then places every server again from the workers that are left."""
+    from dlrmflow.engine.serving import shards as shards_module
+    from dlrmflow.engine.serving.embedding_rows import RowSpec
+
+    _, client, workers = cluster
+    real, calls = shards_module.cluster_workers, []
+
+    def listing_a_dead_worker(c):
+        found = real(c)
+        calls.append(len(calls))
+        return {GONE: found[workers[0]], workers[0]: found[workers[0]]} if len(calls) == 1 else found  # 2 for 2
+
+    monkeypatch.setattr(shards_module, "cluster_workers", listing_a_dead_worker)
+    monkeypatch.setattr(shards_module, "warm_up_workers", lambda *a, **k: None)  # a broadcast would reach GONE
+    spec = RowSpec(dim=4, optimizer="adagrad", seed=0, table_offsets=(0, 10), cardinalities=(10, 20))
+    group = shards_module.start_shards(client, spec, 2)
+    try:
+        assert sorted(dask_internals.actor_address(a) for a in group.actors) == workers and len(calls) > 1
+    finally:
+        group.close()

@@ -49,8 +49,9 @@ class Cluster:
         if self.client is not None:
             try:
                 self.client.wait_for_workers(WORKERS, timeout=10)  # the nanny restarts what a test killed
+                self.client.run(os.getpid)  # and every listed worker answers (a killed one may still be listed)
                 return self.client
-            except TimeoutError:  # WorkerStartTimeoutError is a TimeoutError
+            except (TimeoutError, OSError):  # WorkerStartTimeoutError is a TimeoutError; a dead worker's comm, OSError
                 self.close()
         self.cluster = LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
                                     dashboard_address=":0", silence_logs=logging.CRITICAL)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from distributed import Actor, Client
+from distributed import Actor, Client, Future, wait
 
 from dlrmflow.engine import row_files
 from dlrmflow.engine.row_files import (
@@ -458,16 +458,47 @@ def warm_up_workers(client: Client, module: str = "dlrmflow.engine.serving.shard
     client.run(_import, module, workers=workers)
 
 
+class WorkerLeftError(OSError):
+    """A worker left the cluster before the actor placed on it started."""
+
+    def __init__(self, worker: str, what: str) -> None:
+        super().__init__(f"worker {worker} left the Dask cluster before {what} started on it")
+        self.worker = worker
+
+
+def started_actors(client: Client, futures: list[Future], workers: list[str], what: str,
+                   poll_s: float = 1.0) -> list[Actor]:
+    """The actors of ``futures`` (``futures[i]`` pinned to ``workers[i]``), once all started. A worker that
+    leaves the cluster first raises :class:`WorkerLeftError`: the scheduler lists a killed worker until it
+    notices the loss, and an actor pinned there would wait for that worker forever."""
+    while True:
+        try:
+            wait(futures, timeout=poll_s)
+        except TimeoutError:
+            alive = cluster_workers(client)
+            gone = [w for f, w in zip(futures, workers, strict=True) if not f.done() and w not in alive]
+            if gone:
+                client.cancel(futures)
+                raise WorkerLeftError(gone[0], what) from None
+            continue
+        return [f.result() for f in futures]
+
+
 def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
     """Start ``num_shards`` EmbeddingShard actors, spread by :func:`~dlrmflow.engine.serving.placement.place`
-    (workers with the ``embedding_server`` resource when any has it; distinct hosts, then workers)."""
+    (workers with the ``embedding_server`` resource when any has it; distinct hosts, then workers); placed
+    again, without it, when a chosen worker leaves the cluster first."""
     if num_shards < 1:
         raise ValueError(f"need at least one shard, got {num_shards}")
-    workers = place(cluster_workers(client), num_shards).workers
-    warm_up_workers(client)
-    futures = [
-        client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False)
-        for k, worker in enumerate(workers)
-    ]
-    actors = [f.result() for f in futures]
-    return ShardGroup(spec, actors, futures)
+    gone: set[str] = set()
+    while True:
+        workers = place({w: i for w, i in cluster_workers(client).items() if w not in gone}, num_shards).workers
+        warm_up_workers(client, workers=sorted(set(workers)) if gone else None)
+        futures = [
+            client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False)
+            for k, worker in enumerate(workers)
+        ]
+        try:
+            return ShardGroup(spec, started_actors(client, futures, workers, "an embedding server"), futures)
+        except WorkerLeftError as exc:
+            gone.add(exc.worker)
