@@ -215,6 +215,22 @@ def test_lru_and_lrpp_are_bit_identical_to_the_w_trainer_reference(client, tmp_p
     assert runs["lru"]["bytes_written_back"] == runs["remote"]["bytes_written_back"]
     assert runs["lru"]["bytes_fetched"] <= runs["remote"]["bytes_fetched"]
     assert [t["rank"] for t in oracle["trainers"]["per_trainer"]] == list(range(size))
+    # Per trainer: the oracle's cache peaks where the plan says (fetched for t once t - P - 1's evictions are
+    # out; today every trainer holds every row), an LRU cache within its capacity, remote holds none; what
+    # the trainers received from each other is, in total, what they sent.
+    steps, held, peak = [s for s in plan.iterations() if s.t < oracle["iterations"]], 0, 0
+    for t, step in enumerate(steps):
+        held += len(step.prefetch_ids) - (len(steps[t - distance - 1].evict_ids) if t > distance else 0)
+        peak = max(peak, held)
+    per_trainer = {mode: run["trainers"]["per_trainer"] for mode, run in runs.items()}
+    assert [t["peak_cached_rows"] for t in per_trainer["oracle"]] == [peak] * size, label
+    assert oracle["peak_cached_rows"] == peak
+    assert all(0 < t["peak_cached_rows"] <= capacity for t in per_trainer["lru"])
+    assert all(t["peak_cached_rows"] == 0 for t in per_trainer["remote"])
+    for mode, run in runs.items():
+        received = sum(t["bytes_from_trainers"] for t in per_trainer[mode])
+        assert received == sum(run["trainers"]["bytes_between_trainers"].values()) > 0, (mode, label)
+        assert [t["bytes_from_servers"] for t in per_trainer[mode]] == [t["bytes_fetched"] for t in per_trainer[mode]]
     assert len({t["worker"] for t in oracle["trainers"]["per_trainer"]}) == size
 
 

@@ -348,6 +348,7 @@ class System:
         for w, state in enumerate(self.states):
             logical = self.home.copy()
             held = np.flatnonzero(state.slot_of >= 0)
+            assert state.held == len(held) <= state.peak_held, f"trainer {w}: the count of cached rows"
             logical[held] = self.cache[w][state.slot_of[held]]
             assert np.array_equal(logical, truth), f"trainer {w}: a checkpoint would save stale rows"
 
@@ -361,7 +362,7 @@ class System:
             evictions[step.evict_ids] += 1
         assert np.array_equal(self.writes, evictions), "an eviction was not written home exactly once"
         assert np.array_equal(self.home, self.before[-1])
-        assert all((s.slot_of < 0).all() and (s.owner < 0).all() for s in self.states)
+        assert all((s.slot_of < 0).all() and (s.owner < 0).all() and s.held == 0 for s in self.states)
 
     def run_random(self, rng: np.random.Generator, limit: int = 100_000) -> None:
         for _ in range(limit):

@@ -44,6 +44,7 @@ class TrainerGroup:
                                         timeout=COLLECTIVE_TIMEOUT)
             self.prefetch_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
         self.bytes_sent: Counter[str] = Counter()  # kind of traffic -> bytes this trainer sent to the others
+        self.bytes_received: Counter[str] = Counter()  # kind of traffic -> bytes it received from them
 
     @classmethod
     def alone(cls) -> TrainerGroup:
@@ -67,14 +68,16 @@ class TrainerGroup:
             offset += p.numel()
         return mean[-1]
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+    def _count(self, kind: str, tensor: torch.Tensor, received: int) -> None:
+        """``tensor`` went to each of the others; ``received`` bytes came from them."""
         self.bytes_sent[kind] += tensor.numel() * tensor.element_size() * (self.size - 1)
+        self.bytes_received[kind] += received
 
     def all_gather_equal(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
         """Every trainer's ``tensor`` (same shape on all), in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor)
-        self._count(kind, tensor)
+        self._count(kind, tensor, tensor.numel() * tensor.element_size() * (self.size - 1))
         return parts
 
     def all_gather_rows(self, rows: torch.Tensor, counts: Sequence[int], kind: str, *,
@@ -95,7 +98,8 @@ class TrainerGroup:
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         group = self.prefetch_group if prefetch else None
         work = dist.all_gather(parts, padded.contiguous(), group=group, async_op=async_op)
-        self._count(kind, rows)
+        row_bytes = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
+        self._count(kind, rows, (sum(counts) - counts[self.rank]) * row_bytes)
         pending = PendingGather(work, parts, list(counts))
         return pending if async_op else pending.wait()
 

@@ -125,9 +125,12 @@ class PrefetchState:
         self.iterations, self.distance = iterations, distance
         self.slot_of = np.full(total_rows, -1, dtype=np.int64)
         self.owner = np.full(num_slots, -1, dtype=np.int64)
+        self.held = 0  # rows in the cache as the worker places them: fetched in, and not yet taken out
         if cached is not None:
             self.slot_of[cached[0]] = cached[1]
             self.owner[cached[1]] = cached[0]
+            self.held = len(cached[0])
+        self.peak_held = self.held
         self.start = start
         self.t = start  # the next iteration to prepare
         self.written = start  # iterations whose evictions are taken (home, or going home in the next exchange)
@@ -201,6 +204,7 @@ class PrefetchState:
         write_ids, write_slots = self._writes_of(done)
         self.slot_of[ids] = -1
         self.owner[slots] = -1
+        self.held -= len(ids)
         self.written += 1
         self.unsent.append((write_ids, write_slots))
         return CopyOut(done, write_ids, write_slots)
@@ -213,6 +217,8 @@ class PrefetchState:
         if len(exchange.fetch_ids):
             self.slot_of[exchange.fetch_ids] = exchange.fetch_slots
             self.owner[exchange.fetch_slots] = exchange.fetch_ids
+            self.held += len(exchange.fetch_ids)
+            self.peak_held = max(self.peak_held, self.held)
         if exchange.t is not None:
             self.t += 1
             self.plan_step = None

@@ -163,6 +163,8 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 "log": {**log.result(), "flush_seconds": time.perf_counter() - start},  # train_seconds counts it
                 "sync_seconds": clock.pop("row_sync"), "seconds": clock, "bytes_fetched": int(store.bytes_fetched),
                 "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent),
+                "bytes_from_trainers": int(sum(group.bytes_received.values())),
+                "peak_cached_rows": int(store.peak_cached_rows),
                 "began_at": began_at, "ended_at": ended_at}
             if lead:
                 finish = outcome["finish"] = {}

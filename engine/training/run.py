@@ -77,6 +77,7 @@ def _record(setup: RunSetup, output: Path, results: list[dict[str, Any]]) -> dic
     _write_iterations(output / ITERATIONS_FILE, log)
     traffic = {key: sum(r[key] for r in results) for key in ("bytes_fetched", "bytes_written")}
     summary = _summary(setup, traffic, log, lead["metrics"], digest, dense_parameters=state["dense_parameters"])
+    summary["peak_cached_rows"] = max(r["peak_cached_rows"] for r in results)  # per trainer: "trainers"
     if len(results) > 1:
         summary["trainers"] = trainers_report(results, log)
     for section in ("parity", "checkpoint"):
@@ -125,7 +126,11 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
         "count": len(results),
         "bytes_between_trainers": between,
         "sync_fraction": float(np.sum(results[0]["sync_seconds"]) / iteration_seconds) if iteration_seconds else 0.0,
+        # Per trainer: the most rows its cache held at once; the bytes it received from the other trainers
+        # (rows, gradients, dense gradients) and from the servers (bytes_fetched).
         "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "threads": r["threads"],
+                         "peak_cached_rows": r["peak_cached_rows"], "bytes_from_trainers": r["bytes_from_trainers"],
+                         "bytes_from_servers": r["bytes_fetched"],
                          "bytes_fetched": r["bytes_fetched"], "bytes_written_back": r["bytes_written"],
                          "stall_seconds": float(np.sum(r["log"]["stall_seconds"])),
                          "sync_seconds": float(np.sum(r["sync_seconds"])),

@@ -89,6 +89,11 @@ class RowStore:
         self.stall_seconds = 0.0
         self.sync_seconds = 0.0
 
+    @property
+    def peak_cached_rows(self) -> int:
+        """The most rows this trainer's cache held at once (0: no cache)."""
+        return 0
+
     def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
         """This trainer's rows of iteration ``t`` (``split.mine``), a fresh ``[U, width]`` tensor."""
         raise NotImplementedError
@@ -260,13 +265,17 @@ class SlotDirectory:
     def __init__(self, total_rows: int, num_slots: int) -> None:
         self.slot_of = np.full(total_rows, -1, dtype=np.int64)
         self.owner = np.full(num_slots, -1, dtype=np.int64)
+        self.held = self.peak = 0  # rows cached now, and the most at once (counted as they come and go)
 
     def place(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        self.held += int(np.count_nonzero(self.slot_of[ids] < 0))
+        self.peak = max(self.peak, self.held)
         self.slot_of[ids] = slots
         self.owner[slots] = ids
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
         slots = self.slot_of[ids]
+        self.held -= int(np.count_nonzero(slots >= 0))
         self.slot_of[ids] = -1
         self.owner[slots] = -1
         return slots
@@ -284,6 +293,11 @@ class CachedRows(ShardRows):
         self.cache = torch.zeros((num_slots, spec.width), dtype=torch.float32, device=device)
         self.directory = SlotDirectory(spec.total_rows, num_slots)
         self._slots: torch.Tensor | None = None  # slots of the current iteration's ids
+        self._earlier_peak = 0  # the peak of the directories before the current one (a reload starts afresh)
+
+    @property
+    def peak_cached_rows(self) -> int:
+        return max(self._earlier_peak, self.directory.peak)
 
     def _slots_of(self, t: int, ids: np.ndarray) -> np.ndarray:
         slots = self.directory.slot_of[ids]
@@ -325,6 +339,7 @@ class CachedRows(ShardRows):
 
     def _empty_cache(self) -> None:
         """No row cached: a fresh directory and a zeroed cache."""
+        self._earlier_peak = self.peak_cached_rows
         self.directory = SlotDirectory(self.spec.total_rows, len(self.cache))
         self.cache.zero_()
 

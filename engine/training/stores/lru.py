@@ -129,6 +129,10 @@ class LruRowsW(ServersCurrentRows):
     def stall_seconds(self) -> float:
         return self.lru.stall_seconds + self._write_stall
 
+    @property
+    def peak_cached_rows(self) -> int:
+        return self.lru.peak_cached_rows
+
     def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
         return self.lru.gather_ids(t, split.mine)
 

@@ -53,7 +53,14 @@ class OracleRows(CachedRows):
         self.iterations = iterations
         self.worker: PrefetchWorker | None = None
         self._step = None
+        self._worker_peak = 0  # the most rows the earlier workers' cache views held at once
         self.restart_at(start, rows)
+
+    @property
+    def peak_cached_rows(self) -> int:
+        """The most rows cached at once as the worker places them: rows fetched ahead for the next ``P``
+        iterations included (compute's directory is a subset of the worker's view)."""
+        return max(self._worker_peak, 0 if self.worker is None else self.worker.state.peak_held)
 
     def drop_pending(self) -> None:
         """Stop the worker (before the shards it talks to go away) and empty the cache."""
@@ -119,6 +126,7 @@ class OracleRows(CachedRows):
         return counts
 
     def _collect_worker_traffic(self) -> None:
+        self._worker_peak = max(self._worker_peak, self.worker.state.peak_held)
         self.bytes_fetched += self.worker.bytes_fetched
         self.bytes_written += self.worker.bytes_written
         self.worker.bytes_fetched = self.worker.bytes_written = 0
