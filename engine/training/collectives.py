@@ -20,6 +20,7 @@ exchange. The bytes a trainer sends to the others are counted per kind of traffi
 from __future__ import annotations
 
 import datetime
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -98,7 +99,7 @@ class TrainerGroup:
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         group = self.prefetch_group if prefetch else None
         work = dist.all_gather(parts, padded.contiguous(), group=group, async_op=async_op)
-        row_bytes = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # this trainer may contribute no row
         self._count(kind, rows, (sum(counts) - counts[self.rank]) * row_bytes)
         pending = PendingGather(work, parts, list(counts))
         return pending if async_op else pending.wait()
