@@ -56,6 +56,9 @@ from distributed import Client
 from network import UNSHAPED, log, parse_rates, rate_label, rotated, transfer_seconds
 from train import CONFIGS, EVAL_BATCHES, combine, config_data
 
+from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.planning.holders import HolderCounts, holder_counts
+from dlrmflow.engine.planning.planner import load_plan
 from dlrmflow.engine.serving.cluster import ShapedCluster, local_cluster, shaped_cluster
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
 from dlrmflow.engine.training.config import TrainConfig
@@ -67,6 +70,7 @@ DEFAULT_RATES = f"{UNSHAPED},20"
 STALL_GOAL = 0.05
 SPEEDUP_GOAL = 1.6
 LINK_BOUND_STALL = 0.5  # W = 1 counts as link-bound where it waits at least this share
+PEAK_SHARE_GOAL = 0.6  # issue 33: a W = 2 trainer's cache peak against W = 1's
 
 
 def parse_trainers(text: str, configs: list[str]) -> list[int]:
@@ -218,7 +222,23 @@ def run_config(data: dict[str, Any], rates: list[float | None], counts: list[int
                 runs.setdefault((mbit, w, mode), []).append(
                     train_point(data, w, mode, clusters[w], mbit, args, work))
     rows = [combine_point(key, mode, each) for (_, _, mode), each in runs.items()]
+    rules = {w: holders_rule(data, w) for w in counts if "oracle" in modes}
+    for r in rows:
+        if r["mode"] == "oracle":
+            counts_w = rules[r["trainers"]]
+            r["holders_rule"] = {"peak_per_trainer": counts_w.peak_holders_only, "mean_holders": counts_w.mean_holders,
+                                 "peak_every_row": counts_w.peak_every_row}
     return rows, skipped
+
+
+def holders_rule(data: dict[str, Any], size: int) -> HolderCounts:
+    """Per trainer, the rows the oracle's W-trainer cache would hold with Bagpipe's rule (only the rows its
+    slice uses in their lifetime; engine/planning/holders.py), replayed on the plan and the batches."""
+    plan = load_plan(data["plan_dir"])
+    stream = BatchStream(data["dataset"], data["cfg"]["batch"], sparse_only=True)
+    batches = (global_ids(b.sparse, stream.offsets) for b in stream.iter_range(0, data["iterations"]))
+    return holder_counts(plan.iterations(), batches, size=size, distance=plan.config.prefetch_distance,
+                         total_rows=int(sum(stream.meta.cardinalities)), iterations=data["iterations"])
 
 
 def add_rates(rows: list[dict]) -> None:
@@ -292,6 +312,7 @@ def print_tables(rows: list[dict], skipped: list[dict], mismatches: list[str], l
               + "".join(f"{r['between_per_iteration'].get(k, 0) / 1e3:22.1f}" for k in BETWEEN_KINDS))
     print("bytes the trainers send each other per iteration (each trainer's sends to the W - 1 others, summed);\n"
           "the same at every rate")
+    print_memory(rows)
     header = f"{'cfg':<4}{'link':>13}{'W':>3} {'mode':<7}{'median ms':>10}"
     header += "".join(f"{p + ' ms':>14}" for p in PHASES)
     print("\n" + header + "\n" + "-" * len(header))
@@ -308,6 +329,43 @@ def print_tables(rows: list[dict], skipped: list[dict], mismatches: list[str], l
         print(line)
     print(*(mismatches or [f"final state: every mode at every rate the same as remote's, for each W "
                            f"({', '.join(sorted({str(r['trainers']) for r in rows}))})"]), sep="\n")
+
+
+def memory(r: dict) -> dict[str, float]:
+    """Per trainer (the largest, and the mean over trainers of the traffic): the most rows its cache held at
+    once, and the bytes it received per iteration from the other trainers and from the servers."""
+    trainers = r["per_trainer"] or [{"peak_cached_rows": r["peak_cached_rows"], "bytes_from_trainers": 0,
+                                     "bytes_from_servers": r["bytes_fetched"]}]
+    n = r["iterations"]
+    return {"peak": max(t["peak_cached_rows"] for t in trainers),
+            "from_trainers": float(np.mean([t["bytes_from_trainers"] for t in trainers])) / n,
+            "from_servers": float(np.mean([t["bytes_from_servers"] for t in trainers])) / n}
+
+
+def print_memory(rows: list[dict]) -> None:
+    header = (f"{'cfg':<4}{'W':>3} {'mode':<7}{'peak cached rows':>18}{'x W=1':>7}{'from trainers KB/it':>21}"
+              f"{'from servers KB/it':>20}{'holders rule peak':>19}{'x W=1':>7}{'holders/row':>12}")
+    print("\n" + header + "\n" + "-" * len(header))
+    w1 = {(r["config"], r["mode"]): memory(r)["peak"] for r in rows if r["trainers"] == 1}
+    seen = set()
+    for r in sorted(rows, key=_sort_key):
+        if (r["config"], r["trainers"], r["mode"]) in seen or r["mode"] == "remote":
+            continue
+        seen.add((r["config"], r["trainers"], r["mode"]))
+        m, base = memory(r), w1.get((r["config"], r["mode"]))
+        rule = r.get("holders_rule")
+        ruled = "" if rule is None else (f"{max(rule['peak_per_trainer']):19,d}"
+                                         f"{_fmt(max(rule['peak_per_trainer']) / base if base else None, '7.2f')}"
+                                         f"{rule['mean_holders']:12.2f}")
+        print(f"{r['config']:<4}{r['trainers']:>3} {r['mode']:<7}{m['peak']:18,d}"
+              f"{_fmt(m['peak'] / base if base else None, '7.2f')}{m['from_trainers'] / 1e3:21.1f}"
+              f"{m['from_servers'] / 1e3:20.1f}" + ruled)
+    print("per trainer: the most rows its cache held at once (the oracle's: as its prefetch worker places them, the\n"
+          "next P iterations' rows included; the largest over trainers), and the bytes it received per iteration\n"
+          "from the other trainers (rows, row and dense gradients) and from the servers (means over trainers);\n"
+          "holders rule (Bagpipe's saving, not built): the same peak if a trainer held only the rows its slice uses\n"
+          "in their cache lifetime (engine/planning/holders.py, replayed on the plan and batches), and the trainers\n"
+          "per prefetched row under it (W today)")
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -346,6 +404,17 @@ def goals(rows: list[dict]) -> list[str]:
             verdict = "met" if stall < STALL_GOAL else "NOT met"
             out.append(f"  [{r['config']}] {rate_label(r['rate_mbit'])} W={r['trainers']} oracle stall "
                        f"{100 * stall:.1f}% (goal < {100 * STALL_GOAL:.0f}%: {verdict})")
+    w1 = {r["config"]: memory(r)["peak"] for r in rows if r["trainers"] == 1 and r["mode"] == "oracle"}
+    seen = set()
+    for r in sorted(rows, key=_sort_key):
+        if r["mode"] != "oracle" or r["trainers"] != 2 or r["config"] in seen or not w1.get(r["config"]):
+            continue
+        seen.add(r["config"])
+        share = memory(r)["peak"] / w1[r["config"]]
+        rule = max(r["holders_rule"]["peak_per_trainer"]) / w1[r["config"]]
+        out.append(f"  [{r['config']}] W=2 oracle peak cached rows per trainer {100 * share:.0f}% of W=1's (issue 33: "
+                   f"at most {100 * PEAK_SHARE_GOAL:.0f}%: {'met' if share <= PEAK_SHARE_GOAL else 'NOT met'}; "
+                   f"the holders rule, not built, would give {100 * rule:.0f}%)")
     most = max((r["trainers"] for r in rows), default=1)
     out.append(f"  cores: {cores}; W={most} runs {most} trainer processes of {max(1, cores // most)} thread(s) each, "
                f"beside the embedding servers, on these {cores} cores, and all trainers share one link")
