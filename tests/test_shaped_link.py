@@ -82,12 +82,20 @@ def measure_goodput(link, chunks: int) -> tuple[float, int]:
 @pytest.mark.parametrize("mbit", [20, 50])
 def test_the_link_carries_its_rate_and_no_more(mbit):
     """About 1.5 s of traffic; a TCP payload is 1448 of a frame's 1514 bytes at MTU 1500, so the payload rate
-    is 96% of the link's, and the frames the shaping qdisc sent are the whole rate."""
+    is 96% of the link's, and the frames the shaping qdisc sent are the whole rate. No try exceeds the rate;
+    the best of up to 3 reaches it (on busy cores a sender or receiver that gets no CPU for a while slows
+    a try below the rate, never above it)."""
     rate = mbit * 1_000_000
     with shaped_link(rate) as link:
-        goodput, frame_bytes = measure_goodput(link, chunks=int(1.5 * rate / 8 / 65536))
-        assert abs(8 * goodput / rate - 1) <= 0.10, f"{8 * goodput / 1e6:.1f} Mbit/s through a {mbit} Mbit/s link"
-        assert frame_bytes >= 1.5 * rate / 8
+        best = 0.0
+        for _ in range(3):
+            goodput, frame_bytes = measure_goodput(link, chunks=int(1.5 * rate / 8 / 65536))
+            assert 8 * goodput <= 1.10 * rate, f"{8 * goodput / 1e6:.1f} Mbit/s through a {mbit} Mbit/s link"
+            assert frame_bytes >= 1.5 * rate / 8
+            best = max(best, goodput)
+            if 8 * best >= 0.90 * rate:
+                break
+        assert 8 * best >= 0.90 * rate, f"at best {8 * best / 1e6:.1f} Mbit/s through a {mbit} Mbit/s link"
         link.set_rate(None)  # the same path unshaped: many times faster, so the qdisc was the limit
         unshaped, _ = measure_goodput(link, chunks=int(1.5 * rate / 8 / 65536))
         assert 8 * unshaped > 5 * rate
