@@ -70,7 +70,7 @@ WORKER_LOGGING = "dlrmflow.engine.serving.worker_logging"
 # A LocalCluster's worker processes fork from one server process that imported these once (Python's
 # forkserver, Dask's ``distributed.worker.multiprocessing-method``), not fresh interpreters: a spawned
 # worker imports torch, Dask and the engine anew, about 3 CPU seconds each, so a 4-worker cluster cost
-# 12 CPU s and 6 s on 2 cores; forked, 0.3 s (benchmarks/cluster_start.py). The server starts with the
+# 12 CPU s and 5.5 s on 2 cores; forked, 0.6 s (benchmarks/cluster_start.py). The server starts with the
 # first cluster and ends with this process. A forked worker takes its current directory from the cluster's
 # starter, but its environment (and glibc's malloc settings) from the server's start, which is given what a
 # nanny gives a spawned worker: an environment variable set later in this process does not reach it (nothing
