@@ -58,7 +58,6 @@ from train import CONFIGS, EVAL_BATCHES, combine, config_data
 
 from dlrmflow.engine.batches import BatchStream, global_ids
 from dlrmflow.engine.planning.holders import HolderCounts, holder_counts
-from dlrmflow.engine.planning.planner import load_plan
 from dlrmflow.engine.serving.cluster import ShapedCluster, local_cluster, shaped_cluster
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
 from dlrmflow.engine.training.config import TrainConfig
@@ -234,7 +233,7 @@ def run_config(data: dict[str, Any], rates: list[float | None], counts: list[int
 def holders_rule(data: dict[str, Any], size: int) -> HolderCounts:
     """Per trainer, the rows the oracle's W-trainer cache would hold with Bagpipe's rule (only the rows its
     slice uses in their lifetime; engine/planning/holders.py), replayed on the plan and the batches."""
-    plan = load_plan(data["plan_dir"])
+    plan = data["plan"]
     stream = BatchStream(data["dataset"], data["cfg"]["batch"], sparse_only=True)
     batches = (global_ids(b.sparse, stream.offsets) for b in stream.iter_range(0, data["iterations"]))
     return holder_counts(plan.iterations(), batches, size=size, distance=plan.config.prefetch_distance,

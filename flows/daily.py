@@ -28,6 +28,7 @@ from prefect.utilities.annotations import quote
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 from dlrmflow.engine.planning.planner import PlanJobConfig
+from dlrmflow.engine.serving.cluster import coded_cluster_workers
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.flows.daily_config import DailyConfig, DailyConfigError, day_name
 from dlrmflow.flows.dataset import preprocess_flow
@@ -121,9 +122,7 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
         return {"state_dir": str(state), "new_days": [], "days": history, "report": None}
     logger.info("%d new day(s) in %s: %s", len(todo), config.landing, ", ".join(day_name(p) for p in todo))
     state.mkdir(parents=True, exist_ok=True)
-    # One cluster for the whole night. With parity, one worker per data and parity shard plus a spare (the
-    # train flow's own LocalCluster: separate fault domains, a worker free for a rebuild).
-    workers = config.shards + config.parity + 1 if config.parity else None
+    workers = coded_cluster_workers(config.shards, config.parity)  # one cluster for the night, as train's own
     with reported_dask_scheduler(config.dask_address, n_workers=workers) as address:
         for path in todo:
             with tags(f"day:{day_name(path)}", f"state:{run_dir_label(state)}"):  # the day's subflow runs

@@ -28,7 +28,7 @@ from dlrmflow.datasets.preprocess_config import PreprocessConfig
 from dlrmflow.engine.planning.cache_policies import capacity_sweep
 from dlrmflow.engine.planning.planner import PlanJobConfig
 from dlrmflow.engine.planning.profile import ProfileConfig, ProfileResult
-from dlrmflow.engine.serving.cluster import dask_scheduler, shaped_scheduler
+from dlrmflow.engine.serving.cluster import coded_cluster_workers, dask_scheduler, shaped_scheduler
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
@@ -115,10 +115,9 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
     work = Path(cfg.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"work_dir": str(work), "generated": None}
-    # One cluster for every step, training included (the daily flow's): with parity, one worker per data and
-    # parity shard plus a spare (the train flow's own LocalCluster: separate fault domains, a worker free for a
-    # rebuild). Only the runs behind the emulated link need a cluster of their own.
-    workers = cfg.shards + cfg.parity + 1 if cfg.parity else None
+    # One cluster for every step, training included, sized as the train flow's own (as the daily flow's). Only
+    # the runs behind the emulated link need a cluster of their own.
+    workers = coded_cluster_workers(cfg.shards, cfg.parity)
     with dask_scheduler(cfg.dask_address, n_workers=workers, trainers=cfg.trainers) as address:
         logger.info("Dask scheduler: %s", address)
         raw_inputs, fmt = cfg.raw_inputs, cfg.format

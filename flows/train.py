@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
 from prefect.utilities.annotations import quote
 
-from dlrmflow.engine.serving.cluster import dask_scheduler
+from dlrmflow.engine.serving.cluster import coded_cluster_workers, dask_scheduler
 from dlrmflow.engine.training.checkpoint import unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
@@ -71,9 +71,7 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
         # Each rebuild is a recover-shard child of this flow run, whatever thread notices the loss.
         runner = recovery_runner(train_run_label(config.mode, config.num_shards, config.parity,
                                                  config.output_dir)) if config.parity else None
-        # With parity a LocalCluster gets one worker per shard (data and parity: separate fault
-        # domains) plus a spare, so a rebuild starts at once on a fresh worker.
-        workers = config.num_shards + config.parity + 1 if config.parity else None
+        workers = coded_cluster_workers(config.num_shards, config.parity)
         with engine_events_to_run_log(logger, name=PHASES_LOGGER), \
                 dask_scheduler(dask_address, n_workers=workers, trainers=config.trainers) as address:
             logger.info("embedding servers: %d shards on the Dask cluster at %s", config.num_shards, address)

@@ -25,8 +25,8 @@ def evaluate_task(run_dir: str, dataset_dir: str, batch_size: int = 4096, device
     with engine_events_to_run_log(logger):  # the scoring pass's progress ("evaluation rows: ...")
         result = evaluate_run(run_dir, dataset_dir, batch_size=batch_size, device=device)
     logger.info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows", dataset_label(run_dir),
-                          dataset_label(dataset_dir), _fixed(result["auc"]), _fixed(result["log_loss"]),
-                          _fixed(result["constant_log_loss"]), f"{result['rows']:,}")
+                dataset_label(dataset_dir), _fixed(result["auc"]), _fixed(result["log_loss"]),
+                _fixed(result["constant_log_loss"]), f"{result['rows']:,}")
     return result
 
 

@@ -108,6 +108,13 @@ def _start_worker_server() -> None:
                 os.environ[key] = value
 
 
+def coded_cluster_workers(num_shards: int, parity: int) -> int | None:
+    """The workers of a LocalCluster for a run with ``parity`` parity shards: one per data and parity shard
+    (separate fault domains) plus a spare, so that a rebuild starts at once on a fresh worker; None (the
+    default size) without parity."""
+    return num_shards + parity + 1 if parity else None
+
+
 def resolve_address(address: str | None) -> str | None:
     return address or os.environ.get(ADDRESS_ENV) or None
 
