@@ -6,9 +6,10 @@
   ``oracle`` (Bagpipe's LRPP cache) end bit-identical to it, over random W, K, B, L, P, capacities
   and both embedding optimizers.
 - LRPP fetches each prefetched row from its server once, whatever the number of trainers that
-  use it, and hands it to the others; it writes each evicted row home once.
+  use it, and hands it to its other holders only; it writes each evicted row home once; each trainer's
+  cache peaks at the rows it holds (engine/planning/holders.py).
 - The building blocks: the rank-order sum only adds the holders' rows; a row's update does not
-  depend on the block it sits in; the sync classes partition the batch's rows.
+  depend on the block it sits in.
 - A trainer whose process dies fails the run in one line naming it, and the other trainers stop.
 """
 
@@ -25,7 +26,9 @@ from distributed import Client
 from test_trainers import _plan_with_capacity, make_dataset, small_config
 
 from dlrmflow.cli import main
+from dlrmflow.engine.batches import BatchStream, global_ids
 from dlrmflow.engine.planning import planner
+from dlrmflow.engine.planning.holders import holder_counts
 from dlrmflow.engine.run_state import load_state
 from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
@@ -35,7 +38,6 @@ from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_users
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.run import train
-from dlrmflow.engine.training.stores.oracle import sync_classes
 from dlrmflow.engine.training.workers import TrainerLostError
 
 CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict
@@ -101,21 +103,10 @@ def test_a_batch_split_gives_each_trainer_its_slice():
             assert np.array_equal(split.first_user(), np.argmax(split.users, axis=0))
 
 
-def test_the_sync_classes_partition_the_rows_and_keep_later_ones_out_of_the_next_iteration():
-    rng = np.random.default_rng(3)
-    for _ in range(50):
-        ids = rng.integers(0, 40, size=(8, 3))
-        split = BatchSplit.of(0, ids, int(rng.choice([2, 4])), 0)
-        evict = np.sort(rng.choice(split.union, int(rng.integers(0, len(split.union) + 1)), replace=False))
-        next_union = np.unique(rng.integers(0, 40, size=10))
-        no_sync, now, later = sync_classes(split, next_union, evict)
-        assert np.array_equal(no_sync.astype(int) + now + later, np.ones(len(split.union), dtype=int))
-        evicted = np.isin(split.union, evict)
-        assert not (later & evicted).any()  # a row goes home with every trainer's gradient in it
-        assert not (later & np.isin(split.union, next_union)).any()
-        assert (split.users[:, no_sync].sum(axis=0) == 1).all() and evicted[no_sync].all()
-    with pytest.raises(Exception, match="does not use"):
-        sync_classes(split, next_union, np.array([10_000]))
+def run_batches(dataset, batch_size: int, iterations: int):
+    """The global ids of a run's first ``iterations`` batches."""
+    stream = BatchStream(dataset, batch_size, sparse_only=True)
+    return [global_ids(b.sparse, stream.offsets) for b in stream.iter_range(0, iterations)]
 
 
 def test_trainers_go_to_distinct_trainer_workers_away_from_the_servers():
@@ -202,29 +193,30 @@ def test_lru_and_lrpp_are_bit_identical_to_the_w_trainer_reference(client, tmp_p
         assert runs[mode]["state_sha256"] == runs["remote"]["state_sha256"], f"{mode} vs remote, {label}"
         state = load_state(tmp_path / mode)
         assert torch.equal(state["embedding"]["rows"], reference["embedding"]["rows"]), f"{mode} rows, {label}"
-    # LRPP: each prefetched row fetched from its server once, then sent to the W-1 others; written home once.
+    # LRPP: each prefetched row fetched from its server once and handed to its other holders (the trainers
+    # whose slices use it while it is cached); written home once.
     plan = planner.load_plan(tmp_path / "plan")
     row_bytes = 4 * (4 + (1 if common["embedding_optimizer"] == "adagrad" else 0))
-    prefetched = sum(len(s.prefetch_ids) for s in plan.iterations() if s.t < runs["oracle"]["iterations"])
     oracle = runs["oracle"]
+    n = oracle["iterations"]
+    prefetched = sum(len(s.prefetch_ids) for s in plan.iterations() if s.t < n)
     assert oracle["bytes_fetched"] == prefetched * row_bytes == oracle["bytes_written_back"], label
+    counts = holder_counts(plan.iterations(), run_batches(dataset, batch_size, n), size=size, distance=distance,
+                           total_rows=sum(CARDS), iterations=n)
     between = oracle["trainers"]["bytes_between_trainers"]
-    assert between["prefetched rows"] == prefetched * row_bytes * (size - 1), label
+    handed = between["prefetched rows"] // row_bytes  # each holder but the fetcher, if it holds it, receives it
+    assert counts.holders - prefetched <= handed <= counts.holders < prefetched * size, label
     assert set(between) <= {"prefetched rows", "dense gradients", "sync_now", "sync_later"}
     # Write-through LRU caches write what the reference writes; they read less.
     assert runs["lru"]["bytes_written_back"] == runs["remote"]["bytes_written_back"]
     assert runs["lru"]["bytes_fetched"] <= runs["remote"]["bytes_fetched"]
     assert [t["rank"] for t in oracle["trainers"]["per_trainer"]] == list(range(size))
-    # Per trainer: the oracle's cache peaks where the plan says (fetched for t once t - P - 1's evictions are
-    # out; today every trainer holds every row), an LRU cache within its capacity, remote holds none; what
-    # the trainers received from each other is, in total, what they sent.
-    steps, held, peak = [s for s in plan.iterations() if s.t < oracle["iterations"]], 0, 0
-    for t, step in enumerate(steps):
-        held += len(step.prefetch_ids) - (len(steps[t - distance - 1].evict_ids) if t > distance else 0)
-        peak = max(peak, held)
+    # Per trainer: the oracle's cache peaks at the rows it holds (the holders replay: fetched for t once
+    # t - P - 1's evictions are out), below the plan's; an LRU cache within its capacity; remote holds none;
+    # what the trainers received from each other is, in total, what they sent.
     per_trainer = {mode: run["trainers"]["per_trainer"] for mode, run in runs.items()}
-    assert [t["peak_cached_rows"] for t in per_trainer["oracle"]] == [peak] * size, label
-    assert oracle["peak_cached_rows"] == peak
+    assert [t["peak_cached_rows"] for t in per_trainer["oracle"]] == counts.peak_holders_only, label
+    assert oracle["peak_cached_rows"] == max(counts.peak_holders_only) <= counts.peak_every_row
     assert all(0 < t["peak_cached_rows"] <= capacity for t in per_trainer["lru"])
     assert all(t["peak_cached_rows"] == 0 for t in per_trainer["remote"])
     for mode, run in runs.items():

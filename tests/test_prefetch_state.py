@@ -27,6 +27,7 @@ against an in-memory home and check that their round trips are exactly the state
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from dlrmflow.engine.training.prefetch_state import (
     Done,
     Exchange,
     Finished,
+    HeldStep,
     PartitionedPrefetchState,
     PlanViolation,
     PrefetchState,
@@ -157,31 +159,54 @@ def refetched_too_early(plan: Plan) -> bool:
     return False
 
 
+def random_holders(plan: Plan, size: int, rng: np.random.Generator, *, gateway: bool = False, every: bool = False
+                   ) -> tuple[list[HeldStep], list[np.ndarray], list[np.ndarray]]:
+    """Random holders for every lifetime of ``plan`` (``every``: all trainers; ``gateway``: trainer 0 among them):
+    the steps with their masks, per iteration the holders of each row cached there (0: not cached), and per
+    iteration a writer among the holders of each evicted row (``gateway``: trainer 0)."""
+    full = (1 << size) - 1
+    current = np.zeros(plan.total_rows, dtype=np.int64)
+    steps, holder_at, writers = [], [], []
+    for step in plan.steps:
+        masks = np.full(len(step.prefetch_ids), full) if every else rng.integers(1, full + 1, len(step.prefetch_ids))
+        masks = masks | (1 if gateway else 0)
+        current[step.prefetch_ids] = masks
+        holder_at.append(current.copy())
+        bits = [rng.choice([w for w in range(size) if m >> w & 1]) for m in current[step.evict_ids].tolist()]
+        writers.append(np.zeros(len(bits), np.int64) if gateway else np.array(bits, dtype=np.int64))
+        current[step.evict_ids] = 0
+        steps.append(HeldStep(step, masks))
+    return steps, holder_at, writers
+
+
 # ---- the model ------------------------------------------------------------------------------------------
 class System:
     """The home, W trainers (cache, state, worker and compute generators) and the invariants."""
 
     def __init__(self, plan: Plan, *, size: int = 1, start: int = 0, gateway: bool = False, seed: int = 0,
-                 writers: list[np.ndarray] | None = None, steps: list[Step] | None = None) -> None:
+                 writers: list[np.ndarray] | None = None, steps: list[Step] | None = None,
+                 holders: bool = False) -> None:
+        """``holders``: each lifetime is held by a random set of trainers (the plan's steps then carry their
+        masks, and a trainer reads only the rows it holds); else every trainer holds every row."""
         self.plan, self.size, self.start = plan, size, start
-        self.steps = plan.steps if steps is None else steps  # what the plan yields (a bad plan: other steps)
         self.before = plan.uses_before()
         rng = np.random.default_rng(seed)
-        if writers is None:  # Bagpipe's rule: a row's only user at t writes it, else id % W (gateway: 0)
-            writers = []
-            for step in plan.steps:
-                e = step.evict_ids
-                single = rng.random(len(e)) < 0.5
-                w = np.where(single, rng.integers(0, size, len(e)), e % size)
-                writers.append(np.zeros(len(e), np.int64) if gateway else w.astype(np.int64))
+        held_steps, self.holder_at, random_writers = random_holders(plan, size, rng, gateway=gateway,
+                                                                     every=not holders)
+        # what the plan yields (a bad plan: other steps)
+        self.steps = (held_steps if holders else plan.steps) if steps is None else steps
+        writers = random_writers if writers is None else writers
         self.writers = writers
         self.home = self.before[start].copy()  # a resume: the checkpoint's rows, restored to the shards
-        cached, cached_slots = plan.cached_at(start)
+        cached_all, slots_all = plan.cached_at(start)
         self.states: list[PrefetchState] = []
         self.cache, self.cache_id, self.needed = [], [], []
         self.compute_slot_of: list[np.ndarray] = []
+        self.placed: list[dict[int, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(size)]
         for w in range(size):
             args = (plan.iterations, plan.distance, plan.total_rows, plan.num_slots)
+            mine = (self.holder_at[start - 1][cached_all] >> w & 1) == 1 if start else np.zeros(0, dtype=bool)
+            cached, cached_slots = cached_all[mine], slots_all[mine]
             if size == 1 and not gateway:
                 state = PrefetchState(*args, start=start, cached=(cached.copy(), cached_slots.copy()))
             else:
@@ -242,7 +267,8 @@ class System:
                 # The copy is taken after compute's last update of the row.
                 assert np.array_equal(values, self.before[done.t + 1][take.ids])
                 if self.size > 1:
-                    assert np.array_equal(take.ids, done.evict_ids[done.writers == w])
+                    evicted = done.evict_ids if done.evicted is None else done.evicted
+                    assert np.array_equal(take.ids, evicted[done.writers == w])
                 needed[done.evict_slots] = False
                 self.unsent[w].append(values)
             else:
@@ -260,22 +286,28 @@ class System:
                         f"trainer {w} read a stale row for iteration {action.t}"
                 fetched = self.home[here].copy()
                 values = fetched
-                if action.fetcher is not None and len(action.fetch_ids):  # the trainer group's collective
+                if action.fetcher is not None and len(action.prefetch_ids):  # handed to the holders
                     self.gathered.setdefault(action.t, {})[w] = (action.fetcher, here, fetched)
-                    yield lambda t=action.t: len(self.gathered[t]) == self.size
+                    mine = (action.holders >> w & 1) == 1
+                    by_me = action.fetcher == w
+                    # Point to point: a trainer waits for the fetchers of its rows and the holders of its fetches.
+                    peers = set(action.fetcher[mine].tolist()) | {
+                        h for h in range(self.size) if (action.holders[by_me] >> h & 1).any()}
+                    peers.discard(w)
+                    yield lambda t=action.t, peers=peers: all(v in self.gathered[t] for v in peers)
                     parts = self.gathered[action.t]
-                    assert all(np.array_equal(p[0], action.fetcher) for p in parts.values()), "fetchers disagree"
-                    values = np.empty(len(action.fetch_ids), dtype=np.int64)
-                    for v, part in parts.items():
-                        mask = action.fetcher == v
-                        assert np.array_equal(part[1], action.fetch_ids[mask])
-                        values[mask] = part[2]
+                    assert all(np.array_equal(parts[v][0], action.fetcher) for v in peers), "fetchers disagree"
+                    value_of = {x: val for v in peers | {w} for x, val in zip(parts[v][1].tolist(),
+                                                                              parts[v][2].tolist(), strict=True)}
+                    assert np.array_equal(action.fetch_ids, action.prefetch_ids[mine])
+                    values = np.array([value_of[x] for x in action.fetch_ids.tolist()], dtype=np.int64)
                 assert not needed[action.fetch_slots].any(), "a slot is overwritten while its row is needed"
                 cache[action.fetch_slots] = values
                 cache_id[action.fetch_slots] = action.fetch_ids
                 needed[action.fetch_slots] = True
                 state.exchanged(action)
                 if action.t is not None:
+                    self.placed[w][action.t] = (action.fetch_ids, action.fetch_slots)
                     self.ready[w].add(action.t)
                 yield None
 
@@ -287,8 +319,10 @@ class System:
             if self.errors[w] is not None:
                 return  # wait_ready re-raises the worker's failure
             step = self.plan.steps[u]
-            slot_of[step.prefetch_ids] = step.prefetch_slots
+            placed_ids, placed_slots = self.placed[w].pop(u)
+            slot_of[placed_ids] = placed_slots
             batch = self.plan.batches[u]
+            batch = batch[(self.holder_at[u][batch] >> w & 1) == 1]  # this trainer's rows (its holders' copies)
             slots = slot_of[batch]
             assert (slots >= 0).all() and np.array_equal(cache_id[slots], batch), f"iteration {u}: rows missing"
             assert np.array_equal(cache[slots], self.before[u][batch]), f"iteration {u} read a stale row"
@@ -296,10 +330,12 @@ class System:
             self.computed[w] = u + 1
             if self.size == 1:  # several trainers: the update and the post in one step (see check)
                 yield None
-            evict_slots = slot_of[step.evict_ids]
-            slot_of[step.evict_ids] = -1
-            self.states[w].evictions_posted(Done(u, step.evict_ids, evict_slots, None,
-                                                 self.writers[u] if self.size > 1 else None))
+            evict = step.evict_ids[(self.holder_at[u][step.evict_ids] >> w & 1) == 1]  # those it holds
+            evict_slots = slot_of[evict]
+            slot_of[evict] = -1
+            self.states[w].evictions_posted(Done(u, evict, evict_slots, None,
+                                                 self.writers[u] if self.size > 1 else None,
+                                                 step.evict_ids if self.size > 1 else None))
             self.posted[w] = u + 1
             yield None
 
@@ -345,12 +381,13 @@ class System:
         if not all(s.idle() for s in self.states):
             return
         truth = self.before[self.computed[0]]
+        logical = self.home.copy()
         for w, state in enumerate(self.states):
-            logical = self.home.copy()
             held = np.flatnonzero(state.slot_of >= 0)
             assert state.held == len(held) <= state.peak_held, f"trainer {w}: the count of cached rows"
+            assert np.array_equal(self.cache[w][state.slot_of[held]], truth[held]), f"trainer {w} holds a stale row"
             logical[held] = self.cache[w][state.slot_of[held]]
-            assert np.array_equal(logical, truth), f"trainer {w}: a checkpoint would save stale rows"
+        assert np.array_equal(logical, truth), "a checkpoint would save stale rows"
 
     def finished(self) -> None:
         """The end of a run: every eviction home exactly once, nothing cached, the home current."""
@@ -380,7 +417,8 @@ def summary(action) -> tuple:
     if isinstance(action, Exchange):
         return ("exchange", action.t, action.write_ids.tolist(), action.write_slots.tolist(),
                 action.fetch_ids.tolist(), action.fetch_slots.tolist(),
-                None if action.fetcher is None else action.fetcher.tolist())
+                None if action.fetcher is None else action.fetcher.tolist(),
+                None if action.prefetch_ids is None else action.prefetch_ids.tolist())
     if isinstance(action, CopyOut):
         return ("copy", action.done.t, action.ids.tolist(), action.slots.tolist())
     return (type(action).__name__, getattr(action, "t", None))
@@ -522,9 +560,10 @@ def test_random_plans_under_random_interleavings(seed):
         assert system.actions == reference.actions
 
 
+@pytest.mark.parametrize("holders", [False, True])
 @pytest.mark.parametrize("seed", range(30))
 @pytest.mark.parametrize("size", [2, 3])
-def test_random_plans_on_several_trainers(size, seed):
+def test_random_plans_on_several_trainers(size, seed, holders):
     rng = np.random.default_rng(7000 + seed)
     distance = int(rng.integers(1, 3))
     plan = random_plan(rng, int(rng.integers(4, 12)), int(rng.integers(3, 9)),
@@ -533,18 +572,20 @@ def test_random_plans_on_several_trainers(size, seed):
     start = int(rng.integers(0, plan.iterations)) if seed % 3 == 0 else 0
     actions = None
     for trial in range(3):
-        system = System(plan, size=size, start=start, gateway=gateway, seed=seed)
+        system = System(plan, size=size, start=start, gateway=gateway, seed=seed, holders=holders)
         system.run_random(np.random.default_rng(trial))
         assert system.errors == [None] * size
-        # The trainers agree on every exchange's fetches and fetchers, and split its writes.
+        # The trainers agree on every exchange's prefetches and fetchers, split its writes, and each holds
+        # the prefetched rows whose holders include it.
         per_trainer = [[a for a in acts if a[0] == "exchange"] for acts in system.actions]
         for same in zip(*per_trainer, strict=True):
-            assert len({(a[1], tuple(a[4]), tuple(a[5]), tuple(a[6])) for a in same}) == 1
+            assert len({(a[1], tuple(a[6]), tuple(a[7])) for a in same}) == 1
             written = [x for a in same for x in a[2]]
             assert len(written) == len(set(written))
         if gateway:
-            assert all(a[2] == [] and a[6] == [0] * len(a[4]) for a in per_trainer[1]), \
+            assert all(a[2] == [] and a[6] == [0] * len(a[7]) for a in per_trainer[1]), \
                 "the gateway's trainer 0 writes and fetches every row"
+            assert all(a[4] == a[7] for a in per_trainer[0]), "the gateway's trainer 0 holds every row"
         if actions is None:
             actions = system.actions
         assert system.actions == actions, "the state's actions depend on the timing"
@@ -796,36 +837,50 @@ class FakeShards:
 
 
 class FakeGroup:
-    """Trainer ``rank`` of a group whose collective is a rendezvous of threads."""
+    """Trainer ``rank`` of a group whose point-to-point messages are queues between threads."""
 
     def __init__(self, rank: int, size: int, hub: dict) -> None:
         self.rank, self.size, self.hub = rank, size, hub
 
-    def all_gather_rows(self, rows, counts, kind, *, prefetch=False):
-        assert kind == "prefetched rows" and prefetch and rows.shape[0] == counts[self.rank]
-        self.hub["parts"][self.rank] = rows.clone()
-        self.hub["barrier"].wait(60)
-        parts = list(self.hub["parts"])
-        self.hub["barrier"].wait(60)
-        assert [len(p) for p in parts] == list(counts)
-        return parts
+    def exchange_rows(self, sends, counts, width, kind, *, prefetch=False, tag=0):
+        assert kind == "prefetched rows" and prefetch
+        for peer, rows in sends.items():
+            if rows.shape[0]:
+                self.hub[self.rank, peer].put(rows.clone())
+        hub, rank = self.hub, self.rank
+
+        class Pending:
+            def wait(self):
+                return {u: hub[u, rank].get(timeout=60) for u, n in counts.items() if n}
+
+        return Pending()
 
 
-def expected_exchanges(plan: Plan, start: int, make_state=None) -> list[tuple[list[int], list[int]]]:
+def fake_hub(size: int) -> dict:
+    return {(a, b): queue.Queue() for a in range(size) for b in range(size) if a != b}
+
+
+def expected_exchanges(plan: Plan, start: int, make_state=None, steps=None, writers=None
+                       ) -> list[tuple[list[int], list[int]]]:
     """The round trips a driver must make: the state's non-empty exchanges, compute posting each
-    iteration's evictions only when the state waits for them (the order does not matter: checked above)."""
+    iteration's evictions (those the state holds) only when the state waits for them (the order does not
+    matter: checked above)."""
     state = make_state() if make_state else PrefetchState(plan.iterations, plan.distance, plan.total_rows,
                                                           plan.num_slots, start=start,
                                                           cached=plan.cached_at(start))
+    steps = plan.steps if steps is None else steps
     calls = []
     while not isinstance(action := state.step(), Finished):
         if isinstance(action, ReadPlan):
-            state.plan_read(plan.steps[action.t])
+            state.plan_read(steps[action.t])
         elif isinstance(action, WaitForDone):
             step = plan.steps[action.t]
-            slots = np.array([state.slot_of[x] for x in step.evict_ids], dtype=np.int64)
-            writers = step.evict_ids % state.size if isinstance(state, PartitionedPrefetchState) else None
-            state.evictions_posted(Done(action.t, step.evict_ids, slots, None, writers))
+            held = step.evict_ids[state.slot_of[step.evict_ids] >= 0]
+            done = Done(action.t, held, state.slot_of[held], None)
+            if isinstance(state, PartitionedPrefetchState):
+                done.writers = step.evict_ids % state.size if writers is None else writers[action.t]
+                done.evicted = step.evict_ids
+            state.evictions_posted(done)
             state.evictions_taken()
         else:
             here = action.fetch_ids if action.fetched_here is None else action.fetched_here
@@ -836,32 +891,37 @@ def expected_exchanges(plan: Plan, start: int, make_state=None) -> list[tuple[li
 
 
 def run_compute(worker, plan: Plan, cache, start: int, before: np.ndarray, device: torch.device,
-                writers=None, checkpoints=()) -> None:
+                writers=None, checkpoints=(), holder_at=None, rank: int = 0) -> None:
     """What the oracle store does each iteration: wait for the rows, read them (every one current), update
     them in the cache, post the evictions; at ``checkpoints``, wait until the worker is idle and read the
-    rows as ``logical_rows`` does."""
+    rows as ``logical_rows`` does. ``holder_at`` (several trainers): trainer ``rank`` reads and evicts only
+    the rows it holds."""
     slot_of = np.full(plan.total_rows, -1, dtype=np.int64)
     cached, slots = plan.cached_at(start)
     slot_of[cached] = slots
     for u in range(start, plan.iterations):
         ready = worker.wait_ready(u)
-        assert ready.plan is plan.steps[u]
-        slot_of[ready.plan.prefetch_ids] = ready.plan.prefetch_slots
+        assert ready.plan.t == u
+        slot_of[ready.ids] = ready.slots
         if ready.event is not None:
             torch.cuda.current_stream(device).wait_event(ready.event)
         batch = plan.batches[u]
+        evict = plan.steps[u].evict_ids
+        if holder_at is not None:
+            batch = batch[(holder_at[u][batch] >> rank & 1) == 1]
+            evict = evict[(holder_at[u][evict] >> rank & 1) == 1]
         index = torch.from_numpy(slot_of[batch]).to(device)
         block = cache.index_select(0, index)
         assert (block.cpu().numpy() == before[u][batch][:, None]).all(), f"iteration {u} read a stale row"
         cache.index_copy_(0, index, block + 1)
-        evict = plan.steps[u].evict_ids
         evict_slots = slot_of[evict]
         slot_of[evict] = -1
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        worker.post_done(Done(u, evict, evict_slots, event, None if writers is None else writers[u]))
+        worker.post_done(Done(u, evict, evict_slots, event, None if writers is None else writers[u],
+                              None if writers is None else plan.steps[u].evict_ids))
         if u in checkpoints:
             worker.wait_idle()
             logical = worker.shards.rows[:, 0].copy()
@@ -905,34 +965,35 @@ def test_the_driver_runs_random_plans_exactly(device, seed):
     assert worker.bytes_written == sum(len(s.evict_ids) for s in plan.steps[start:]) * 4 * width
 
 
+@pytest.mark.parametrize("holders", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_partitioned_driver_runs_random_plans_exactly(seed):
+def test_the_partitioned_driver_runs_random_plans_exactly(seed, holders):
     """Three ``PartitionedPrefetchWorker`` threads (and three compute threads) sharing one home: each
-    writes its share, fetches its share, and the collective hands every trainer every row."""
+    writes its share, fetches its share and hands each row to its holders (every trainer, or random ones)."""
     rng = np.random.default_rng(5000 + seed)
     distance, size = int(rng.integers(1, 3)), 3
     plan = random_plan(rng, int(rng.integers(6, 16)), int(rng.integers(4, 12)), distance + 1, distance)
     before = plan.uses_before().astype(np.float32)
     rows = np.repeat(before[0][:, None], 2, axis=1)
     lock = threading.Lock()
-    writers = [s.evict_ids % size for s in plan.steps]
-    hub = {"parts": [None] * size, "barrier": threading.Barrier(size)}
+    steps, holder_at, writers = random_holders(plan, size, rng, every=not holders)
+    hub = fake_hub(size)
     workers, caches, failures = [], [], []
     for rank in range(size):
         cache = torch.zeros((plan.num_slots, 2), dtype=torch.float32)
         caches.append(cache)
         shards = FakeShards(rows)  # one home; each trainer's round trips recorded apart
         shards.lock = lock
-        workers.append(PartitionedPrefetchWorker(iter(plan.steps), plan.iterations, distance, cache, shards,
+        workers.append(PartitionedPrefetchWorker(iter(steps), plan.iterations, distance, cache, shards,
                                                  plan.total_rows, group=FakeGroup(rank, size, hub)))
 
     def trainer(rank: int) -> None:
         try:
-            run_compute(workers[rank], plan, caches[rank], 0, before, torch.device("cpu"), writers=writers)
+            run_compute(workers[rank], plan, caches[rank], 0, before, torch.device("cpu"), writers=writers,
+                        holder_at=holder_at, rank=rank)
             workers[rank].join()
         except BaseException as exc:  # noqa: BLE001 - reported below
             failures.append(exc)
-            hub["barrier"].abort()
 
     threads = [threading.Thread(target=trainer, args=(r,)) for r in range(size)]
     for w in workers:
@@ -945,8 +1006,9 @@ def test_the_partitioned_driver_runs_random_plans_exactly(seed):
         w.stop()
     assert not failures, failures
     assert (rows == before[-1][:, None]).all()
-    evicted = np.unique(np.concatenate([s.evict_ids for s in plan.steps]))
+    evicted = np.concatenate([s.evict_ids for s in plan.steps])
+    last = {x: int(w) for x, w in zip(evicted.tolist(), np.concatenate(writers).tolist(), strict=True)}
     for rank, w in enumerate(workers):
-        assert w.last_writer[evicted].tolist() == (evicted % size).tolist()
+        assert {x: int(w.last_writer[x]) for x in last} == last
         assert w.shards.calls == expected_exchanges(plan, 0, lambda rank=rank: PartitionedPrefetchState(
-            plan.iterations, distance, plan.total_rows, plan.num_slots, size=size, rank=rank))
+            plan.iterations, distance, plan.total_rows, plan.num_slots, size=size, rank=rank), steps, writers)

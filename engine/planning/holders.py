@@ -12,12 +12,18 @@ iteration ``e``'s evictions are, before the fetch for ``e + P + 1``: the count
 :attr:`~dlrmflow.engine.training.prefetch_state.PrefetchState.peak_held` reports), under either rule. A
 lifetime's holders are known only at its eviction, so the pass keeps, per row, the trainers that used
 it so far in its current lifetime (a W-bit mask), and per iteration the rows that start and end there.
+
+The LRPP cache runs on the holders: :func:`write_lifetime_holders` stores every lifetime's mask, in the
+plan's prefetch order, in a run's directory (:class:`LifetimeHolders`, memory-mapped by each trainer),
+with each trainer's peak, the size of its cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -72,12 +78,19 @@ def _popcounts(masks: np.ndarray, size: int) -> np.ndarray:
 
 
 def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, distance: int,
-                  total_rows: int, iterations: int) -> HolderCounts:
+                  total_rows: int, iterations: int, always: int = 0,
+                  masks_out: np.ndarray | None = None) -> HolderCounts:
     """Replay the plan ``steps`` (each with ``t``, ``prefetch_ids``, ``evict_ids``, in iteration order) over
     ``batches`` (iteration t's global ids ``[B, T]``) for ``iterations`` iterations, W = ``size`` trainers and
-    prefetch distance ``distance`` (see the module docstring)."""
+    prefetch distance ``distance`` (see the module docstring).
+
+    ``always``: trainers (a mask) that hold every cached row whatever they use (trainer 0 when it alone
+    talks to coded servers, or writes checkpoints). ``masks_out``: an array as long as the plan's
+    prefetches of iterations ``0 .. iterations-1``, in plan order, that receives each lifetime's holders."""
     mask = np.zeros(total_rows, dtype=np.int64)  # per cached row: its current lifetime's users so far
     start = np.full(total_rows, -1, dtype=np.int64)  # per cached row: the iteration its lifetime starts
+    position = np.zeros(total_rows if masks_out is not None else 0, dtype=np.int64)  # its prefetch's index
+    prefetched = 0  # prefetches replayed so far
     adds = np.zeros((size, iterations), dtype=np.int64)  # rows starting at t, per holder
     removes = np.zeros((size, iterations), dtype=np.int64)  # rows ending after t, per holder
     fetched = np.zeros(iterations, dtype=np.int64)
@@ -86,9 +99,11 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
 
     def end(ids: np.ndarray, t: int | None) -> None:
         nonlocal holders
+        if masks_out is not None:
+            masks_out[position[ids]] = mask[ids] | always
         for s in np.unique(start[ids]):
             ending = ids[start[ids] == s]
-            counts = _popcounts(mask[ending], size)
+            counts = _popcounts(mask[ending] | always, size)
             adds[:, s] += counts
             holders += int(counts.sum())
             if t is not None:
@@ -105,6 +120,9 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
         if (start[prefetch] >= 0).any():
             raise ValueError(f"iteration {t}: the plan prefetches a row that is still cached")
         start[prefetch], mask[prefetch] = t, 0
+        if masks_out is not None:
+            position[prefetch] = np.arange(prefetched, prefetched + len(prefetch))
+        prefetched += len(prefetch)
         union, users = slice_masks(ids, size)
         if (start[union] < 0).any():
             raise ValueError(f"iteration {t}: the batch reads a row the plan has not cached (another dataset?)")
@@ -116,6 +134,8 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
         end(evict, t)
     if t + 1 < iterations:
         raise ValueError(f"the plan or the batches end at iteration {t + 1}, before {iterations}")
+    if masks_out is not None and prefetched != len(masks_out):
+        raise ValueError(f"the plan prefetches {prefetched} rows in {iterations} iterations, not {len(masks_out)}")
     end(np.flatnonzero(start >= 0), None)  # cached at the end: held to the end
 
     def held(added: np.ndarray, removed: np.ndarray) -> np.ndarray:
@@ -126,3 +146,66 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
         return out
 
     return HolderCounts(size, held(fetched, evicted), held(adds, removes), lifetimes, holders)
+
+
+HOLDERS_FILE = "holders.json"
+
+
+def mask_dtype(size: int) -> np.dtype:
+    """The smallest unsigned integer with a bit per trainer."""
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if size <= np.iinfo(dtype).bits:
+            return np.dtype(dtype)
+    raise ValueError(f"trainers must be 1..{MAX_TRAINERS}, got {size}")
+
+
+@dataclass
+class LifetimeHolders:
+    """Every cached lifetime's holders for a run of W trainers: ``masks[offsets[t]:offsets[t + 1]]`` are the
+    holders (bit ``w``: trainer w) of the rows the plan prefetches for iteration ``t``, in the plan's order;
+    ``peaks[w]``: the most rows trainer w holds at once (its cache's rows)."""
+
+    size: int
+    offsets: np.ndarray
+    masks: np.ndarray
+    peaks: list[int]
+    mean_holders: float
+
+    def of(self, t: int) -> np.ndarray:
+        """The holders of iteration ``t``'s prefetches, as int64 masks."""
+        return self.masks[self.offsets[t]:self.offsets[t + 1]].astype(np.int64)
+
+
+def write_lifetime_holders(directory: str | Path, steps: Callable[[], Iterable], batches: Iterable[np.ndarray], *,
+                           size: int, distance: int, total_rows: int, iterations: int,
+                           always: int = 0) -> LifetimeHolders:
+    """Replay the plan (``steps()`` yields its iterations from 0; called twice: the first pass counts the
+    prefetches) over ``batches`` as :func:`holder_counts` does and store every lifetime's holders in
+    ``directory`` (``masks.npy``, written through a memory map, ``offsets.npy``, ``holders.json``)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    counts = np.zeros(iterations, dtype=np.int64)
+    for step in steps():
+        if step.t >= iterations:
+            break
+        counts[step.t] = len(step.prefetch_ids)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    masks = np.lib.format.open_memmap(directory / "masks.npy", mode="w+", dtype=mask_dtype(size),
+                                      shape=(int(offsets[-1]),))
+    result = holder_counts(steps(), batches, size=size, distance=distance, total_rows=total_rows,
+                           iterations=iterations, always=always, masks_out=masks)
+    masks.flush()
+    del masks
+    np.save(directory / "offsets.npy", offsets)
+    (directory / HOLDERS_FILE).write_text(json.dumps(
+        {"trainers": size, "iterations": iterations, "peaks": result.peak_holders_only,
+         "peak_every_row": result.peak_every_row, "mean_holders": result.mean_holders}, indent=1) + "\n")
+    return load_lifetime_holders(directory)
+
+
+def load_lifetime_holders(directory: str | Path) -> LifetimeHolders:
+    """The holders :func:`write_lifetime_holders` stored (the masks memory-mapped, read-only)."""
+    directory = Path(directory)
+    info = json.loads((directory / HOLDERS_FILE).read_text())
+    return LifetimeHolders(info["trainers"], np.load(directory / "offsets.npy"),
+                           np.load(directory / "masks.npy", mmap_mode="r"), info["peaks"], info["mean_holders"])

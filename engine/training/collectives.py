@@ -104,9 +104,44 @@ class TrainerGroup:
         pending = PendingGather(work, parts, list(counts))
         return pending if async_op else pending.wait()
 
+    def exchange_rows(self, sends: dict[int, torch.Tensor], counts: dict[int, int], width: int, kind: str, *,
+                      prefetch: bool = False, tag: int = 0) -> PendingExchange:
+        """Point to point: ``sends[h]`` (rows ``[k, width]``) to trainer h, ``counts[u]`` rows from trainer u,
+        all at once; returns a :class:`PendingExchange` whose :meth:`~PendingExchange.wait` gives the rows
+        received, by trainer. Both sides must agree on every count (a count of 0 sends nothing); ``tag``
+        keeps apart exchanges that may be in flight together on one process group."""
+        group = self.prefetch_group if prefetch else None
+        works, received, keep = [], {}, []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            if counts.get(peer, 0):
+                received[peer] = torch.empty((counts[peer], width), dtype=torch.float32)
+                works.append(dist.irecv(received[peer], src=peer, group=group, tag=tag))
+                self.bytes_received[kind] += received[peer].numel() * 4
+            rows = sends.get(peer)
+            if rows is not None and rows.shape[0]:
+                keep.append(rows.contiguous())  # alive until the send completes
+                works.append(dist.isend(keep[-1], dst=peer, group=group, tag=tag))
+                self.bytes_sent[kind] += rows.numel() * rows.element_size()
+        return PendingExchange(works, received, keep)
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+
+class PendingExchange:
+    """A :meth:`TrainerGroup.exchange_rows` in flight."""
+
+    def __init__(self, works: list, received: dict[int, torch.Tensor], keep: list[torch.Tensor]) -> None:
+        self.works, self.received, self.keep = works, received, keep
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works, self.keep = [], []
+        return self.received
 
 
 class PendingGather:

@@ -75,6 +75,10 @@ class PrefetchError(RuntimeError):
 class Ready:
     plan: Any  # the IterationPlan of this iteration
     event: torch.cuda.Event | None  # GPU: compute waits on it before reading the new rows
+    ids: np.ndarray  # the rows fetched into the cache for it
+    slots: np.ndarray  # their slots
+    holders: np.ndarray | None  # several trainers: their holders (bit w: trainer w)
+    fetched_bytes: int  # what this worker fetched from the shards for it
 
 
 class PrefetchWorker:
@@ -182,7 +186,7 @@ class PrefetchWorker:
     def bytes_fetched_ahead(self) -> int:
         """Bytes fetched for iterations prepared but not yet handed to compute."""
         with self._cond:
-            return sum(len(r.plan.prefetch_ids) for r in self._ready.values()) * self.row_bytes
+            return sum(r.fetched_bytes for r in self._ready.values())
 
     def stop(self) -> None:
         """Ask the worker to stop (after an error in compute) and wait for it."""
@@ -242,7 +246,9 @@ class PrefetchWorker:
                 with self._cond:
                     self.state.exchanged(action)
                     if action.t is not None:
-                        self._ready[action.t] = Ready(action.step, event)
+                        here = action.fetch_ids if action.fetched_here is None else action.fetched_here
+                        self._ready[action.t] = Ready(action.step, event, action.fetch_ids, action.fetch_slots,
+                                                      action.fetch_holders, len(here) * self.row_bytes)
                         self._cond.notify_all()
 
     def _copy_out(self, take: CopyOut) -> np.ndarray:
@@ -283,11 +289,11 @@ class PrefetchWorker:
 
 
 class PartitionedPrefetchWorker(PrefetchWorker):
-    """The oracle's prefetch worker for one of W trainers holding the same cache slots: it writes home
-    the evicted rows it is the writer of, fetches the prefetched rows it is the fetcher of, and gathers
-    the others' fetches over the trainer group's prefetch process group (the LRPP cache,
-    :class:`~.stores.oracle.LrppRows`).
-    Who writes and who fetches is the state's (:class:`~.prefetch_state.PartitionedPrefetchState`)."""
+    """The oracle's prefetch worker for one of W trainers sharing one plan: it writes home the evicted rows it
+    is the writer of, fetches the prefetched rows it is the fetcher of and hands each to its holders
+    (point to point, over the trainer group's prefetch process group), and keeps the rows it holds
+    (the LRPP cache, :class:`~.stores.oracle.LrppRows`). Who holds, fetches and writes what is the state's
+    (:class:`~.prefetch_state.PartitionedPrefetchState`)."""
 
     def __init__(self, *args, group: TrainerGroup, gateway: bool = False, **kwargs) -> None:
         self.group, self.gateway = group, gateway
@@ -311,19 +317,29 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         return self.state.fetchers(ids)
 
     def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> None:
-        """One round trip to the shards for this trainer's share, then the collective that hands every
-        trainer the rows the others fetched."""
+        """One round trip to the shards for this trainer's share, then the rows it fetched go to their
+        other holders and the rows it holds come from their fetchers."""
         start = time.perf_counter()
-        mine, fetcher = exchange.fetched_here, exchange.fetcher
-        fetched = np.empty((len(mine), self.cache.shape[1]), dtype=np.float32)
-        if len(mine) or len(exchange.write_ids):
-            self.shards.exchange(exchange.write_ids, write_rows, mine, out=fetched)
-        if len(exchange.fetch_ids):
-            counts = [int(np.count_nonzero(fetcher == w)) for w in range(self.group.size)]
-            parts = self.group.all_gather_rows(torch.from_numpy(fetched), counts, "prefetched rows", prefetch=True)
-            for w, part in enumerate(parts):
-                self.cache_np[exchange.fetch_slots[fetcher == w]] = part.numpy()
-        self.bytes_fetched += len(mine) * self.row_bytes
+        rank, width = self.group.rank, self.cache.shape[1]
+        here = exchange.fetched_here
+        fetched = np.empty((len(here), width), dtype=np.float32)
+        if len(here) or len(exchange.write_ids):
+            self.shards.exchange(exchange.write_ids, write_rows, here, out=fetched)
+        if exchange.prefetch_ids is not None and len(exchange.prefetch_ids):
+            fetcher, holders = exchange.fetcher, exchange.holders
+            by_me = fetcher == rank
+            mine = (holders >> rank) & 1 == 1
+            sends = {h: torch.from_numpy(fetched[(holders[by_me] >> h) & 1 == 1])
+                     for h in range(self.group.size) if h != rank}
+            counts = {u: int(np.count_nonzero(mine & (fetcher == u))) for u in range(self.group.size) if u != rank}
+            parts = self.group.exchange_rows(sends, counts, width, "prefetched rows", prefetch=True).wait()
+            values = np.empty((len(exchange.fetch_ids), width), dtype=np.float32)
+            held_fetcher = fetcher[mine]
+            values[held_fetcher == rank] = fetched[mine[by_me]]
+            for u, part in parts.items():
+                values[held_fetcher == u] = part.numpy()
+            self.cache_np[exchange.fetch_slots] = values
+        self.bytes_fetched += len(here) * self.row_bytes
         self.bytes_written += len(exchange.write_ids) * self.row_bytes
         self.busy_seconds += time.perf_counter() - start
         return None

@@ -50,7 +50,20 @@ class Done:
     evict_ids: np.ndarray
     evict_slots: np.ndarray
     event: Any  # GPU: a torch.cuda.Event recorded after the iteration's update of the cache (None on CPU)
-    writers: np.ndarray | None = None  # several trainers: the trainer that writes each evicted row home
+    # Several trainers: every row the plan evicts after t (``evict_ids`` are those this trainer holds; None:
+    # the same) and the trainer that writes each of them home.
+    writers: np.ndarray | None = None
+    evicted: np.ndarray | None = None
+
+
+class HeldStep:
+    """A plan step with its prefetches' holders (what a :class:`PartitionedPrefetchState` reads)."""
+
+    __slots__ = ("t", "prefetch_ids", "prefetch_slots", "evict_ids", "holders")
+
+    def __init__(self, step, holders: np.ndarray) -> None:
+        self.t, self.prefetch_ids, self.prefetch_slots = step.t, step.prefetch_ids, step.prefetch_slots
+        self.evict_ids, self.holders = step.evict_ids, holders
 
 
 # ---- actions ----------------------------------------------------------------------------------------
@@ -87,8 +100,9 @@ class Exchange:
     into ``fetch_slots``; report :meth:`PrefetchState.exchanged` when the rows are in the cache.
 
     ``t``: the iteration prepared (``step`` its plan step), None for a write-back after the last one.
-    Several trainers: ``fetcher`` names the trainer that fetches each of ``fetch_ids`` from the shards,
-    ``fetched_here`` those this trainer fetches (the others come over the trainer group)."""
+    Several trainers: ``fetch_ids`` are the prefetched rows this trainer holds (``fetch_holders`` their
+    holders), ``prefetch_ids`` all of them, ``holders`` theirs (bit w: trainer w), ``fetcher`` the trainer
+    that fetches each from the shards and hands it to its holders, ``fetched_here`` those this trainer fetches."""
 
     t: int | None
     step: Any
@@ -98,6 +112,9 @@ class Exchange:
     fetch_slots: np.ndarray
     fetcher: np.ndarray | None = None
     fetched_here: np.ndarray | None = None
+    prefetch_ids: np.ndarray | None = None
+    holders: np.ndarray | None = None
+    fetch_holders: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +221,7 @@ class PrefetchState:
         write_ids, write_slots = self._writes_of(done)
         self.slot_of[ids] = -1
         self.owner[slots] = -1
+        self._released(slots)
         self.held -= len(ids)
         self.written += 1
         self.unsent.append((write_ids, write_slots))
@@ -227,6 +245,9 @@ class PrefetchState:
     def _writes_of(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
         """The evicted rows this worker writes home: all of them."""
         return done.evict_ids, done.evict_slots
+
+    def _released(self, slots: np.ndarray) -> None:
+        """``slots`` are free (the plan reuses them by number)."""
 
     def _issue(self, t: int | None, step: Any, ids: np.ndarray, slots: np.ndarray) -> Exchange:
         if t is None and len(self.unsent) == 1:  # after the last iteration: one exchange per iteration's evictions
@@ -262,15 +283,21 @@ class PrefetchState:
 
 
 class PartitionedPrefetchState(PrefetchState):
-    """The state of trainer ``rank`` of ``size`` holding the same cache slots as the others: it writes home
-    the evicted rows ``Done.writers`` gives it and fetches the rows :meth:`fetchers` gives it; every trainer
-    runs the same plan through the same state, so they agree on every decision."""
+    """The state of trainer ``rank`` of ``size`` sharing one plan (the LRPP cache): it holds the prefetched rows
+    whose holders include it (a plan step's ``holders``, one mask per prefetched row; without them every trainer
+    holds every row), in slots of its own cache (``num_slots`` rows, taken from a pool as rows come in and given
+    back as they are taken out), writes home the evicted rows ``Done.writers`` gives it and fetches the rows
+    :meth:`fetchers` gives it, for their holders. Every trainer runs the same plan through the same rules, so
+    they agree on who fetches, holds and writes each row."""
 
     def __init__(self, iterations: int, distance: int, total_rows: int, num_slots: int, *, size: int, rank: int,
                  gateway: bool = False, start: int = 0, cached: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         super().__init__(iterations, distance, total_rows, num_slots, start=start, cached=cached)
         self.size, self.rank, self.gateway = size, rank, gateway
         self.last_writer = np.full(total_rows, -1, dtype=np.int16)  # -1: never written home by a trainer
+        free = np.flatnonzero(self.owner < 0)[::-1]  # a stack: the lowest slot is taken first
+        self._free, self._free_count = np.empty(num_slots, dtype=np.int64), len(free)
+        self._free[:len(free)] = free
 
     def fetchers(self, ids: np.ndarray) -> np.ndarray:
         """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
@@ -282,10 +309,39 @@ class PartitionedPrefetchState(PrefetchState):
         return np.where(last >= 0, last, ids % self.size)
 
     def _writes_of(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
-        mine = done.writers == self.rank
-        self.last_writer[done.evict_ids] = done.writers
-        return done.evict_ids[mine], done.evict_slots[mine]
+        evicted = done.evict_ids if done.evicted is None else done.evicted
+        self.last_writer[evicted] = done.writers
+        mine = evicted[done.writers == self.rank]
+        slots = self.slot_of[mine]
+        if (slots < 0).any():
+            raise PlanViolation(f"iteration {done.t}: trainer {self.rank} is to write home id "
+                                f"{int(mine[slots < 0][0])}, which it does not hold")
+        return mine, slots
+
+    def _released(self, slots: np.ndarray) -> None:
+        self._free[self._free_count:self._free_count + len(slots)] = slots[::-1]
+        self._free_count += len(slots)
+
+    def _take_slots(self, t: int, count: int) -> np.ndarray:
+        if count > self._free_count:
+            raise PlanViolation(f"iteration {t}: trainer {self.rank} holds more rows than its cache of "
+                                f"{len(self.owner)} (holders made for another plan or batches?)")
+        self._free_count -= count
+        return self._free[self._free_count:self._free_count + count][::-1].copy()
+
+    def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Only a held row has a copy here to check; the slots are this trainer's own (:meth:`_take_slots`)."""
 
     def _exchange(self, t, step, write_ids, write_slots, ids, slots) -> Exchange:
         fetcher = self.fetchers(ids)
-        return Exchange(t, step, write_ids, write_slots, ids, slots, fetcher, ids[fetcher == self.rank])
+        holders = getattr(step, "holders", None)
+        holders = np.full(len(ids), (1 << self.size) - 1, dtype=np.int64) if holders is None else \
+            np.asarray(holders, dtype=np.int64)
+        mine = (holders >> self.rank) & 1 == 1
+        held = ids[mine]
+        live = self.slot_of[held] >= 0
+        if live.any():
+            raise PlanViolation(f"iteration {t}: id {int(held[live][0])} is prefetched while its previous copy is "
+                                "still cached or not yet written back (a stale read)")
+        return Exchange(t, step, write_ids, write_slots, held, self._take_slots(t, len(held)), fetcher,
+                        ids[fetcher == self.rank], ids, holders, holders[mine])

@@ -46,6 +46,10 @@ class RunSetup:
     # Tests only: trainer 0 also gathers the whole final state into its result (``whole_state``), as runs
     # did before each shard wrote its own rows: every row in one process.
     whole_state: bool = False
+    # --trainers W with a plan: the directory of every cached lifetime's holders (written by run_trainers).
+    holders_dir: str | None = None
+    # Benchmarks only: every LRPP trainer holds every cached row (the baseline of Bagpipe's saving).
+    every_trainer_holds_every_row: bool = False
 
     @property
     def steps_before(self) -> int:

@@ -33,8 +33,10 @@ from dlrmflow.engine.training.checkpoint import (
     resume_command,
 )
 from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.rank import train_rank
 from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.stores.oracle import write_holders
 
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
@@ -97,6 +99,8 @@ def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers
     workers = place_trainers(cluster_workers(client), size)
+    if MODES[setup.config.mode].plan:
+        setup = write_holders(setup, setup.config.output_dir)
     port = client.submit(_free_port, workers=[workers[0]], pure=False).result()
     host = workers[0].split("://", 1)[-1].rsplit(":", 1)[0]
     init_method = f"tcp://{host}:{port}"

@@ -24,16 +24,22 @@ fetch can overtake the write it must see, whatever the other trainers' timing.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.phases import phase_reported
+from dlrmflow.engine.planning.holders import LifetimeHolders, load_lifetime_holders, write_lifetime_holders
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
-from dlrmflow.engine.training.collectives import PendingGather, TrainerGroup, sum_over_users
+from dlrmflow.engine.training.collectives import PendingExchange, TrainerGroup, sum_over_users
 from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
+from dlrmflow.engine.training.prefetch_state import HeldStep
 from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.stores.base import CachedRows, RowsForTrainers
 
@@ -46,9 +52,9 @@ class OracleRows(CachedRows):
 
     def __init__(
         self, spec: RowSpec, device: torch.device, shards: ShardGroup, plan, iterations: int, *,
-        start: int = 0, rows: np.ndarray | None = None,
+        start: int = 0, rows: np.ndarray | None = None, num_slots: int | None = None,
     ) -> None:
-        super().__init__(spec, device, shards, plan.num_slots)
+        super().__init__(spec, device, shards, plan.num_slots if num_slots is None else num_slots)
         self.plan = plan
         self.iterations = iterations
         self.worker: PrefetchWorker | None = None
@@ -81,12 +87,7 @@ class OracleRows(CachedRows):
         if t > 0:
             if rows is None:
                 raise ValueError(f"starting the oracle store at iteration {t} needs every row's value there")
-            for step in self.plan.iterations(0, t):  # only the plan files of iterations 0 .. t-1
-                self.directory.place(np.asarray(step.prefetch_ids, dtype=np.int64),
-                                     np.asarray(step.prefetch_slots, dtype=np.int64))
-                self.directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
-            ids = self.directory.cached_ids()
-            slots = self.directory.slot_of[ids]
+            ids, slots = self._cached_at(t)
             if len(ids):
                 held = np.ascontiguousarray(rows[ids])
                 self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
@@ -97,6 +98,16 @@ class OracleRows(CachedRows):
         self.worker = self.make_worker(t, ids, slots)
         self._step = None
         self.worker.start()
+
+    def _cached_at(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows cached before iteration ``t`` and their slots, placed in compute's directory: the plan's
+        prefetches and evictions of ``0 .. t-1`` replayed (only their plan files read), no data moved."""
+        for step in self.plan.iterations(0, t):
+            self.directory.place(np.asarray(step.prefetch_ids, dtype=np.int64),
+                                 np.asarray(step.prefetch_slots, dtype=np.int64))
+            self.directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
+        ids = self.directory.cached_ids()
+        return ids, self.directory.slot_of[ids]
 
     def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         """The prefetch worker that starts at iteration ``t`` with ``ids`` cached in ``slots``."""
@@ -136,13 +147,16 @@ class OracleRows(CachedRows):
         ready = self.worker.wait_ready(t)
         self.stall_seconds += time.perf_counter() - start
         self._step = ready.plan
-        prefetch_ids = np.asarray(ready.plan.prefetch_ids, dtype=np.int64)
-        self.directory.place(prefetch_ids, np.asarray(ready.plan.prefetch_slots, dtype=np.int64))
+        self._placed(ready)
         slots = self._slots_of(t, ids)
         if ready.event is not None:
             torch.cuda.current_stream(self.device).wait_event(ready.event)
         self._slots = torch.from_numpy(slots).to(self.device)
         return self.cache.index_select(0, self._slots)
+
+    def _placed(self, ready) -> None:
+        """The worker put ``ready.ids`` in ``ready.slots``: compute's directory follows."""
+        self.directory.place(np.asarray(ready.ids, dtype=np.int64), np.asarray(ready.slots, dtype=np.int64))
 
     def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
         super().scatter(t, ids, block)
@@ -170,38 +184,61 @@ class OracleRows(CachedRows):
         super().close()
 
 
-def sync_classes(split: BatchSplit, next_union: np.ndarray, evict: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The classes (Bagpipe's names, our rules) of the rows iteration ``t`` used, as masks over
-    ``split.union``: ``(no_sync, sync_now, sync_later)`` for the plan's evictions after ``t`` (``evict``,
-    sorted) and the next iteration's ids (``next_union``, sorted). See the module docstring."""
-    evicted = np.isin(split.union, evict, assume_unique=True)
-    if np.count_nonzero(evicted) != len(evict):
-        raise PlanViolation(f"iteration {split.t}: the plan evicts a row the batch does not use")
-    no_sync = (split.users.sum(axis=0) == 1) & evicted
-    now = ~no_sync & (evicted | np.isin(split.union, next_union, assume_unique=True))
-    return no_sync, now, ~no_sync & ~now
+def lowest_trainer(masks: np.ndarray) -> np.ndarray:
+    """Per mask of trainers (bit w: trainer w, at least one bit set): the lowest trainer."""
+    return np.log2(masks & -masks).astype(np.int64)
 
 
 class LrppRows(OracleRows, RowsForTrainers):
     """Bagpipe's LRPP cache for one of W trainers (module docstring).
 
-    ``gateway`` (a run with parity, whose coded group has one client): trainer 0 fetches and writes
-    every row, so no row is ``no_sync`` (trainer 0's copy of every row must be current).
+    ``holders``: every lifetime's holders (:class:`~dlrmflow.engine.planning.holders.LifetimeHolders`): this
+    trainer's cache has ``holders.peaks[rank]`` rows. ``gateway`` (a run with parity, whose coded group has one
+    client): trainer 0 fetches and writes every row (the holders then include trainer 0 in every lifetime).
     ``start``/``rows``: a resumed run, as :class:`OracleRows`."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup | None, group: TrainerGroup, plan,
-                 iterations: int, *, gateway: bool = False, start: int = 0, rows: np.ndarray | None = None) -> None:
+                 iterations: int, holders: LifetimeHolders, *, gateway: bool = False, start: int = 0,
+                 rows: np.ndarray | None = None) -> None:
         RowsForTrainers.__init__(self, spec, device, group)
-        self.gateway = gateway
+        if holders.size != group.size:
+            raise ValueError(f"the holders were made for {holders.size} trainers, not {group.size}")
+        self.gateway, self.holders = gateway, holders
+        num_slots = holders.peaks[group.rank]
+        self.slot_holders = np.zeros(num_slots, dtype=np.int64)  # per slot of this cache: its row's holders
         self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
-        self._later: tuple[int, np.ndarray, list[np.ndarray], PendingGather] | None = None
-        OracleRows.__init__(self, spec, device, shards, plan, iterations, start=start, rows=rows)
+        self._later: tuple[int, np.ndarray, list, PendingExchange] | None = None
+        OracleRows.__init__(self, spec, device, shards, plan, iterations, start=start, rows=rows, num_slots=num_slots)
+
+    def _held_steps(self, t: int, stop: int | None = None):
+        for step in self.plan.iterations(t, stop):
+            yield HeldStep(step, self.holders.of(step.t))
 
     def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         return PartitionedPrefetchWorker(
-            self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
+            self._held_steps(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
             self.spec.total_rows, start=t, cached=(ids, slots), group=self.group, gateway=self.gateway)
+
+    def _cached_at(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows this trainer holds before iteration ``t`` (the plan and the holders of ``0 .. t-1``
+        replayed), in its slots ``0 ..``: the worker's pool starts from there."""
+        bit = np.int64(1) << self.group.rank
+        holders_of: dict[int, int] = {}
+        for step in self._held_steps(0, t):
+            held = (step.holders & bit) != 0
+            holders_of.update(zip(np.asarray(step.prefetch_ids)[held].tolist(), step.holders[held].tolist(),
+                                  strict=True))
+            for x in np.asarray(step.evict_ids).tolist():
+                holders_of.pop(x, None)
+        ids = np.array(sorted(holders_of), dtype=np.int64)
+        slots = np.arange(len(ids), dtype=np.int64)
+        self.directory.place(ids, slots)
+        self.slot_holders[slots] = [holders_of[x] for x in ids.tolist()]
+        return ids, slots
+
+    def _placed(self, ready) -> None:
+        super()._placed(ready)
+        self.slot_holders[np.asarray(ready.slots, dtype=np.int64)] = ready.holders
 
     def quiesce(self) -> None:
         """Before a checkpoint (every trainer calls it, then a barrier): the gradients in flight applied,
@@ -210,9 +247,9 @@ class LrppRows(OracleRows, RowsForTrainers):
         self.worker.wait_idle()
 
     def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
-        stale = self.in_flight[split.union]
+        stale = self.in_flight[split.mine]
         if stale.any():
-            raise PlanViolation(f"iteration {t}: id {int(split.union[stale][0])} is read while its gradient "
+            raise PlanViolation(f"iteration {t}: id {int(split.mine[stale][0])} is read while its gradient "
                                 "from an earlier iteration is still being synced (a stale read)")
         return OracleRows.gather_ids(self, t, split.mine)
 
@@ -229,52 +266,79 @@ class LrppRows(OracleRows, RowsForTrainers):
         """Wait for the sync_later gradients in flight and update those rows."""
         if self._later is None:
             return
-        t, ids, held, pending = self._later
+        t, ids, parts, pending = self._later
         start = time.perf_counter()
-        parts = pending.wait()
+        received = pending.wait()
         self.sync_seconds += time.perf_counter() - start
-        self._update_rows(t, ids, list(zip(held, parts, strict=True)), self.group.size)
+        self._update_rows(t, ids, _with_received(parts, received), self.group.size)
         self.in_flight[ids] = False
         self._later = None
 
+    def _send_gradients(self, split: BatchSplit, recipients: np.ndarray, rows: np.ndarray, grad: torch.Tensor,
+                        kind: str, tag: int) -> tuple[np.ndarray, list, PendingExchange]:
+        """Start sending each row of ``rows`` (a mask over the union) this trainer used its gradient, to the
+        row's ``recipients`` (masks) but itself, and receiving the others' gradients of the rows it is a
+        recipient of. Returns those rows' ids (its updates), the parts in rank order (the others' still to come
+        from the exchange) and the exchange."""
+        rank, users, union = split.rank, split.users, split.union
+        mine = users[rank] & rows
+        position = np.cumsum(users[rank]) - 1  # union index -> row of grad (this trainer's sorted ids)
+        sends, counts = {}, {}
+        for peer in range(split.size):
+            if peer != rank:
+                to_peer = mine & ((recipients >> peer) & 1 == 1)
+                sends[peer] = grad[torch.from_numpy(position[to_peer])]
+        here = rows & ((recipients >> rank) & 1 == 1)
+        parts: list = []
+        for w in range(split.size):
+            part = union[here & users[w]]
+            if w == rank:
+                parts.append((part, grad[torch.from_numpy(position[here & users[w]])]))
+            else:
+                parts.append((part, None))
+                counts[w] = len(part)
+        pending = self.group.exchange_rows(sends, counts, grad.shape[1], kind, tag=tag)
+        return union[here], parts, pending
+
     def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
                grad: torch.Tensor) -> None:
-        union, size = split.union, split.size
+        union = split.union
         evict = np.asarray(self._step.evict_ids, dtype=np.int64)
-        no_sync, now, later = sync_classes(split, next_union, evict)
-        if self.gateway:  # trainer 0 writes every row home: it needs every gradient
-            now, no_sync = now | no_sync, no_sync & False
+        evicted = np.isin(union, evict, assume_unique=True)
+        if np.count_nonzero(evicted) != len(evict):
+            raise PlanViolation(f"iteration {t}: the plan evicts a row the batch does not use")
+        # An evicted row's writer is its lowest user at t (with parity, trainer 0: the only one writing home);
+        # its gradient goes to the writer only. Any other row's goes to its holders. A row this trainer
+        # neither holds nor writes is none of its business (its bits here stay 0).
+        writer = np.zeros(len(union), dtype=np.int64) if self.gateway else split.first_user()
+        slot = self.directory.slot_of[union]
+        held = slot >= 0
+        recipients = np.zeros(len(union), dtype=np.int64)
+        recipients[held] = self.slot_holders[slot[held]]
+        recipients[evicted] = np.int64(1) << writer[evicted]
+        now = evicted | np.isin(union, next_union, assume_unique=True)
 
         start = time.perf_counter()
-        ids, parts = self._gather_gradients(split, now, grad, "sync_now")
+        ids, parts, pending = self._send_gradients(split, recipients, now, grad, "sync_now", tag=1)
+        parts = _with_received(parts, pending.wait())
         self.sync_seconds += time.perf_counter() - start
-        self._update_rows(t, union[now], list(zip(ids, parts, strict=True)), size)
-        own = no_sync & split.users[split.rank]
-        own_grad = grad[torch.from_numpy(np.flatnonzero(own[split.where[split.rank]]))]
-        self._update_rows(t, union[own], [(union[own], own_grad)], size)
+        self._update_rows(t, ids, parts, split.size)
         self._apply_later()  # the previous iteration's: none of its rows is used at t or t + 1
-        ids, pending = self._gather_gradients(split, later, grad, "sync_later", async_op=True)
-        self._later = (t, union[later], ids, pending)
-        self.in_flight[union[later]] = True
+        ids, parts, pending = self._send_gradients(split, recipients, ~now, grad, "sync_later", tag=2)
+        self._later = (t, ids, parts, pending)
+        self.in_flight[ids] = True
 
-        evicted = np.isin(union, evict, assume_unique=True)
-        single = split.users.sum(axis=0) == 1
-        writers = np.zeros(len(evict), dtype=np.int64) if self.gateway else \
-            np.where(single, split.first_user(), union % size)[evicted]
-        evict_slots = self.directory.slot_of[evict]
-        if (evict_slots < 0).any():
-            raise PlanViolation(f"iteration {t}: the plan evicts id {int(evict[evict_slots < 0][0])}, which is "
-                                "not cached")
-        self.directory.remove(evict)
-        self.worker.post_done(Done(t, evict, evict_slots, None, writers))
+        gone = evict[held[evicted]]  # the evicted rows this trainer holds
+        gone_slots = self.directory.slot_of[gone]
+        self.directory.remove(gone)
+        self.worker.post_done(Done(t, gone, gone_slots, None, writer[evicted], evict))
 
     def _write_back_all(self) -> None:
-        """Every cached row home, each by trainer ``id % W`` (all trainers hold the same rows; ``gateway``:
-        trainer 0)."""
+        """Every cached row home, each by its lowest holder (its holders' copies are all current)."""
         ids = self.directory.cached_ids()
-        owner = np.zeros(len(ids), dtype=np.int64) if self.gateway else ids % self.group.size
-        share = ids[owner == self.group.rank]
-        self._exchange_slots(share, self.directory.slot_of[share], EMPTY_IDS, EMPTY_IDS)
+        slots = self.directory.slot_of[ids]
+        share = lowest_trainer(self.slot_holders[slots]) == self.group.rank
+        self._exchange_slots(ids[share], slots[share], EMPTY_IDS, EMPTY_IDS)
         self.directory.remove(ids)
 
     def finish(self) -> None:
@@ -282,9 +346,40 @@ class LrppRows(OracleRows, RowsForTrainers):
         OracleRows.finish(self)
 
 
+def _with_received(parts: list, received: dict[int, torch.Tensor]) -> list[tuple[np.ndarray, torch.Tensor]]:
+    """``parts`` (ids, rows or None; this trainer's own rows are never None) with each other trainer's rows
+    taken from ``received`` (absent: it sent none)."""
+    width = next(rows.shape[1] for _, rows in parts if rows is not None)
+    return [(ids, rows if rows is not None else received.get(w, torch.zeros((0, width))))
+            for w, (ids, rows) in enumerate(parts)]
+
+
+HOLDERS_DIR = "lrpp-holders"
+
+
+def write_holders(setup: RunSetup, output: str | Path) -> RunSetup:
+    """A W-trainer run's holders (:func:`~dlrmflow.engine.planning.holders.write_lifetime_holders`: the plan
+    replayed over the batches' ids) in ``output/lrpp-holders``; the setup that names them. Trainer 0 holds
+    every row when it alone talks to coded servers (parity) or writes checkpoints."""
+    config, stream = setup.config, setup.stream
+    size = config.trainers
+    always = 1 if config.parity or config.checkpoint_every else 0
+    if setup.every_trainer_holds_every_row:
+        always = (1 << size) - 1
+    ids_only = BatchStream(stream.dataset_dir, stream.batch_size, drop_last=stream.drop_last, sparse_only=True)
+    batches = (global_ids(batch.sparse, ids_only.offsets) for batch in ids_only.iter_range(0, setup.iterations))
+    directory = Path(output) / HOLDERS_DIR
+    with phase_reported(f"LRPP cache: which of the {size} trainers holds each cached row "
+                        f"({setup.iterations} iterations)"):
+        write_lifetime_holders(directory, lambda: setup.plan.iterations(0, setup.iterations), batches, size=size,
+                               distance=setup.plan.config.prefetch_distance, total_rows=setup.spec.total_rows,
+                               iterations=setup.iterations, always=always)
+    return dataclasses.replace(setup, holders_dir=str(directory))
+
+
 def make_store(setup: RunSetup, device: torch.device, shards: ShardGroup, group: TrainerGroup, *, start: int = 0,
                rows: np.ndarray | None = None) -> OracleRows | LrppRows:
     if group.size == 1:
         return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start, rows=rows)
-    return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations, gateway=bool(setup.config.parity),
-                    start=start, rows=rows)
+    return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations,
+                    load_lifetime_holders(setup.holders_dir), gateway=bool(setup.config.parity), start=start, rows=rows)
