@@ -420,8 +420,17 @@ class LostMembersError(RuntimeError):
     """Calls to these members (shards, by index) failed: their workers are gone."""
 
     def __init__(self, members: set[int], cause: BaseException) -> None:
-        self.members = members
+        self.members, self.cause = members, cause
         super().__init__(f"members {sorted(members)} lost: {cause!r}")
+
+    @classmethod
+    def joined(cls, *errors: LostMembersError | None) -> LostMembersError | None:
+        """One error naming every member that ``errors`` name (None when all are None): the calls of one
+        round trip, waited for in groups, fail as one."""
+        found = [e for e in errors if e is not None]
+        if len(found) < 2:
+            return found[0] if found else None
+        return cls(set().union(*(e.members for e in found)), found[0].cause)
 
 
 class DeadCall:
