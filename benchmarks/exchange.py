@@ -1,5 +1,7 @@
 """One exchange on its own: wall time and CPU of ``ShardGroup.exchange``, one call per shard against two
-concurrent calls (the write-back and the fetch apart), by link rate.
+concurrent calls (the write-back and the fetch apart), by link rate; with ``--parity R``, of an erasure-coded
+group's (``CodedShardGroup.exchange``: R parity shards more behind the link, a batch's parity deltas sent
+every ``parity_batches`` exchanges as in training).
 
 The embedding servers are Dask workers behind the emulated link (:func:`dlrmflow.engine.serving.cluster.shaped_cluster`,
 docs/network.md), the trainer's side runs here. Each exchange writes ``--rows`` rows home and fetches as many
@@ -11,7 +13,7 @@ wall time). A warm-up block of each way runs first, unmeasured. The line "one di
 direction at the link's rate: no way of sending both can take less. Every exchange's fetched rows are
 checked against a copy of the table kept here (bit for bit): the answer must not depend on the way.
 
-    .venv/bin/python benchmarks/exchange.py [--rates unshaped,50,20,10] [--rows 3000] [--dim 16]
+    .venv/bin/python benchmarks/exchange.py [--rates unshaped,50,20,10] [--rows 3000] [--dim 16] [--parity R]
 
 Needs root or CAP_NET_ADMIN (network namespaces, tc); without them it says so in one line and exits 2.
 """
@@ -30,6 +32,7 @@ import time
 import numpy as np
 from distributed import Client
 
+from dlrmflow.engine.coding.start import start_coded_shards
 from dlrmflow.engine.serving.cluster import shaped_cluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
@@ -51,15 +54,18 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--per-block", type=int, default=5)
+    parser.add_argument("--parity", type=int, default=0, help="R parity shards: an erasure-coded group (0: plain)")
     args = parser.parse_args()
     spec = RowSpec(dim=args.dim, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(1_000_000,))
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.rows} rows of {spec.row_bytes} "
-          f"bytes each way ({args.rows * spec.row_bytes / 1e6:.3f} MB), {args.shards} shards", flush=True)
+          f"bytes each way ({args.rows * spec.row_bytes / 1e6:.3f} MB), {args.shards} shards"
+          + (f" and {args.parity} parity shards" if args.parity else ""), flush=True)
     original = ShardGroup.overlap_min_bytes, ShardGroup.overlap_max_rate
     try:
-        with shaped_cluster(None, n_servers=args.shards) as cluster, \
+        with shaped_cluster(None, n_servers=args.shards + args.parity) as cluster, \
                 Client(cluster.address, direct_to_workers=True) as client:
-            group = start_shards(client, spec, args.shards)
+            group = (start_coded_shards(client, spec, args.shards, args.parity) if args.parity
+                     else start_shards(client, spec, args.shards))
             home = init_rows(spec, np.arange(spec.total_rows))
             rng = np.random.default_rng(0)
 
@@ -68,6 +74,8 @@ def main() -> int:
                 ids = rng.choice(spec.total_rows, 2 * args.rows, replace=False)
                 write, fetch = ids[: args.rows], ids[args.rows:]
                 rows = rng.standard_normal((args.rows, spec.width)).astype(np.float32)
+                # Held as if fetched before (a coded group writes back only rows it has the old values of).
+                group.held_by_trainer(write, home[write])
                 start = time.perf_counter()
                 got = group.exchange(write, rows, fetch)
                 seconds = time.perf_counter() - start

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import Client, LocalCluster
-from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
+from test_trainers import assert_bit_identical, force_split_exchanges, keep_all_plan, make_dataset, small_config
 
 from dlrmflow.engine.coding import group as group_module
 from dlrmflow.engine.coding.checked_out import CheckedOutRows
@@ -26,7 +26,7 @@ from dlrmflow.engine.row_files import chunk_stripes
 from dlrmflow.engine.run_state import STATE_DIR, load_state, read_manifest, read_summary, save_state
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.serving.shards import EmbeddingShard
+from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
 from dlrmflow.engine.training.config import TrainConfigError
 from dlrmflow.engine.training.faults import FaultSpecError, parse_kill
 from dlrmflow.engine.training.run import prepare_run, train
@@ -285,6 +285,159 @@ def test_checked_out_rows_match_a_dict(seed):
             store.take(missing)
 
 
+# ---- the write path's two directions, without Dask -------------------------------------------------
+
+
+class Mortal(InProcess):
+    """A member whose worker dies once ``dies_at`` (a method name) is set and that method is called: that
+    call (run first when ``runs``: the batch applied, its answer lost) and every later one fail as a call
+    to a dead worker does, with OSError."""
+
+    class Lost:
+        def result(self):
+            raise OSError("the worker is gone")
+
+    def __init__(self, member) -> None:
+        super().__init__(member)
+        self.dies_at, self.runs, self.dead = None, False, False
+
+    def __getattr__(self, name):
+        call = super().__getattr__(name)
+
+        def maybe_lost(*args):
+            if name == self.dies_at and not self.dead:
+                self.dead = True
+                if self.runs:
+                    call(*args)
+            return self.Lost() if self.dead else call(*args)
+
+        return maybe_lost
+
+
+def _mortal_group(spec: RowSpec, k: int, r: int, split: bool) -> CodedShardGroup:
+    """An in-process group whose data shards can die; ``split``: every shard's fetch of rows the batch does
+    not write goes apart (whatever the sizes and the link's rate), else never."""
+    group = _in_process_group(spec, k, r)
+    group.members[:k] = group.actors[:] = [Mortal(m.member) for m in group.members[:k]]
+    group.overlap_min_bytes, group.overlap_max_rate = (0, float("inf")) if split else (1 << 62, 0.0)
+    return group
+
+
+def _recorded_calls(monkeypatch) -> list[tuple[int, str, tuple]]:
+    """Every call the coded group makes to a data shard: (shard, method, arguments)."""
+    made: list[tuple[int, str, tuple]] = []
+    original_remote = group_module.remote
+
+    def recording(actor, method, *args):
+        if isinstance(actor.member, CodedShard):
+            made.append((actor.member.shard, method, args))
+        return original_remote(actor, method, *args)
+
+    monkeypatch.setattr(group_module, "remote", recording)
+    return made
+
+
+def _trainer_steps(rng, spec: RowSpec, steps: int, held: np.ndarray):
+    """A trainer's exchanges: ``(write, rows, fetch)``, each writing back some rows it holds and fetching
+    distinct ids, some of them just written; the ids it holds after each are the fetched ones and those
+    it did not write."""
+    for _ in range(steps):
+        write = held[rng.random(len(held)) < 0.7]
+        rows = rng.standard_normal((len(write), spec.width)).astype(np.float32)
+        others = rng.choice(spec.total_rows, size=int(rng.integers(1, 60)), replace=False)
+        fetch = np.union1d(others, write[rng.random(len(write)) < 0.5])
+        rng.shuffle(fetch)
+        yield write, rows, fetch
+        held = np.union1d(np.setdiff1d(held, write), fetch)
+
+
+def test_a_sizeable_exchange_on_a_slow_link_sends_each_shard_a_fetch_and_a_batch(monkeypatch):
+    """Each data shard moving ``overlap_min_bytes`` both ways gets the fetch of the ids the batch does not
+    write as a call of its own, sent before the batches, and its batch (``exchange_seq``) with the written
+    ids it fetches, read after their write; a small exchange, or one on a fast link, one call per shard."""
+    monkeypatch.setattr(ShardGroup, "overlap_max_rate", float("inf"))  # the link seems slow, whatever it does
+    made = _recorded_calls(monkeypatch)
+    spec = RowSpec(dim=16, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(4000,))
+    k, per_shard = 2, ShardGroup.overlap_min_bytes // spec.row_bytes  # rows each way that make a shard sizeable
+    group = _in_process_group(spec, k, 1)
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(spec.total_rows)
+    write, others = ids[: 2 * k * per_shard], ids[2 * k * per_shard : 4 * k * per_shard]
+    group.exchange(ids[:0], np.zeros((0, spec.width), np.float32), write)  # checked out: one call per shard
+    assert [(s, m) for s, m, _ in made] == [(0, "exchange_seq"), (1, "exchange_seq")]
+    made.clear()
+    new = rng.standard_normal((len(write), spec.width)).astype(np.float32)
+    fetch = np.concatenate([others, write[:10]])
+    got = group.exchange(write, new, fetch)
+    assert [(s, m) for s, m, _ in made] == [(0, "fetch"), (1, "fetch"), (0, "exchange_seq"), (1, "exchange_seq")]
+    for s, method, args in made:
+        if method == "fetch":  # the rows of ids this exchange does not write, no others
+            assert np.array_equal(np.sort(args[0]), np.sort(others[others % k == s]))
+        else:
+            assert np.array_equal(np.sort(args[3]), np.sort(write[:10][write[:10] % k == s]))
+    assert np.array_equal(got[: len(others)].view(np.uint32), init_rows(spec, others).view(np.uint32))
+    assert np.array_equal(got[len(others) :].view(np.uint32), new[:10].view(np.uint32))  # read after the write
+    made.clear()  # about per_shard / 2 rows written to each shard: under overlap_min_bytes
+    group.exchange(others[:per_shard], init_rows(spec, others[:per_shard]), ids[-2 * k * per_shard :])
+    assert sorted(m for _, m, _ in made) == ["exchange_seq", "exchange_seq"]
+    monkeypatch.setattr(ShardGroup, "overlap_max_rate", 0.0)  # any link is fast
+    made.clear()
+    group.exchange(others[per_shard:], init_rows(spec, others[per_shard:]), write)
+    assert sorted(m for _, m, _ in made) == ["exchange_seq", "exchange_seq"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_split_exchange_fetches_and_writes_what_one_call_per_shard_does(seed, monkeypatch):
+    """The same exchanges through a group that sends every fetch apart it can and one that never does: the
+    same rows fetched, bit for bit (an id written and fetched in one exchange as written), the same rows and
+    parity on every member, and the group made the split calls."""
+    rng = np.random.default_rng(seed)
+    spec = _spec(seed, tuple(int(c) for c in rng.integers(20, 80, size=3)), optimizer=["sgd", "adagrad"][seed % 2])
+    k, r = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+    made = _recorded_calls(monkeypatch)
+    split, whole = _mortal_group(spec, k, r, split=True), _mortal_group(spec, k, r, split=False)
+    home = init_rows(spec, np.arange(spec.total_rows))
+    for write, rows, fetch in _trainer_steps(rng, spec, 10, np.zeros(0, np.int64)):
+        home[write] = rows
+        for group in (split, whole):
+            got = group.exchange(write, rows, fetch)
+            assert np.array_equal(got.view(np.uint32), home[fetch].view(np.uint32))
+    assert "fetch" in {m for _, m, _ in made}
+    for group in (split, whole):
+        with group.lock:
+            group.settle()
+    for a, b in zip(split.members, whole.members, strict=True):
+        assert np.array_equal(a.member.rows.view(np.uint8), b.member.rows.view(np.uint8))
+    assert split.verify()["ok"]
+
+
+@pytest.mark.parametrize(("dies_at", "runs"), [("fetch", False), ("exchange_seq", True), ("exchange_seq", False)])
+def test_a_split_exchange_whose_shard_dies_is_resent_with_the_same_result(dies_at, runs, monkeypatch):
+    """A data shard's worker dies during a split exchange, at its fetch call or at its batch (applied or
+    not): the exchange is resent to the survivors with the same batch number, its rows fetched are those of
+    an exchange without a loss, and so is every later read (the lost shard's by degraded reads)."""
+    rng = np.random.default_rng(11)
+    spec = _spec(1, (40, 70, 30))
+    made = _recorded_calls(monkeypatch)
+    group, reference = _mortal_group(spec, 2, 1, split=True), _mortal_group(spec, 2, 1, split=False)
+    steps = list(_trainer_steps(rng, spec, 8, np.zeros(0, np.int64)))
+    for t, (write, rows, fetch) in enumerate(steps):
+        if t == 4:
+            group.members[1].dies_at, group.members[1].runs = dies_at, runs
+        seq = group.seq + (len(write) > 0)
+        made.clear()
+        got = group.exchange(write, rows, fetch)
+        if t == 4:  # the batch went out split, and again (same number) to the survivor after the loss
+            assert {(s, m) for s, m, _ in made} >= {(1, "fetch"), (1, "exchange_seq"), (0, "fetch")}
+            assert [a[0] for s, m, a in made if m == "exchange_seq" and s == 0] == [seq, seq]
+        assert np.array_equal(got.view(np.uint32), reference.exchange(write, rows, fetch).view(np.uint32)), t
+    assert group.state.lost == {1} and group.degraded_rows > 0
+    everything = np.arange(spec.total_rows)
+    got, expected = group.fetch(everything), reference.fetch(everything)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert group.members[0].member.applied_batches() == reference.members[0].member.applied_batches()
+
+
 # ---- whole runs ------------------------------------------------------------------------------------
 
 
@@ -295,7 +448,16 @@ def _run(tmp_path, dataset, name, mode, client=None, plan=None, **kw):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_parity_runs_are_bit_identical_and_verify(client, tmp_path, seed):
+def test_parity_runs_are_bit_identical_and_verify(client, tmp_path, monkeypatch, seed):
+    # Remote's write-backs travel with its fetches (lru writes through apart from them, this oracle plan
+    # keeps every row to the end): there, every data shard's fetch apart from its batch, even for these
+    # small batches.
+    split = seed == 0
+    if split:
+        force_split_exchanges(monkeypatch)
+    methods, original_remote = [], group_module.remote
+    monkeypatch.setattr(group_module, "remote",
+                        lambda actor, method, *args: methods.append(method) or original_remote(actor, method, *args))
     rng = np.random.default_rng(300 + seed)
     dataset = make_dataset(tmp_path / "data", seed)
     common = dict(embedding_optimizer=["adagrad", "sgd"][seed % 2], embedding_lr=0.05, seed=seed)
@@ -314,6 +476,7 @@ def test_parity_runs_are_bit_identical_and_verify(client, tmp_path, seed):
     # Up to `batches` write-back batches per parity message; the rest goes before verify reads parity.
     assert report["parity_messages"] == -(-report["write_back_batches"] // batches)
     assert len(set(report["member_workers"].values())) == 2 + r  # every member on its own worker
+    assert ("fetch" in methods) == split  # split only when forced: these batches are small
     assert verify_run_dir(tmp_path / "parity")["ok"]
 
 

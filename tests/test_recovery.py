@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import Client, LocalCluster
-from test_trainers import assert_bit_identical, keep_all_plan, make_dataset, small_config
+from test_trainers import assert_bit_identical, force_split_exchanges, keep_all_plan, make_dataset, small_config
 
 from dlrmflow.engine.coding import group as group_module
 from dlrmflow.engine.coding import rebuild as rebuild_module
@@ -104,13 +104,16 @@ def _check_recovered(tmp_path, summary, killed: set[str]) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_kill_one_data_shard_with_one_parity_shard(cluster, tmp_path, seed, monkeypatch):
-    """Also with a fix-up after every chunk, and with one fix-up for all of them at the end."""
+    """Also with a fix-up after every chunk, and with one fix-up for all of them at the end; remote with
+    each data shard's fetch apart from its batch (a kill can then land between the two calls)."""
     interval = [0.0, rebuild_module.FIX_UP_INTERVAL_S, 600.0][seed]
     monkeypatch.setattr(rebuild_module, "FIX_UP_INTERVAL_S", interval)
     rng = np.random.default_rng(400 + seed)
     dataset = make_dataset(tmp_path / "data", seed)
     _run(tmp_path, dataset, "local", "local", seed=seed)
     mode = ["remote", "lru", "oracle"][seed]
+    if mode == "remote":  # the only mode whose write-backs travel with fetches here
+        force_split_exchanges(monkeypatch)
     shard, at = int(rng.integers(0, 2)), int(rng.integers(0, ITERATIONS))
     summary = _run(tmp_path, dataset, "run", mode, cluster, seed=seed, num_shards=2, parity=1,
                    kills=(f"shard:{shard}@{at}",), rebuild_chunk=int(rng.integers(1, 40)),

@@ -7,7 +7,9 @@ written back, the group takes that copy, and the parity change of the whole batc
 shards work on the batch. A write-back batch gets a sequence number; data and parity shards record
 the numbers they applied and ignore a batch they have already applied, so a resent batch (after a
 shard died mid-batch) is applied exactly once. :meth:`CodedShardGroup.exchange` returns once the data
-shards have acknowledged (their answer carries the fetched rows). The parity deltas of up to
+shards have acknowledged (their answer carries the fetched rows); as in the plain group, a shard's
+fetch of rows the batch does not write may travel as a call of its own, so that on a slow link those
+rows come down while the batch goes up (:meth:`CodedShardGroup._exchange_once`). The parity deltas of up to
 ``parity_batches`` consecutive batches travel in one message per parity shard (an actor call costs
 far more than its deltas), and that message's acknowledgement is awaited when the next one is sent.
 Before anything reads parity (a degraded read, a rebuild, verify) the pending deltas are sent and
@@ -179,12 +181,24 @@ class CodedShardGroup(ShardGroup):
         """One round trip: every data shard's write-back and fetch; with rows of a lost data shard to
         read (a *degraded read*), the survivors' stripes for their decode come in the same round trip:
         a surviving data shard gathers them after applying this batch, a surviving parity shard after
-        applying the pending deltas (this batch's included)."""
+        applying the pending deltas (this batch's included).
+
+        A data shard that is not lost gets, as in :meth:`ShardGroup.exchange`, the fetch of the ids
+        this batch does not write as a call of its own, sent before every ``exchange_seq`` call, when
+        both directions are worth it (:meth:`ShardGroup._split_fetches`): those rows come down the link
+        while the batch goes up. It needs no order with the batch: it reads no row the batch writes, and
+        every earlier batch was acknowledged (a resent one's calls all answered or failed) before this
+        call. A lost shard's reads (its replacement's rebuilt stripes, degraded reads) keep to one call:
+        which stripes a replacement holds changes as its rebuild goes, and a loss is too rare for the
+        saving to matter. A member that dies during either call is lost for the whole round trip, which
+        is then resent (the batch with the same ``seq``, every fetch again)."""
         k, state = self.code.k, self.state
+        start = time.perf_counter()
         plan, degraded = [], []
         for i, (w, f) in enumerate(zip(self.split_by_shard(write_ids), self.split_by_shard(fetch_ids), strict=True)):
             w, f = w[1], f[1]
             target = state.target(i)
+            alone = None
             if i in state.lost:  # rebuilt stripes come from the replacement, the rest by degraded reads
                 rebuilt = state.is_rebuilt(fetch_ids[f] // k)  # none while no replacement exists
                 if not rebuilt.all():
@@ -195,18 +209,24 @@ class CodedShardGroup(ShardGroup):
                 # Only rebuilt stripes are written to the replacement: the others reach parity, and
                 # the rebuild installs them later from survivors (re-read if written during the copy).
                 w = w[state.is_rebuilt(write_ids[w] // k)]
-            plan.append((i, target, w, f))
+            else:
+                f, alone = self._split_fetches(write_ids[w], fetch_ids, f)
+            plan.append((i, target, w, f, alone))
         stripes, survivors = None, ()
         if degraded:
             stripes = np.unique(np.concatenate([fetch_ids[f] // k for _, f in degraded]))
             survivors = state.survivors()
             self.await_acks()  # earlier parity messages land before this read of parity
+        # The fetches apart go out first: on a link, a request sent after a batch waits behind its rows.
+        fetches = [(i, remote(target, "fetch", self._wire(fetch_ids[alone])), alone)
+                   for i, target, _, _, alone in plan if alone is not None]
         calls = []
-        for i, target, w, f in plan:
+        for i, target, w, f, _ in plan:
             gather = stripes if i in survivors else None
             if len(w) or len(f) or gather is not None:
                 rows = np.ascontiguousarray(write_rows[w])
-                calls.append((i, remote(target, "exchange_seq", seq, write_ids[w], rows, fetch_ids[f], gather), f))
+                calls.append((i, remote(target, "exchange_seq", seq, self._wire(write_ids[w]), rows,
+                                        self._wire(fetch_ids[f]), gather), f))
         if stripes is not None:  # the other parity shards' acknowledgements are awaited later
             later = []
             for s, call in self._send_pending(gather=stripes, to=survivors):
@@ -217,8 +237,12 @@ class CodedShardGroup(ShardGroup):
             self.batching.sent(later)
         self.batching.combine_pending()
         results, error = wait_all([(s, c) for s, c, _ in calls])
+        fetched, fetch_error = wait_all([(s, c) for s, c, _ in fetches])  # (a member has two calls)
+        error = LostMembersError.joined(error, fetch_error)
         if error:
             raise error
+        for s, _, alone in fetches:
+            out[alone] = fetched[s]
         pieces = {}
         for s, _, f in calls:
             if s in survivors:
@@ -233,6 +257,7 @@ class CodedShardGroup(ShardGroup):
             for i, f in degraded:
                 out[f] = decoded[i][np.searchsorted(stripes, fetch_ids[f] // k)]
                 self.degraded_rows += len(f)
+        self._rate_exchange(write_ids, fetch_ids, bool(fetches), time.perf_counter() - start)
 
     # ---- parity messages ----------------------------------------------------------------------
     def send_parity(self) -> None:

@@ -199,11 +199,8 @@ class ShardGroup:
             out = np.empty((len(fetch_ids), self.spec.width), dtype=np.float32)
         start = time.perf_counter()
         plans = []  # per shard with work: (shard, positions written, fetched after the write, fetched alone)
-        sizeable = False  # some shard moves overlap_min_bytes each way: this exchange's time rates the link
         for (k, w), (_, f) in zip(self.split_by_shard(write_ids), self.split_by_shard(fetch_ids), strict=True):
             if len(w) or len(f):
-                smaller = min(len(w), len(f)) * self.spec.row_bytes
-                sizeable |= smaller > 0 and smaller >= self.overlap_min_bytes
                 plans.append((k, w, *self._split_fetches(write_ids[w], fetch_ids, f)))
         # Every shard's fetch goes out before any write-back: on a link, a request sent after a write-back
         # waits behind its rows in the same queue, and its answer (the other direction) starts that late.
@@ -216,13 +213,29 @@ class ShardGroup:
                                                  self._wire(fetch_ids[after]))))
         for f, call in calls:
             out[f] = answer(call)
-        if sizeable:
-            split = any(alone is not None for *_, alone in plans)
-            self._rate_link(len(write_ids) * self.spec.row_bytes, len(fetch_ids) * self.spec.row_bytes, split,
+        self._rate_exchange(write_ids, fetch_ids, any(alone is not None for *_, alone in plans),
                             time.perf_counter() - start)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes
         return out
+
+    def _moves_both_ways(self, written: int | np.ndarray, fetched: int | np.ndarray) -> bool | np.ndarray:
+        """Whether a shard that writes ``written`` rows and fetches ``fetched`` (counts, or arrays of them)
+        moves at least :attr:`overlap_min_bytes` in each direction: then the two directions are worth a
+        message each (:meth:`_split_fetches`), and the exchange's time says something about the link
+        (:meth:`_rate_exchange`) rather than about the cost of a message."""
+        smaller = np.minimum(written, fetched) * self.spec.row_bytes
+        return (smaller > 0) & (smaller >= self.overlap_min_bytes)
+
+    def _rate_exchange(self, write_ids: np.ndarray, fetch_ids: np.ndarray, split: bool, seconds: float) -> None:
+        """Rate the link by an exchange that wrote ``write_ids`` and fetched ``fetch_ids`` in ``seconds``
+        (``split``: some shard's fetch went apart), when some shard moved :attr:`overlap_min_bytes` each way
+        (:meth:`_moves_both_ways`): the time of a smaller exchange is mostly the messages' fixed costs."""
+        k = self.num_shards
+        by_shard = np.bincount(write_ids % k, minlength=k), np.bincount(fetch_ids % k, minlength=k)
+        if self._moves_both_ways(*by_shard).any():
+            self._rate_link(len(write_ids) * self.spec.row_bytes, len(fetch_ids) * self.spec.row_bytes, split,
+                            seconds)
 
     def _rate_link(self, written: int, fetched: int, split: bool, seconds: float) -> None:
         """Record the rate an exchange saw: the bytes the link had to carry one after the other (with the
@@ -257,8 +270,7 @@ class ShardGroup:
         the two calls (Dask gives none: each takes its own pooled connection, and the worker's single
         actor thread runs whichever arrives first): ``alone`` holds no row this exchange writes, and every
         earlier exchange's writes were acknowledged, so applied, before this one was issued."""
-        smaller = min(len(write_ids), len(f)) * self.spec.row_bytes
-        if not (smaller > 0 and smaller >= self.overlap_min_bytes and self.link_is_slow()):
+        if not (self._moves_both_ways(len(write_ids), len(f)) and self.link_is_slow()):
             return f, None
         written = np.isin(fetch_ids[f], write_ids)
         return f[written], (None if written.all() else f[~written])
@@ -408,8 +420,17 @@ class LostMembersError(RuntimeError):
     """Calls to these members (shards, by index) failed: their workers are gone."""
 
     def __init__(self, members: set[int], cause: BaseException) -> None:
-        self.members = members
+        self.members, self.cause = members, cause
         super().__init__(f"members {sorted(members)} lost: {cause!r}")
+
+    @classmethod
+    def joined(cls, *errors: LostMembersError | None) -> LostMembersError | None:
+        """One error naming every member that ``errors`` name (None when all are None): the calls of one
+        round trip, waited for in groups, fail as one."""
+        found = [e for e in errors if e is not None]
+        if len(found) < 2:
+            return found[0] if found else None
+        return cls(set().union(*(e.members for e in found)), found[0].cause)
 
 
 class DeadCall:
