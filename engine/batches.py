@@ -12,6 +12,7 @@ Global embedding ids: table ``k``'s row ``r`` is ``offsets[k] + r``
 from __future__ import annotations
 
 import bisect
+import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ class BatchStream:
 
     ``drop_last`` drops a final partial batch; otherwise it is kept (smaller).
     ``sparse_only`` skips reading dense features and labels (the planner needs ids only).
+    ``slice_of`` ``(rank, size)``: each batch's rows ``rank * b/size .. (rank + 1) * b/size - 1`` only (b: the
+    batch's rows), what trainer ``rank`` of ``size`` trains.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class BatchStream:
         stop_row: int | None = None,
         sparse_only: bool = False,
         read_rows_at_once: int = 1 << 20,
+        slice_of: tuple[int, int] = (0, 1),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -108,6 +112,9 @@ class BatchStream:
                 f"rows [{self.start_row}, {self.stop_row}) outside the dataset's {self.meta.rows} rows"
             )
         self.sparse_only = sparse_only
+        if not 0 <= slice_of[0] < slice_of[1]:
+            raise ValueError(f"slice {slice_of[0]} of {slice_of[1]} is not a slice of a batch")
+        self.slice_of = slice_of
         self.offsets = np.asarray(self.meta.table_offsets, dtype=np.int64)
         # Read whole blocks of batches at a time: parquet reads are cheap per row, costly per call.
         self._rows_at_once = max(batch_size, (read_rows_at_once // batch_size) * batch_size)
@@ -134,6 +141,12 @@ class BatchStream:
             lo, _ = self.batch_rows(t)
             _, hi = self.batch_rows(t_end - 1)
             table = read_rows(self.dataset_dir, meta, lo, hi, columns)
+            ranges = [self._slice_rows(u) for u in range(t, t_end)]
+            lengths = [b - a for a, b in ranges]
+            starts = [a - lo for a, _ in ranges]
+            if self.slice_of[1] > 1:  # only this slice's rows are turned into arrays
+                table = table.take(np.concatenate([np.arange(a - lo, b - lo) for a, b in ranges]))
+                starts = np.cumsum([0, *lengths[:-1]]).tolist()
             sparse = _matrix(table, meta.sparse_columns, np.int64)
             if self.sparse_only:
                 dense = np.zeros((table.num_rows, 0), np.float32)
@@ -141,10 +154,24 @@ class BatchStream:
             else:
                 dense = _matrix(table, meta.dense_columns, np.float32)
                 labels = table.column(meta.label_column).to_numpy().astype(np.float32)
-            for u in range(t, t_end):
-                a, b = (x - lo for x in self.batch_rows(u))
-                yield Batch(u, dense[a:b], sparse[a:b], labels[a:b])
+            for u, a, length in zip(range(t, t_end), starts, lengths, strict=True):
+                yield Batch(u, dense[a:a + length], sparse[a:a + length], labels[a:a + length])
             t = t_end
+
+    def sliced(self, rank: int, size: int) -> BatchStream:
+        """The same stream, each batch's slice ``rank`` of ``size`` only (``slice_of``)."""
+        if not 0 <= rank < size:
+            raise ValueError(f"slice {rank} of {size} is not a slice of a batch")
+        stream = copy.copy(self)
+        stream.slice_of = (rank, size)
+        return stream
+
+    def _slice_rows(self, t: int) -> tuple[int, int]:
+        """Dataset row range of batch ``t``'s slice (the whole batch without ``slice_of``)."""
+        lo, hi = self.batch_rows(t)
+        rank, size = self.slice_of
+        rows = (hi - lo) // size
+        return lo + rank * rows, lo + (rank + 1) * rows if size > 1 else hi
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_range(0, len(self))

@@ -28,16 +28,17 @@ from test_trainers import _plan_with_capacity, make_dataset, small_config
 from dlrmflow.cli import main
 from dlrmflow.engine.batches import BatchStream, global_ids
 from dlrmflow.engine.planning import planner
-from dlrmflow.engine.planning.holders import holder_counts
+from dlrmflow.engine.planning.holders import holder_counts, slice_masks
 from dlrmflow.engine.run_state import load_state
 from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.placement import NoWorkersError, place_trainers
 from dlrmflow.engine.serving.shards import ShardGroup
-from dlrmflow.engine.training.batch_split import BatchSplit
+from dlrmflow.engine.training.batch_split import BatchSlices, BatchSplit, SliceWriter
 from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_users
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.run import train
+from dlrmflow.engine.training.setup import prepare_run
 from dlrmflow.engine.training.workers import TrainerLostError
 
 CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict
@@ -101,6 +102,57 @@ def test_a_batch_split_gives_each_trainer_its_slice():
             for w in range(size):
                 assert np.array_equal(split.union[split.users[w]], np.unique(ids[w * rows:(w + 1) * rows]))
             assert np.array_equal(split.first_user(), np.argmax(split.users, axis=0))
+
+
+def test_a_trainer_splits_its_slice_alone_as_it_would_split_the_whole_batch(tmp_path):
+    """What prepare_trainers writes (each batch's distinct ids and their trainers) and a trainer's own slice
+    give the split that reading the whole global batch gives."""
+    rng = np.random.default_rng(8)
+    for size in (2, 3, 4):
+        batches = [rng.integers(0, int(rng.integers(5, 80)), size=(size * int(rng.integers(1, 6)), 3))
+                   for _ in range(6)]
+        directory = tmp_path / f"w{size}"
+        directory.mkdir()
+        writer = SliceWriter(directory, size)
+        for t, ids in enumerate(batches):
+            writer.add(t, *slice_masks(ids, size))
+        writer.close()
+        slices = BatchSlices.load(directory, size)
+        for t, ids in enumerate(batches):
+            rows = len(ids) // size
+            for rank in range(size):
+                whole, alone = BatchSplit.of(t, ids, size, rank), slices.split(t, rank, ids[rank * rows:][:rows])
+                for field in ("union", "users", "inverse"):
+                    assert np.array_equal(getattr(alone, field), getattr(whole, field)), (size, t, rank, field)
+                assert all(np.array_equal(a, b) for a, b in zip(alone.uniq, whole.uniq, strict=True))
+                assert all(np.array_equal(a, b) for a, b in zip(alone.where, whole.where, strict=True))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_sliced_stream_reads_each_trainer_its_rows_of_every_batch(tmp_path, drop_last):
+    dataset = make_dataset(tmp_path / "data", 9, rows=203, cards=CARDS)
+    for size in (2, 3):
+        whole = list(BatchStream(dataset, 6 * size, drop_last=drop_last))
+        for rank in range(size):
+            # a block of 5 batches at a time: slices are taken across blocks' edges too
+            mine = list(BatchStream(dataset, 6 * size, drop_last=drop_last,
+                                    read_rows_at_once=30 * size).sliced(rank, size))
+            assert [b.index for b in mine] == [b.index for b in whole]
+            for a, b in zip(mine, whole, strict=True):
+                rows = len(b.labels) // size
+                for field in ("dense", "sparse", "labels"):
+                    assert np.array_equal(getattr(a, field), getattr(b, field)[rank * rows:(rank + 1) * rows])
+    with pytest.raises(ValueError, match="slice 2 of 2"):
+        BatchStream(dataset, 4).sliced(2, 2)
+
+
+def test_a_last_batch_that_does_not_split_into_the_trainers_is_refused_in_one_line(tmp_path):
+    dataset = make_dataset(tmp_path / "data", 9, rows=203, cards=CARDS)  # 203 = 16 * 12 + 11
+    config = small_config(dataset, tmp_path / "out", "remote", batch_size=12, trainers=2, eval_fraction=0.0,
+                          iterations=None)
+    with pytest.raises(TrainConfigError, match="the last of the 17 batches has 11 rows, which do not split into 2 "
+                                               "equal slices .* use --iterations 16"):
+        prepare_run(config)
 
 
 def run_batches(dataset, batch_size: int, iterations: int):

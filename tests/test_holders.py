@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dlrmflow.engine.planning.holders import holder_counts, slice_masks
+from dlrmflow.engine.planning.holders import holder_counts, load_lifetime_holders, slice_masks, write_lifetime_holders
 
 
 def lookahead_plan(batches: list[np.ndarray], lookahead: int) -> list[SimpleNamespace]:
@@ -85,3 +85,34 @@ def test_a_plan_for_other_batches_is_refused():
     steps = lookahead_plan([np.array([[1], [2]]), np.array([[1], [2]])], 4)
     with pytest.raises(ValueError, match="iteration 1: the batch reads a row the plan has not cached"):
         holder_counts(steps, batches, size=2, distance=1, total_rows=8, iterations=2)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_stored_holders_of_each_lifetime_are_the_trainers_that_use_it(tmp_path, seed):
+    """What an LRPP run reads (write_lifetime_holders): per prefetch, in plan order, the trainers whose slices
+    use the row while it is cached (and ``always``'s), and per trainer the peak of what it holds."""
+    rng = np.random.default_rng(100 + seed)
+    size, n = int(rng.integers(2, 5)), int(rng.integers(3, 20))
+    batch = size * int(rng.integers(1, 4))
+    total = int(rng.integers(8, 50))
+    batches = [b for b in rng.zipf(1.4, size=(n, batch, 2)) % total]
+    steps = lookahead_plan(batches, int(rng.integers(1, 5)))
+    distance, always = int(rng.integers(1, 3)), int(rng.integers(0, 2))
+    seen = []
+    stored = write_lifetime_holders(tmp_path, lambda: iter(steps), iter(batches), size=size, distance=distance,
+                                    total_rows=total, iterations=n, always=always,
+                                    on_slices=lambda t, union, masks: seen.append((t, union, masks)))
+    assert stored.peaks == load_lifetime_holders(tmp_path).peaks
+    rows = batch // size
+    for step in steps:
+        for x, mask in zip(step.prefetch_ids, stored.of(step.t).tolist(), strict=True):
+            end = next((s.t for s in steps[step.t:] if x in s.evict_ids), n - 1)
+            users = {w for u in range(step.t, end + 1) for w in range(size)
+                     if x in batches[u][w * rows:(w + 1) * rows]}
+            assert mask == sum(1 << w for w in users) | always, (step.t, x)
+    counts = holder_counts(steps, batches, size=size, distance=distance, total_rows=total, iterations=n,
+                           always=always)
+    assert stored.peaks == counts.peak_holders_only
+    assert [t for t, *_ in seen] == list(range(n))
+    assert all(np.array_equal(u, slice_masks(b, size)[0]) and np.array_equal(m, slice_masks(b, size)[1])
+               for (_, u, m), b in zip(seen, batches, strict=True))

@@ -79,14 +79,16 @@ def _popcounts(masks: np.ndarray, size: int) -> np.ndarray:
 
 def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, distance: int,
                   total_rows: int, iterations: int, always: int = 0,
-                  masks_out: np.ndarray | None = None) -> HolderCounts:
+                  masks_out: np.ndarray | None = None,
+                  on_slices: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> HolderCounts:
     """Replay the plan ``steps`` (each with ``t``, ``prefetch_ids``, ``evict_ids``, in iteration order) over
     ``batches`` (iteration t's global ids ``[B, T]``) for ``iterations`` iterations, W = ``size`` trainers and
     prefetch distance ``distance`` (see the module docstring).
 
     ``always``: trainers (a mask) that hold every cached row whatever they use (trainer 0 when it alone
     talks to coded servers, or writes checkpoints). ``masks_out``: an array as long as the plan's
-    prefetches of iterations ``0 .. iterations-1``, in plan order, that receives each lifetime's holders."""
+    prefetches of iterations ``0 .. iterations-1``, in plan order, that receives each lifetime's holders.
+    ``on_slices(t, union, masks)``: called with each batch's :func:`slice_masks`."""
     mask = np.zeros(total_rows, dtype=np.int64)  # per cached row: its current lifetime's users so far
     start = np.full(total_rows, -1, dtype=np.int64)  # per cached row: the iteration its lifetime starts
     position = np.zeros(total_rows if masks_out is not None else 0, dtype=np.int64)  # its prefetch's index
@@ -124,6 +126,8 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
             position[prefetch] = np.arange(prefetched, prefetched + len(prefetch))
         prefetched += len(prefetch)
         union, users = slice_masks(ids, size)
+        if on_slices is not None:
+            on_slices(t, union, users)
         if (start[union] < 0).any():
             raise ValueError(f"iteration {t}: the batch reads a row the plan has not cached (another dataset?)")
         mask[union] |= users
@@ -177,8 +181,8 @@ class LifetimeHolders:
 
 
 def write_lifetime_holders(directory: str | Path, steps: Callable[[], Iterable], batches: Iterable[np.ndarray], *,
-                           size: int, distance: int, total_rows: int, iterations: int,
-                           always: int = 0) -> LifetimeHolders:
+                           size: int, distance: int, total_rows: int, iterations: int, always: int = 0,
+                           on_slices: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> LifetimeHolders:
     """Replay the plan (``steps()`` yields its iterations from 0; called twice: the first pass counts the
     prefetches) over ``batches`` as :func:`holder_counts` does and store every lifetime's holders in
     ``directory`` (``masks.npy``, written through a memory map, ``offsets.npy``, ``holders.json``)."""
@@ -193,7 +197,7 @@ def write_lifetime_holders(directory: str | Path, steps: Callable[[], Iterable],
     masks = np.lib.format.open_memmap(directory / "masks.npy", mode="w+", dtype=mask_dtype(size),
                                       shape=(int(offsets[-1]),))
     result = holder_counts(steps(), batches, size=size, distance=distance, total_rows=total_rows,
-                           iterations=iterations, always=always, masks_out=masks)
+                           iterations=iterations, always=always, masks_out=masks, on_slices=on_slices)
     masks.flush()
     del masks
     np.save(directory / "offsets.npy", offsets)

@@ -37,7 +37,7 @@ import torch
 
 from dlrmflow.engine.batches import global_ids
 from dlrmflow.engine.models import bce_loss
-from dlrmflow.engine.training.batch_split import BatchSplit
+from dlrmflow.engine.training.batch_split import BatchSlices, BatchSplit
 from dlrmflow.engine.training.checkpoint import Checkpointer
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.common import TrainLog, evaluation_row
@@ -70,12 +70,11 @@ def train_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: 
     """One iteration of one trainer (module docstring); returns the trainers' mean loss. Adds to ``clock`` the
     seconds of forward and backward (``compute``) and of the dense gradients' gather (``dense_sync``)."""
     dim = setup.spec.dim
-    rows = batch.labels.shape[0] // group.size
-    lo, hi = group.rank * rows, (group.rank + 1) * rows
+    rows = batch.labels.shape[0]  # this trainer's slice of the global batch
     # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same code path
     # whatever NumPy's buffer alignment was.
-    dense = torch.tensor(batch.dense[lo:hi], device=device)
-    labels = torch.tensor(batch.labels[lo:hi], device=device)
+    dense = torch.tensor(batch.dense, device=device)
+    labels = torch.tensor(batch.labels, device=device)
     block = store.gather(t, split)
     start = time.perf_counter()
     weights = block[:, :dim].clone().requires_grad_(True)
@@ -106,8 +105,13 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
     sync_seconds = np.zeros(n)
     clock = {"compute": 0.0, "dense_sync": 0.0, "batches": 0.0}
 
+    # Each trainer reads its slice of every batch; the others' distinct ids come from the run's slices.
+    stream = setup.stream if group.size == 1 else setup.stream.sliced(group.rank, group.size)
+    slices = None if group.size == 1 else BatchSlices.load(setup.trainers_dir, group.size)
+
     def split_of(t: int, batch) -> BatchSplit:
-        return BatchSplit.of(t, global_ids(batch.sparse, offsets), group.size, group.rank)
+        ids = global_ids(batch.sparse, offsets)
+        return BatchSplit.of(t, ids, 1, 0) if slices is None else slices.split(t, group.rank, ids)
 
     log.begin = time.perf_counter()
     t, batches, batch = log.start, None, None
@@ -120,7 +124,7 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
             if checkpoints is not None:
                 checkpoints.before_iteration(t, store, model, optimizer, log, group)
             if batches is None:
-                batches = setup.stream.iter_range(t, n)
+                batches = stream.iter_range(t, n)
                 batch = next(batches)
                 split = split_of(t, batch)
             if hooks.injector is not None:

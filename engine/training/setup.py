@@ -46,8 +46,9 @@ class RunSetup:
     # Tests only: trainer 0 also gathers the whole final state into its result (``whole_state``), as runs
     # did before each shard wrote its own rows: every row in one process.
     whole_state: bool = False
-    # --trainers W with a plan: the directory of every cached lifetime's holders (written by run_trainers).
-    holders_dir: str | None = None
+    # --trainers W > 1: the directory of each iteration's slices and, with a plan, every cached lifetime's
+    # holders (batch_split.prepare_trainers, called by run_trainers).
+    trainers_dir: str | None = None
     # Benchmarks only: every LRPP trainer holds every cached row (the baseline of Bagpipe's saving).
     every_trainer_holds_every_row: bool = False
 
@@ -117,6 +118,11 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
             f"out for evaluation leave {fit} batches of {config.batch_size} (lower --iterations, --batch-size "
             "or --eval-fraction)"
         )
+    last_rows = (lambda lo, hi: hi - lo)(*stream.batch_rows(iterations - 1))
+    if last_rows % config.trainers:  # a partial last batch: each of the W trainers must get as many rows
+        raise TrainConfigError(
+            f"iterations: the last of the {iterations} batches has {last_rows} rows, which do not split into "
+            f"{config.trainers} equal slices (--trainers {config.trainers}); use --iterations {iterations - 1}")
     spec = RowSpec(
         dim=row_width(config.model, config.embedding_dim),
         optimizer=config.embedding_optimizer,

@@ -7,8 +7,9 @@ worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`), pick
 watches the trainers' workers: a trainer whose worker dies fails the run at once with
 :class:`TrainerLostError`, one line naming the trainer. Each trainer runs :func:`~.rank.train_rank`.
 
-Every trainer reads the whole global batch (every trainer must know every trainer's rows: the stores
-decide from them what to sync, fetch and write) and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1``.
+Each trainer reads and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1`` of every global batch. What it
+must know of the others' slices (the stores decide from it what to sync, fetch and write) comes from one
+pass over the batches' ids before the trainers start (:func:`~.batch_split.prepare_trainers`).
 Every trainer starts from the same model (same seed) and applies the same mean gradient, so the dense
 parameters stay identical; rank 0 returns them. The trainers end with every row home on its server.
 """
@@ -28,15 +29,14 @@ import torch
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.placement import WORKER_LOG, place_trainers
+from dlrmflow.engine.training.batch_split import prepare_trainers
 from dlrmflow.engine.training.checkpoint import (
     CHECKPOINT_FILE,
     resume_command,
 )
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.rank import train_rank
 from dlrmflow.engine.training.setup import RunSetup
-from dlrmflow.engine.training.stores.oracle import write_holders
 
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
@@ -99,8 +99,7 @@ def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers
     workers = place_trainers(cluster_workers(client), size)
-    if MODES[setup.config.mode].plan:
-        setup = write_holders(setup, setup.config.output_dir)
+    setup = prepare_trainers(setup, setup.config.output_dir)
     port = client.submit(_free_port, workers=[workers[0]], pure=False).result()
     host = workers[0].split("://", 1)[-1].rsplit(":", 1)[0]
     init_method = f"tcp://{host}:{port}"

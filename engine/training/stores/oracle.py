@@ -24,16 +24,12 @@ fetch can overtake the write it must see, whatever the other trainers' timing.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from dlrmflow.engine.batches import BatchStream, global_ids
-from dlrmflow.engine.phases import phase_reported
-from dlrmflow.engine.planning.holders import LifetimeHolders, load_lifetime_holders, write_lifetime_holders
+from dlrmflow.engine.planning.holders import LifetimeHolders, load_lifetime_holders
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
@@ -354,32 +350,10 @@ def _with_received(parts: list, received: dict[int, torch.Tensor]) -> list[tuple
             for w, (ids, rows) in enumerate(parts)]
 
 
-HOLDERS_DIR = "lrpp-holders"
-
-
-def write_holders(setup: RunSetup, output: str | Path) -> RunSetup:
-    """A W-trainer run's holders (:func:`~dlrmflow.engine.planning.holders.write_lifetime_holders`: the plan
-    replayed over the batches' ids) in ``output/lrpp-holders``; the setup that names them. Trainer 0 holds
-    every row when it alone talks to coded servers (parity) or writes checkpoints."""
-    config, stream = setup.config, setup.stream
-    size = config.trainers
-    always = 1 if config.parity or config.checkpoint_every else 0
-    if setup.every_trainer_holds_every_row:
-        always = (1 << size) - 1
-    ids_only = BatchStream(stream.dataset_dir, stream.batch_size, drop_last=stream.drop_last, sparse_only=True)
-    batches = (global_ids(batch.sparse, ids_only.offsets) for batch in ids_only.iter_range(0, setup.iterations))
-    directory = Path(output) / HOLDERS_DIR
-    with phase_reported(f"LRPP cache: which of the {size} trainers holds each cached row "
-                        f"({setup.iterations} iterations)"):
-        write_lifetime_holders(directory, lambda: setup.plan.iterations(0, setup.iterations), batches, size=size,
-                               distance=setup.plan.config.prefetch_distance, total_rows=setup.spec.total_rows,
-                               iterations=setup.iterations, always=always)
-    return dataclasses.replace(setup, holders_dir=str(directory))
-
-
 def make_store(setup: RunSetup, device: torch.device, shards: ShardGroup, group: TrainerGroup, *, start: int = 0,
                rows: np.ndarray | None = None) -> OracleRows | LrppRows:
     if group.size == 1:
         return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start, rows=rows)
-    return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations,
-                    load_lifetime_holders(setup.holders_dir), gateway=bool(setup.config.parity), start=start, rows=rows)
+    holders = load_lifetime_holders(setup.trainers_dir)
+    return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations, holders,
+                    gateway=bool(setup.config.parity), start=start, rows=rows)
