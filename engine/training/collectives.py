@@ -12,9 +12,10 @@ an element falls in, and a run's modes put different rows in different tensors. 
 order, a row's gradient is the same bits in every mode, on every trainer.
 
 Sizes. Gloo gathers equal-sized tensors; every caller here already knows how many rows each
-trainer contributes (all trainers see the whole global batch and the same plan), so
+trainer contributes (the trainers share each iteration's slices and the plan), so
 :meth:`TrainerGroup.all_gather_rows` pads to the largest and cuts each part back without a size
-exchange. The bytes a trainer sends to the others are counted per kind of traffic.
+exchange, and :meth:`TrainerGroup.exchange_rows` sends each peer exactly the rows it expects. The
+bytes a trainer sends to the others and receives from them are counted per kind of traffic.
 """
 
 from __future__ import annotations

@@ -2,24 +2,23 @@
 background (:mod:`..prefetch`); with several trainers, Bagpipe's LRPP cache.
 
 ``oracle`` with W trainers (:class:`LrppRows`, Bagpipe's logically replicated, physically partitioned cache): one
-plan for the global batch, and every trainer holds the same cache slots. Each prefetched row is
-fetched from its server by one trainer and handed to the others over the trainer group (so server
-reads do not grow with W); each evicted row is written home by one trainer. After the step a row
-used at ``t`` is, in classes named after Bagpipe's (whose rules differ: docs/trainers.md, "Bagpipe's rules
-beside ours"):
+plan for the global batch. A row the plan caches for one lifetime (prefetched for ``f``, evicted after
+``e``) has *holders*: the trainers whose slices use it in ``f .. e`` (with parity or checkpoints, trainer 0
+too), known before the run (:func:`~dlrmflow.engine.training.batch_split.prepare_trainers`). A trainer
+holds only the rows it is a holder of, in slots of its own cache (as large as the most it holds at once).
 
-- ``no_sync``: used by one trainer and evicted after ``t``: that trainer updates it and writes it
-  home; no other copy is read again;
-- ``sync_now``: used at ``t + 1`` or evicted after ``t``: its gradients are gathered before
-  ``t + 1`` starts and every trainer updates its copy;
-- ``sync_later``: kept for a use at ``t + 2`` or later: its gradients are gathered while ``t + 1``
-  computes and applied at the end of ``t + 1``. A read of a row whose gradient is still in flight
-  is refused (:class:`~dlrmflow.engine.training.prefetch.PlanViolation`), never served stale.
-
-Who fetches and who writes. A row's writer at eviction is its only user (``no_sync``), else trainer
-``id % W``; its next fetch goes to the trainer that last wrote it home (``id % W`` before any
-write). A trainer's write and its own later fetch of the row go to the same server in order, so no
-fetch can overtake the write it must see, whatever the other trainers' timing.
+- Fetching: each prefetched row is fetched from its server by one trainer, the one that last wrote it home
+  (``id % W`` before any write; with parity trainer 0), and handed point to point to its other holders, so
+  server reads do not grow with W. A trainer's write and its own later fetch of the row go to the same
+  server in order, so no fetch can overtake the write it must see, whatever the other trainers' timing.
+- Gradients, after the step at ``t``: a row's users send their gradients of it to its holders (a row
+  with one holder is never synced); a row evicted after ``t`` only to its writer, its lowest user at
+  ``t`` (with parity trainer 0), which updates it and writes it home; the other copies are dropped.
+  Each recipient sums them in rank order. In classes named after Bagpipe's (whose rules differ:
+  docs/trainers.md, "Bagpipe's rules beside ours"): ``sync_now``, rows used at ``t + 1`` or evicted after
+  ``t``, are exchanged before ``t + 1`` starts; ``sync_later``, the others, while ``t + 1`` computes, and
+  applied at its end. A read of a row whose gradient is still in flight is refused
+  (:class:`~dlrmflow.engine.training.prefetch.PlanViolation`), never served stale.
 """
 
 from __future__ import annotations
