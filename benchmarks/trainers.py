@@ -23,8 +23,11 @@ the row gradients' collectives and barriers (W > 1), bytes fetched from and writ
 servers per iteration (summed over the trainers), the time the larger direction needs at the rate,
 and growth against W = 1 at the same (rate, mode): server bytes per global batch and samples/s.
 Per (config, W, mode): the bytes the trainers send each other per iteration, by kind (dense
-gradients, row gradients, sync_now, sync_later, prefetched rows). Then the issue's goals, each
-against the measured numbers.
+gradients, row gradients, sync_now, sync_later, prefetched rows), and per trainer the most rows its
+cache held and what it received from the other trainers and from the servers, with ``oracle-every``
+(every LRPP trainer holding every cached row: LRPP before issue 33) beside the oracle, and the oracle's
+peak replayed from the plan and batches apart from the run. Then the issues' goals, each against the
+measured numbers.
 
 Every run of one W must end in the same final state (SHA-256) as that W's ``remote`` (the reference;
 W trainers average per-slice gradients, so different W end in different states): MISMATCH is
@@ -32,7 +35,7 @@ printed and the exit status is 1 otherwise. A plot (PNG) shows samples/s and ser
 batch against W.
 
     .venv/bin/python benchmarks/trainers.py [--trainers 1,2] [--rates unshaped,20] [--configs a]
-        [--modes remote,lru,oracle] [--iterations 20] [--repeats 2] [--json] [--plot FILE] [--no-link]
+        [--modes remote,lru,oracle,oracle-every] [--iterations 20] [--repeats 2] [--json] [--plot FILE] [--no-link]
 
 Needs root or CAP_NET_ADMIN (network namespaces, tc); without them it says so in one line and exits 2.
 ``--no-link --rates unshaped`` needs neither: its clusters are plain LocalClusters.
@@ -385,7 +388,7 @@ def print_memory(rows: list[dict]) -> None:
 
 def goals(rows: list[dict]) -> list[str]:
     """The issue's goals, each judged on the measured rows."""
-    out = ["", "goals (issue 22):"]
+    out = ["", "goals (issues 22 and 33):"]
     cores = os.cpu_count() or 1
     by = {(r["config"], r["rate_mbit"], r["trainers"], r["mode"]): r for r in rows}
     wide = [r for r in rows if r["trainers"] > 1]
