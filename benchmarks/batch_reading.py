@@ -27,19 +27,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from train import CONFIGS, EVAL_BATCHES, synthetic_dataset, zipf_dataset
+from train import CONFIGS, config_dataset
 
 from dlrmflow.engine.batches import BatchStream, global_ids
 from dlrmflow.engine.planning.holders import slice_masks
 from dlrmflow.engine.training.batch_split import BatchSlices, BatchSplit, SliceWriter
-
-
-def dataset_of(key: str, iterations: int, work: Path) -> Path:
-    cfg = CONFIGS[key]
-    rows = cfg["batch"] * (iterations + EVAL_BATCHES)
-    if "zipf" in cfg:
-        return zipf_dataset(work / f"data-{key}", rows, cfg["scale"], cfg["zipf"])
-    return synthetic_dataset(work / f"data-{key}", rows, cfg["scale"])
 
 
 def write_slices(dataset: Path, batch: int, size: int, iterations: int, directory: Path) -> BatchSlices:
@@ -85,23 +77,22 @@ def same(a: BatchSplit, b: BatchSplit) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="a,b")
-    parser.add_argument("--trainers", default="2,4")
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of every (config, W), alternating the ways")
-    parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-trainers")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--configs", default="a,b", help="comma-separated: a, b (default a,b)")
+    parser.add_argument("--trainers", default="2,4", help="comma-separated trainer counts W (default 2,4)")
+    parser.add_argument("--iterations", type=int, default=20, help="batches per run (default 20)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every (config, W) (default 3)")
+    parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-trainers", help="datasets (shared with trainers.py)")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON object instead")
     args = parser.parse_args()
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}", file=sys.stderr)
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+          file=sys.stderr)
     rows, bad = [], []
     for key in args.configs.split(","):
         batch = CONFIGS[key]["batch"]
-        dataset = dataset_of(key, args.iterations, work)
+        dataset = config_dataset(key, args.iterations, Path(args.work_dir))
         for size in (int(w) for w in args.trainers.split(",")):
-            slices = write_slices(dataset, batch, size, args.iterations, work / f"slices-{key}-{size}")
+            slices = write_slices(dataset, batch, size, args.iterations, Path(args.work_dir) / f"slices-{key}-{size}")
             whole, alone = [], []
             for _ in range(args.repeats):
                 for rank in range(size):

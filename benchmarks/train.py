@@ -87,6 +87,15 @@ def zipf_dataset(path: Path, rows: int, scale: float, exponent: float, seed: int
     return path
 
 
+def config_dataset(key: str, iterations: int, work: Path) -> Path:
+    """Config ``key``'s dataset for ``iterations`` training batches and the held-out ones, made in ``work``."""
+    cfg = CONFIGS[key]
+    rows = cfg["batch"] * (iterations + EVAL_BATCHES)
+    if "zipf" in cfg:
+        return zipf_dataset(work / f"data-{key}", rows, cfg["scale"], cfg["zipf"])
+    return synthetic_dataset(work / f"data-{key}", rows, cfg["scale"])
+
+
 def config_data(key: str, args, work: Path, client: Client | None = None) -> dict[str, Any]:
     """Config ``key``'s dataset and its plan (L and P from ``args``), made in ``work``: paths, the plan,
     the iteration count, the dataset's meta and how long each took."""
@@ -94,10 +103,7 @@ def config_data(key: str, args, work: Path, client: Client | None = None) -> dic
     iterations = args.iterations or cfg["iterations"]
     rows = cfg["batch"] * (iterations + EVAL_BATCHES)
     start = time.perf_counter()
-    if "zipf" in cfg:
-        dataset = zipf_dataset(work / f"data-{key}", rows, cfg["scale"], cfg["zipf"])
-    else:
-        dataset = synthetic_dataset(work / f"data-{key}", rows, cfg["scale"])
+    dataset = config_dataset(key, iterations, work)
     data_seconds = time.perf_counter() - start
     plan_dir = work / f"plan-{key}"
     start = time.perf_counter()
