@@ -34,11 +34,12 @@ from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.placement import NoWorkersError, place_trainers
 from dlrmflow.engine.serving.shards import ShardGroup
-from dlrmflow.engine.training.batch_split import BatchSlices, BatchSplit, SliceWriter
+from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_users
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.run import train
 from dlrmflow.engine.training.setup import prepare_run
+from dlrmflow.engine.training.slices import BatchSlices, SliceWriter
 from dlrmflow.engine.training.workers import TrainerLostError
 
 CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict

@@ -37,13 +37,14 @@ import torch
 
 from dlrmflow.engine.batches import global_ids
 from dlrmflow.engine.models import bce_loss
-from dlrmflow.engine.training.batch_split import BatchSlices, BatchSplit
+from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.checkpoint import Checkpointer
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.common import TrainLog, evaluation_row
 from dlrmflow.engine.training.faults import FaultInjector
 from dlrmflow.engine.training.schedule import LrSchedule
 from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.slices import BatchSlices
 from dlrmflow.engine.training.stores.base import RowStore
 
 logger = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ class RunSetup:
     # did before each shard wrote its own rows: every row in one process.
     whole_state: bool = False
     # --trainers W > 1: the directory of each iteration's slices and, with a plan, every cached lifetime's
-    # holders (batch_split.prepare_trainers, called by run_trainers).
+    # holders (slices.prepare_trainers, called by run_trainers).
     trainers_dir: str | None = None
     # Benchmarks only: every LRPP trainer holds every cached row (the baseline of Bagpipe's saving).
     every_trainer_holds_every_row: bool = False

@@ -9,7 +9,7 @@ watches the trainers' workers: a trainer whose worker dies fails the run at once
 
 Each trainer reads and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1`` of every global batch. What it
 must know of the others' slices (the stores decide from it what to sync, fetch and write) comes from one
-pass over the batches' ids before the trainers start (:func:`~.batch_split.prepare_trainers`).
+pass over the batches' ids before the trainers start (:func:`~.slices.prepare_trainers`).
 Every trainer starts from the same model (same seed) and applies the same mean gradient, so the dense
 parameters stay identical; rank 0 returns them. The trainers end with every row home on its server.
 """
@@ -29,7 +29,6 @@ import torch
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.placement import WORKER_LOG, place_trainers
-from dlrmflow.engine.training.batch_split import prepare_trainers
 from dlrmflow.engine.training.checkpoint import (
     CHECKPOINT_FILE,
     resume_command,
@@ -37,6 +36,7 @@ from dlrmflow.engine.training.checkpoint import (
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.rank import train_rank
 from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.slices import prepare_trainers
 
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)

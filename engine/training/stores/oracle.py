@@ -4,7 +4,7 @@ background (:mod:`..prefetch`); with several trainers, Bagpipe's LRPP cache.
 ``oracle`` with W trainers (:class:`LrppRows`, Bagpipe's logically replicated, physically partitioned cache): one
 plan for the global batch. A row the plan caches for one lifetime (prefetched for ``f``, evicted after
 ``e``) has *holders*: the trainers whose slices use it in ``f .. e`` (with parity or checkpoints, trainer 0
-too), known before the run (:func:`~dlrmflow.engine.training.batch_split.prepare_trainers`). A trainer
+too), known before the run (:func:`~dlrmflow.engine.training.slices.prepare_trainers`). A trainer
 holds only the rows it is a holder of, in slots of its own cache (as large as the most it holds at once).
 
 - Fetching: each prefetched row is fetched from its server by one trainer, the one that last wrote it home
