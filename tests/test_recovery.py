@@ -26,10 +26,10 @@ from dlrmflow.engine.coding.erasure import TooManyErasuresError
 from dlrmflow.engine.coding.members import CodedShard, shard_row_counts
 from dlrmflow.engine.coding.verify import PARITY_FILE, verify_run_dir
 from dlrmflow.engine.run_state import STATE_DIR, STATE_FILE, SUMMARY_FILE, load_state
+from dlrmflow.engine.serving import shards as shards_module
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
-from dlrmflow.engine.training import checkpoint as checkpoint_module
 from dlrmflow.engine.training import faults as faults_module
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training import rank as rank_module
@@ -508,7 +508,7 @@ def test_a_restore_avoids_the_dead_worker_that_the_scheduler_still_lists(cluster
     """After a kill the scheduler may list the dead worker for a while (here: for the rest of the run,
     on a host of its own, so placement would pick it first). A shard placed there would wait for it
     forever; the restore avoids the workers of the shards that stopped answering."""
-    killed, inject, listed = [], faults_module.FaultInjector.kill, checkpoint_module.cluster_workers
+    killed, inject, listed = [], faults_module.FaultInjector.kill, shards_module.cluster_workers
 
     def recording_kill(self, kill):
         killed.append(self.worker_of(kill.member(self.k)))
@@ -521,7 +521,7 @@ def test_a_restore_avoids_the_dead_worker_that_the_scheduler_still_lists(cluster
         raise TimeoutError("the restore waited for a dead worker")
 
     monkeypatch.setattr(faults_module.FaultInjector, "kill", recording_kill)
-    monkeypatch.setattr(checkpoint_module, "cluster_workers", still_listed)
+    monkeypatch.setattr(shards_module, "cluster_workers", still_listed)  # what placement and waits see
     dataset = make_dataset(tmp_path / "data", 32)
     _run(tmp_path, dataset, "local", "local")
     previous = signal.signal(signal.SIGALRM, took_too_long)

@@ -23,17 +23,15 @@ from dlrmflow.engine.row_files import ShardedRows, as_sharded, chunk_stripes
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import local_actor
 from dlrmflow.engine.serving.embedding_rows import RowSpec
-from dlrmflow.engine.serving.placement import choose_rebuild_worker, place
-from dlrmflow.engine.serving.shards import WorkerLeftError, answer, remote, started_actors, wait_all, warm_up_workers
+from dlrmflow.engine.serving.placement import choose_rebuild_worker
+from dlrmflow.engine.serving.shards import answer, place_avoiding, remote, start_placed_actors, wait_all
 
 
 def place_members(client: Client, n: int, avoid: Collection[str] = ()) -> tuple[list[str], bool]:
-    """Workers for the ``n`` members, none of ``avoid``, by :func:`~dlrmflow.engine.serving.placement.place`:
-    those with the ``embedding_server`` resource when any has it; distinct hosts, then distinct workers,
-    then round robin.
+    """Workers for the ``n`` members, none of ``avoid`` (:func:`~dlrmflow.engine.serving.shards.place_avoiding`).
 
     Returns the addresses and whether some members share a worker."""
-    placement = place({w: info for w, info in cluster_workers(client).items() if w not in avoid}, n)
+    placement = place_avoiding(client, n, avoid)
     return placement.workers, placement.shares_worker
 
 
@@ -45,18 +43,12 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
     ``rows`` when given (a resumed run's checkpoint: its shard files, each data shard reading its own,
     or an older checkpoint's rows ``[total_rows, width]``), streamed from the data shards."""
     code = ErasureCode(num_shards, parity)
-    gone: set[str] = set()
-    while True:  # placed again, without it, when a chosen worker leaves the cluster before its member started
-        workers, shared = place_members(client, code.n_shards, gone)
-        # Every worker, spares included, imports the copy tasks' code now: a rebuild starts at once.
-        warm_up_workers(client, "dlrmflow.engine.coding.rebuild", workers=sorted(set(workers)) if gone else None)
-        futures = [start_member(client, spec, code, s, w, initialise=rows is None and s < code.k)
-                   for s, w in enumerate(workers)]
-        try:
-            actors = started_actors(client, futures, workers, "a coded shard")
-            break
-        except WorkerLeftError as exc:
-            gone.add(exc.worker)
+    # Every worker, spares included, imports the copy tasks' code first: a rebuild starts at once.
+    placement, futures, actors = start_placed_actors(
+        client, code.n_shards,
+        lambda s, worker: start_member(client, spec, code, s, worker, initialise=rows is None and s < code.k),
+        "a coded shard", warm_up="dlrmflow.engine.coding.rebuild")
+    workers, shared = placement.workers, placement.shares_worker
     if rows is not None:
         restore_data_shards(code, as_sharded(rows), actors[: code.k])
     encode_parity(client, spec, code, actors, workers)

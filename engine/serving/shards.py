@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,7 +46,7 @@ from dlrmflow.engine.row_files import (
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
 from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
-from dlrmflow.engine.serving.placement import WORKER_LOG, place
+from dlrmflow.engine.serving.placement import WORKER_LOG, Placement, place
 
 
 class EmbeddingShard:
@@ -505,21 +505,42 @@ def started_actors(client: Client, futures: list[Future], workers: list[str], wh
         return [f.result() for f in futures]
 
 
-def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
-    """Start ``num_shards`` EmbeddingShard actors, spread by :func:`~dlrmflow.engine.serving.placement.place`
-    (workers with the ``embedding_server`` resource when any has it; distinct hosts, then workers); placed
-    again, without it, when a chosen worker leaves the cluster first."""
-    if num_shards < 1:
-        raise ValueError(f"need at least one shard, got {num_shards}")
-    gone: set[str] = set()
+def place_avoiding(client: Client, n: int, avoid: Collection[str] = ()) -> Placement:
+    """Workers for ``n`` actors, none of ``avoid``, by :func:`~dlrmflow.engine.serving.placement.place`:
+    those with the ``embedding_server`` resource when any has it; distinct hosts, then distinct workers,
+    then round robin."""
+    return place({w: info for w, info in cluster_workers(client).items() if w not in avoid}, n)
+
+
+def start_placed_actors(client: Client, n: int, submit: Callable[[int, str], Future], what: str, *,
+                        warm_up: str = "dlrmflow.engine.serving.shards", avoid: Collection[str] | None = None
+                        ) -> tuple[Placement, list[Future], list[Actor]]:
+    """``n`` actors, actor ``i`` submitted by ``submit(i, worker)`` pinned to the worker
+    :func:`place_avoiding` gives it (none of ``avoid``), once all started. First every worker imports
+    ``warm_up`` (spares included: a rebuild or restore may use them), or with ``avoid`` only the chosen
+    ones (a worker just lost may still be listed, and a call to it waits out Dask's connect timeout).
+    When a chosen worker leaves the cluster before its actor started (:func:`started_actors`), all are
+    placed again without it."""
+    gone: set[str] = set(avoid or ())
     while True:
-        workers = place({w: i for w, i in cluster_workers(client).items() if w not in gone}, num_shards).workers
-        warm_up_workers(client, workers=sorted(set(workers)) if gone else None)
-        futures = [
-            client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False)
-            for k, worker in enumerate(workers)
-        ]
+        placement = place_avoiding(client, n, gone)
+        chosen_only = avoid is not None or len(gone) > 0
+        warm_up_workers(client, warm_up, workers=sorted(set(placement.workers)) if chosen_only else None)
+        futures = [submit(i, worker) for i, worker in enumerate(placement.workers)]
         try:
-            return ShardGroup(spec, started_actors(client, futures, workers, "an embedding server"), futures)
+            return placement, futures, started_actors(client, futures, placement.workers, what)
         except WorkerLeftError as exc:
             gone.add(exc.worker)
+
+
+def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
+    """Start ``num_shards`` EmbeddingShard actors, spread by :func:`start_placed_actors` (workers with the
+    ``embedding_server`` resource when any has it; distinct hosts, then workers; placed again, without it,
+    when a chosen worker leaves the cluster first)."""
+    if num_shards < 1:
+        raise ValueError(f"need at least one shard, got {num_shards}")
+    _, futures, actors = start_placed_actors(
+        client, num_shards,
+        lambda k, worker: client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False),
+        "an embedding server")
+    return ShardGroup(spec, actors, futures)

@@ -68,17 +68,15 @@ from distributed import Client
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.row_files import ShardedRows, as_sharded
 from dlrmflow.engine.run_state import ITERATIONS_FILE, PARITY_FILE, STATE_DIR, STATE_FILE, SUMMARY_FILE
-from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
-from dlrmflow.engine.serving.placement import place
 from dlrmflow.engine.serving.shards import (
     EmbeddingShard,
     ShardGroup,
     answer,
     is_lost_actor_error,
     remote,
+    start_placed_actors,
     wait_all,
-    warm_up_workers,
 )
 from dlrmflow.engine.training.prefetch import PrefetchError
 from dlrmflow.engine.training.run_dir import (
@@ -135,13 +133,13 @@ def start_placed_shards(client: Client, spec: RowSpec, k: int, rows: np.ndarray 
     After a loss the scheduler may list the dead worker for a while: a shard placed there would
     wait for it forever, and a broadcast to it fails or waits out Dask's connect timeout. So a
     restore places away from ``avoid`` (the workers of the shards that stopped answering) and warms
-    up only the workers it chose."""
-    placed = place({w: info for w, info in cluster_workers(client).items() if w not in (avoid or ())}, k).workers
-    warm_up_workers(client, workers=None if avoid is None else sorted(set(placed)))
+    up only the workers it chose (:func:`~dlrmflow.engine.serving.shards.start_placed_actors`, which also
+    places again without a chosen worker that leaves before its shard started)."""
     shard_class = EmbeddingShard if rows is None else RestoredShard
-    futures = [client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False)
-               for i, w in enumerate(placed)]
-    group = ShardGroup(spec, [f.result() for f in futures], futures, worker_of=list(placed))
+    placement, futures, actors = start_placed_actors(
+        client, k, lambda i, w: client.submit(shard_class, spec, i, k, actor=True, workers=[w], pure=False),
+        "an embedding server", avoid=avoid)
+    group = ShardGroup(spec, actors, futures, worker_of=list(placement.workers))
     rows = as_sharded(rows)
     if rows is not None and rows.files is not None and rows.num_shards == k:
         group.load_rows(rows.files)  # each shard reads its own file
