@@ -3,7 +3,7 @@ through the CLI as a user runs it; its time, rows/s and peak memory, and a linea
 Criteo Kaggle's 45,840,617 rows.
 
     .venv/bin/python benchmarks/scale.py [--rows 1000000 4000000 16000000] [--iterations 100]
-        [--batch-size 4096] [--shards 2] [--parity 1] [--work-dir DIR] [--keep]
+        [--batch-size 4096] [--shards 2] [--parity 1] [--trainers 1] [--work-dir DIR] [--keep]
 
 Stages, for each row count N: ``dlrmflow generate --rows N --scale 1.0``, ``preprocess``, ``profile``,
 ``plan``, ``train --mode oracle`` for a fixed number of iterations (``--iterations`` x
@@ -111,8 +111,9 @@ class TreeMemory:
 
 
 def _role(pid: int, command_pid: int) -> str:
-    """What a process of the command is: the command itself (the CLI: driver, trainer 0), a Dask worker or
-    nanny (both start through multiprocessing's spawn), or another (the Prefect API server)."""
+    """What a process of the command is: the command itself (the CLI: driver, trainer 0 with one trainer), a
+    Dask worker, nanny or the forkserver the workers fork from (all started through multiprocessing), or
+    another (the Prefect API server)."""
     import psutil
 
     if pid == command_pid:
@@ -173,7 +174,7 @@ def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
                  "--output", str(plan)],
         "train": [str(ds), "--mode", "oracle", "--plan", str(plan), "--output", str(run),
                   "--batch-size", str(args.batch_size), "--iterations", str(args.iterations),
-                  "--shards", str(args.shards), "--parity", str(args.parity)],
+                  "--shards", str(args.shards), "--parity", str(args.parity), "--trainers", str(args.trainers)],
         "verify": [str(run)],
     }
     outputs = {"generate": raw, "preprocess": ds, "plan": plan, "train": run}
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--lookahead", type=int, default=200)
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--trainers", type=int, default=1, help="data-parallel trainers of the train stage (default 1)")
     ap.add_argument("--parity", type=int, default=1, help="parity shards (0: no verify stage; default 1)")
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dlrmflow-scale"))
     ap.add_argument("--keep", action="store_true", help="keep each row count's files (default: delete them)")

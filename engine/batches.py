@@ -83,8 +83,7 @@ class BatchStream:
 
     ``drop_last`` drops a final partial batch; otherwise it is kept (smaller).
     ``sparse_only`` skips reading dense features and labels (the planner needs ids only).
-    ``slice_of`` ``(rank, size)``: each batch's rows ``rank * b/size .. (rank + 1) * b/size - 1`` only (b: the
-    batch's rows), what trainer ``rank`` of ``size`` trains.
+    :meth:`sliced` gives the same stream of one trainer's slices.
     """
 
     def __init__(
@@ -97,7 +96,6 @@ class BatchStream:
         stop_row: int | None = None,
         sparse_only: bool = False,
         read_rows_at_once: int = 1 << 20,
-        slice_of: tuple[int, int] = (0, 1),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -112,9 +110,7 @@ class BatchStream:
                 f"rows [{self.start_row}, {self.stop_row}) outside the dataset's {self.meta.rows} rows"
             )
         self.sparse_only = sparse_only
-        if not 0 <= slice_of[0] < slice_of[1]:
-            raise ValueError(f"slice {slice_of[0]} of {slice_of[1]} is not a slice of a batch")
-        self.slice_of = slice_of
+        self.slice_of = (0, 1)  # (rank, size): the whole batch (sliced)
         self.offsets = np.asarray(self.meta.table_offsets, dtype=np.int64)
         # Read whole blocks of batches at a time: parquet reads are cheap per row, costly per call.
         self._rows_at_once = max(batch_size, (read_rows_at_once // batch_size) * batch_size)
@@ -159,7 +155,8 @@ class BatchStream:
             t = t_end
 
     def sliced(self, rank: int, size: int) -> BatchStream:
-        """The same stream, each batch's slice ``rank`` of ``size`` only (``slice_of``)."""
+        """The same stream, each batch's rows ``rank * b/size .. (rank + 1) * b/size - 1`` only (b: the batch's
+        rows): what trainer ``rank`` of ``size`` trains."""
         if not 0 <= rank < size:
             raise ValueError(f"slice {rank} of {size} is not a slice of a batch")
         stream = copy.copy(self)
@@ -167,11 +164,11 @@ class BatchStream:
         return stream
 
     def _slice_rows(self, t: int) -> tuple[int, int]:
-        """Dataset row range of batch ``t``'s slice (the whole batch without ``slice_of``)."""
+        """Dataset row range of batch ``t``'s slice (the whole batch unless :meth:`sliced`)."""
         lo, hi = self.batch_rows(t)
         rank, size = self.slice_of
         rows = (hi - lo) // size
-        return lo + rank * rows, lo + (rank + 1) * rows if size > 1 else hi
+        return lo + rank * rows, lo + (rank + 1) * rows
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_range(0, len(self))

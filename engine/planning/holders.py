@@ -1,10 +1,10 @@
-"""Which trainers need a cached row: the memory Bagpipe's LRPP saves, measured on a plan before it is built.
+"""Which trainers need a cached row: the holders LRPP runs on, and the memory they save.
 
 With W trainers, each training its slice of the global batch (trainer ``w``: rows ``w*B/W .. (w+1)*B/W - 1``),
 a row the plan caches for one *lifetime* (prefetched for iteration ``f``, evicted after ``e``, or still
 cached when the run ends) is read only by the trainers whose slices use it at some iteration of
-``f .. e``: its *holders*. Today every trainer holds every cached row (docs/trainers.md); with Bagpipe's
-rule a trainer would hold only the rows it is a holder of.
+``f .. e``: its *holders*. A trainer holds only the rows it is a holder of (docs/trainers.md); before,
+every trainer held every cached row.
 
 :func:`holder_counts` replays a plan over the batches in one pass and counts, per trainer, the rows it
 holds as the prefetch worker places them (fetched for ``t`` when ``t``'s exchange runs, taken out once
@@ -35,8 +35,8 @@ class HolderCounts:
     """Per trainer, rows held over the iterations ``0 .. n-1`` (as the prefetch worker places them)."""
 
     size: int
-    every_row: np.ndarray  # [n]: every trainer holds every cached row (today's LRPP)
-    holders_only: np.ndarray  # [W, n]: trainer w holds the rows it is a holder of (Bagpipe's rule)
+    every_row: np.ndarray  # [n]: every trainer holds every cached row (LRPP before the holders)
+    holders_only: np.ndarray  # [W, n]: trainer w holds the rows it is a holder of (LRPP now)
     lifetimes: int  # lifetimes counted (prefetches)
     holders: int  # their holders, summed over lifetimes
 
@@ -50,7 +50,7 @@ class HolderCounts:
 
     @property
     def mean_holders(self) -> float:
-        """Trainers per prefetched row under Bagpipe's rule (W today)."""
+        """Trainers per prefetched row (W when every trainer holds every row)."""
         return self.holders / self.lifetimes if self.lifetimes else 0.0
 
 
@@ -92,7 +92,6 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
     mask = np.zeros(total_rows, dtype=np.int64)  # per cached row: its current lifetime's users so far
     start = np.full(total_rows, -1, dtype=np.int64)  # per cached row: the iteration its lifetime starts
     position = np.zeros(total_rows if masks_out is not None else 0, dtype=np.int64)  # its prefetch's index
-    prefetched = 0  # prefetches replayed so far
     adds = np.zeros((size, iterations), dtype=np.int64)  # rows starting at t, per holder
     removes = np.zeros((size, iterations), dtype=np.int64)  # rows ending after t, per holder
     fetched = np.zeros(iterations, dtype=np.int64)
@@ -123,8 +122,7 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
             raise ValueError(f"iteration {t}: the plan prefetches a row that is still cached")
         start[prefetch], mask[prefetch] = t, 0
         if masks_out is not None:
-            position[prefetch] = np.arange(prefetched, prefetched + len(prefetch))
-        prefetched += len(prefetch)
+            position[prefetch] = np.arange(lifetimes, lifetimes + len(prefetch))
         union, users = slice_masks(ids, size)
         if on_slices is not None:
             on_slices(t, union, users)
@@ -134,12 +132,12 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
         if (start[evict] < 0).any():
             raise ValueError(f"iteration {t}: the plan evicts a row that is not cached")
         fetched[t], evicted[t] = len(prefetch), len(evict)
-        lifetimes += len(prefetch)
+        lifetimes += len(prefetch)  # after the positions above: the count of prefetches before this one
         end(evict, t)
     if t + 1 < iterations:
         raise ValueError(f"the plan or the batches end at iteration {t + 1}, before {iterations}")
-    if masks_out is not None and prefetched != len(masks_out):
-        raise ValueError(f"the plan prefetches {prefetched} rows in {iterations} iterations, not {len(masks_out)}")
+    if masks_out is not None and lifetimes != len(masks_out):
+        raise ValueError(f"the plan prefetches {lifetimes} rows in {iterations} iterations, not {len(masks_out)}")
     end(np.flatnonzero(start >= 0), None)  # cached at the end: held to the end
 
     def held(added: np.ndarray, removed: np.ndarray) -> np.ndarray:
@@ -173,7 +171,6 @@ class LifetimeHolders:
     offsets: np.ndarray
     masks: np.ndarray
     peaks: list[int]
-    mean_holders: float
 
     def of(self, t: int) -> np.ndarray:
         """The holders of iteration ``t``'s prefetches, as int64 masks."""
@@ -212,4 +209,4 @@ def load_lifetime_holders(directory: str | Path) -> LifetimeHolders:
     directory = Path(directory)
     info = json.loads((directory / HOLDERS_FILE).read_text())
     return LifetimeHolders(info["trainers"], np.load(directory / "offsets.npy"),
-                           np.load(directory / "masks.npy", mmap_mode="r"), info["peaks"], info["mean_holders"])
+                           np.load(directory / "masks.npy", mmap_mode="r"), info["peaks"])

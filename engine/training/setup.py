@@ -118,7 +118,8 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
             f"out for evaluation leave {fit} batches of {config.batch_size} (lower --iterations, --batch-size "
             "or --eval-fraction)"
         )
-    last_rows = (lambda lo, hi: hi - lo)(*stream.batch_rows(iterations - 1))
+    last_lo, last_hi = stream.batch_rows(iterations - 1)
+    last_rows = last_hi - last_lo
     if last_rows % config.trainers:  # a partial last batch: each of the W trainers must get as many rows
         raise TrainConfigError(
             f"iterations: the last of the {iterations} batches has {last_rows} rows, which do not split into "
