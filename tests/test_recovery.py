@@ -29,6 +29,7 @@ from dlrmflow.engine.run_state import STATE_DIR, STATE_FILE, SUMMARY_FILE, load_
 from dlrmflow.engine.serving import shards as shards_module
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.serving.placement import place
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
 from dlrmflow.engine.training import faults as faults_module
 from dlrmflow.engine.training import loop as loop_module
@@ -508,20 +509,21 @@ def test_a_restore_avoids_the_dead_worker_that_the_scheduler_still_lists(cluster
     """After a kill the scheduler may list the dead worker for a while (here: for the rest of the run,
     on a host of its own, so placement would pick it first). A shard placed there would wait for it
     forever; the restore avoids the workers of the shards that stopped answering."""
-    killed, inject, listed = [], faults_module.FaultInjector.kill, shards_module.cluster_workers
+    killed, inject = [], faults_module.FaultInjector.kill
 
     def recording_kill(self, kill):
         killed.append(self.worker_of(kill.member(self.k)))
         return inject(self, kill)
 
-    def still_listed(client):
-        return {**{w: {"host": "10.255.255.1"} for w in killed}, **listed(client)}
+    def still_listed(client, n, avoid=()):  # what placement sees (the calls to the shards see the truth)
+        listed = {**{w: {"host": "10.255.255.1"} for w in killed}, **cluster_workers(client)}
+        return place({w: info for w, info in listed.items() if w not in avoid}, n)
 
     def took_too_long(*_):
         raise TimeoutError("the restore waited for a dead worker")
 
     monkeypatch.setattr(faults_module.FaultInjector, "kill", recording_kill)
-    monkeypatch.setattr(shards_module, "cluster_workers", still_listed)  # what placement and waits see
+    monkeypatch.setattr(shards_module, "place_avoiding", still_listed)
     dataset = make_dataset(tmp_path / "data", 32)
     _run(tmp_path, dataset, "local", "local")
     previous = signal.signal(signal.SIGALRM, took_too_long)
