@@ -36,6 +36,7 @@ batch against W.
 
     .venv/bin/python benchmarks/trainers.py [--trainers 1,2] [--rates unshaped,20] [--configs a]
         [--modes remote,lru,oracle,oracle-every] [--iterations 20] [--repeats 2] [--json] [--plot FILE] [--no-link]
+        [--device cuda]
 
 Needs root or CAP_NET_ADMIN (network namespaces, tc); without them it says so in one line and exits 2.
 ``--no-link --rates unshaped`` needs neither: its clusters are plain LocalClusters.
@@ -136,7 +137,7 @@ def train_point(data: dict[str, Any], trainers: int, mode: str, cluster: ShapedC
         batch_size=cfg["batch"], iterations=iterations, num_shards=args.shards, trainers=trainers,
         capacity=data["slots"] if mode == "lru" else None,
         plan_dir=str(data["plan_dir"]) if oracle else None,
-        embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom"], top_mlp=cfg["top"],
+        embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom"], top_mlp=cfg["top"], device=args.device,
         eval_fraction=EVAL_BATCHES / (iterations + EVAL_BATCHES), metrics_every=iterations, save_state=False)
     link.set_rate(None if mbit is None else int(mbit * 1e6))
     before = link.sent_bytes()
@@ -534,6 +535,8 @@ def main() -> int:
     parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-trainers")
     parser.add_argument("--plot", help="the PNG to write (default WORK_DIR/trainers.png)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON object instead of tables")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: every trainer on a GPU (W trainers share the GPUs this machine has)")
     args = parser.parse_args()
     try:
         configs, modes, counts, rates = parse_choices(args)
@@ -542,11 +545,16 @@ def main() -> int:
             raise
         print(f"trainers.py: {exc.code}", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("trainers.py: --device cuda: no CUDA GPU is available", file=sys.stderr)
+        return 2
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]
     log(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), load average {load_at_start:.1f}")
+        f"({torch.get_num_threads()} threads), load average {load_at_start:.1f}"
+        + (f", trainers on {torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if args.device == "cuda"
+           else ""))
     rows, skipped = [], []
     try:
         for key in configs:

@@ -27,6 +27,7 @@ from test_trainers import _plan_with_capacity, make_dataset, small_config
 
 from dlrmflow.cli import main
 from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning import planner
 from dlrmflow.engine.planning.holders import holder_counts, slice_masks
 from dlrmflow.engine.run_state import load_state
@@ -40,7 +41,7 @@ from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.run import train
 from dlrmflow.engine.training.setup import prepare_run
 from dlrmflow.engine.training.slices import BatchSlices, SliceWriter
-from dlrmflow.engine.training.workers import TrainerLostError
+from dlrmflow.engine.training.workers import TrainerLostError, trainer_device
 
 CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict
 
@@ -172,12 +173,33 @@ def test_trainers_go_to_distinct_trainer_workers_away_from_the_servers():
         place_trainers(info, 3)
 
 
+def test_with_a_gpu_resource_trainers_go_to_the_gpu_workers_first():
+    info = {f"tcp://h{h}:{p}": {"host": f"h{h}", "resources": {}} for h in range(2) for p in range(3)}
+    info["tcp://h1:1"]["resources"] = {"GPU": 1}
+    assert place_trainers(info, 2, gpu=True) == ["tcp://h1:1", "tcp://h0:0"]
+    assert place_trainers(info, 2) == ["tcp://h0:0", "tcp://h1:0"]  # on the CPU a GPU worker is any worker
+    info["tcp://h0:2"]["resources"] = {"GPU": 1}
+    assert place_trainers(info, 2, gpu=True, servers=["tcp://h1:1"]) == ["tcp://h0:2", "tcp://h1:1"]
+
+
+def test_each_trainer_takes_its_workers_gpu_else_shares_the_gpus_its_process_sees():
+    assert trainer_device("cpu", 3, own_gpu=True, gpus=2) == torch.device("cpu")
+    assert [trainer_device("cuda", w, own_gpu=False, gpus=2) for w in range(4)] == [
+        torch.device("cuda", i) for i in (0, 1, 0, 1)]
+    assert [trainer_device("cuda", w, own_gpu=False, gpus=1) for w in range(3)] == [torch.device("cuda", 0)] * 3
+    assert trainer_device("cuda", 3, own_gpu=True, gpus=4) == torch.device("cuda", 0)  # its own: seen first
+    with pytest.raises(UserInputError, match="device: --device cuda: trainer 1's Dask worker sees no CUDA GPU"):
+        trainer_device("cuda", 1, own_gpu=False, gpus=0)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (dict(batch_size=10, trainers=3), "trainers: --batch-size 10 does not split into 3"),
     (dict(mode="local", trainers=2), "trainers: --trainers 2 needs embedding servers"),
     (dict(mode="lru", capacity=100, trainers=2, parity=1), "trainers: --mode lru with --parity is not supported"),
     (dict(trainers=2, checkpoint_every=5, kills=("shard:0@3",)), "kills: --kill with --trainers 2 needs --parity"),
-    (dict(trainers=2, device="cuda"), "trainers: --trainers 2 trains on the CPU"),
+    (dict(trainers=2, device="cuda:1"), "trainers: --device cuda:1 names one GPU, for one trainer; with "
+                                        "--trainers 2 use --device cuda"),
+    (dict(device="gpu"), "device: --device string should match"),
     (dict(trainers=0), "trainers: --trainers must be >= 1"),
 ])
 def test_bad_trainer_settings_name_the_field(tmp_path, change, message):

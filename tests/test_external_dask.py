@@ -219,7 +219,7 @@ def test_trainers_run_on_the_trainer_workers_and_their_logs_say_so(external_clus
     ran = [names[t["worker"]] for t in lrpp["trainers"]["per_trainer"]]
     assert sorted(ran) == sorted(TRAINER_WORKERS), ran
     for rank, name in enumerate(ran):  # each trainer worker's log names its trainer, and no other
-        line = f"dlrmflow trainer {rank} of 2: rows {8 * rank}..{8 * rank + 7} of every batch"
+        line = f"dlrmflow trainer {rank} of 2 on cpu: rows {8 * rank}..{8 * rank + 7} of every batch"
         assert since[name].count(line) == 1 and "dlrmflow trainer" not in since[name].replace(line, ""), \
             (name, since[name][-2000:])
     assert "dlrmflow trainer" not in since["w0"] + since["w1"] + since["w2"]

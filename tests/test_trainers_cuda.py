@@ -7,7 +7,10 @@ arrived or write one back before its update finished. So, on ``--device cuda``:
 - ``remote``, ``lru`` and ``oracle`` (real plans) end bit-identical to ``local`` on the same GPU;
 - a run with parity whose data shard is SIGKILLed mid-run ends bit-identical to the failure-free
   run, and its parity verifies;
-- a checkpointed run killed by a shard loss reloads, replays and ends bit-identical.
+- a checkpointed run killed by a shard loss reloads, replays and ends bit-identical;
+- two trainers sharing the one GPU (``--trainers 2 --device cuda``): ``lru`` and ``oracle`` (LRPP, whose
+  prefetched rows land in each trainer's GPU cache through its side stream) end bit-identical to the
+  two-trainer ``remote`` on the GPU, with and without parity.
 
 GPU results are compared with GPU results: cuBLAS and CPU kernels sum in different orders, so a
 GPU run and a CPU run are not expected to match bit for bit.
@@ -28,7 +31,9 @@ from test_trainers import (
     small_config,
 )
 
+from dlrmflow.engine.planning import planner as plans
 from dlrmflow.engine.run_state import load_state
+from dlrmflow.engine.serving.cluster import local_cluster
 from dlrmflow.engine.training.run import prepare_run, train
 
 if not torch.cuda.is_available():
@@ -109,3 +114,35 @@ def test_a_checkpointed_gpu_run_reloads_replays_and_ends_exact(cluster, tmp_path
     assert_bit_identical(load_state(tmp_path / "local"), load_state(tmp_path / "run"), "checkpoint on cuda")
     (recovery,) = summary["checkpoint"]["recoveries"]
     assert recovery["replay_from"] == 8
+
+
+@pytest.fixture(scope="module")
+def trainer_client():
+    """Three plain workers (servers) and two trainer workers, which share the one GPU."""
+    from distributed import Client
+
+    with local_cluster(3, trainers=2) as cluster, Client(cluster, direct_to_workers=True) as client:
+        yield client
+
+
+@pytest.mark.parametrize("parity", [0, 1])
+def test_two_trainers_on_one_gpu_end_bit_identical_to_their_remote(trainer_client, tmp_path, parity):
+    rng = np.random.default_rng(900 + parity)
+    dataset = make_dataset(tmp_path / "data", 60 + parity, rows=500)
+    batch_size = 2 * int(rng.integers(3, 9))
+    _plan_with_capacity(plans, dataset, tmp_path / "plan", dict(batch_size=batch_size, lookahead=5,
+                                                                prefetch_distance=2), rng)
+    common = dict(batch_size=batch_size, iterations=int(rng.integers(8, 20)), seed=parity, device=DEVICE,
+                  trainers=2, embedding_optimizer=["adagrad", "sgd"][parity], embedding_lr=0.05, num_shards=2,
+                  parity=parity)
+    modes = {"remote": {}, "oracle": {"plan_dir": str(tmp_path / "plan")}}
+    if not parity:  # lru with several trainers and parity is refused (one trainer talks to coded servers)
+        modes["lru"] = {"capacity": 4 * batch_size}
+    runs = {mode: _train(small_config(dataset, tmp_path / mode, mode, **kw, **common), trainer_client)
+            for mode, kw in modes.items()}
+    reference = load_state(tmp_path / "remote")
+    for mode, run in runs.items():
+        assert [t["device"] for t in run["trainers"]["per_trainer"]] == ["cuda:0", "cuda:0"], mode
+        assert run["state_sha256"] == runs["remote"]["state_sha256"], f"{mode} vs remote, parity {parity}"
+        assert_bit_identical(reference, load_state(tmp_path / mode), f"{mode}, W=2 on one GPU, parity {parity}")
+    assert runs["oracle"]["trainers"]["bytes_between_trainers"]["prefetched rows"] > 0

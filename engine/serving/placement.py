@@ -35,6 +35,9 @@ RESOURCE = "embedding_server"
 # prints these lines with its own (a LocalCluster dlrmflow starts keeps its workers quiet).
 WORKER_LOG = logging.getLogger("distributed.dlrmflow")
 TRAINER_RESOURCE = "trainer"  # workers that may run a trainer process (``--trainers W``)
+# Dask's convention for a worker that owns a GPU (`dask worker --resources GPU=1`, or dask-cuda's
+# LocalCUDACluster(resources={"GPU": 1})): the GPU the worker's process sees first is its own.
+GPU_RESOURCE = "GPU"
 ROLES = (RESOURCE, TRAINER_RESOURCE)
 
 WorkerInfo = Mapping[str, Mapping[str, Any]]  # address -> the scheduler's info on that worker
@@ -63,13 +66,18 @@ def eligible_workers(worker_info: WorkerInfo, resource: str = RESOURCE) -> list[
     return sorted(neutral or worker_info)
 
 
-def place_trainers(worker_info: WorkerInfo, n: int, servers: Collection[str] = ()) -> list[str]:
+def place_trainers(worker_info: WorkerInfo, n: int, servers: Collection[str] = (), *, gpu: bool = False
+                   ) -> list[str]:
     """One distinct worker per trainer (a trainer is a process: two in one worker would share it), from the
-    workers :func:`eligible_workers` allows for :data:`TRAINER_RESOURCE`, those hosting no embedding server
-    (``servers``) first, spread across hosts."""
+    workers :func:`eligible_workers` allows for :data:`TRAINER_RESOURCE`, spread across hosts: with ``gpu``
+    (``--device cuda``) those advertising a :data:`GPU_RESOURCE` first; then those hosting no embedding server
+    (``servers``)."""
     eligible = eligible_workers(worker_info, TRAINER_RESOURCE)
-    free = [w for w in eligible if w not in servers]
-    order = spread_order(worker_info, free) + spread_order(worker_info, [w for w in eligible if w in servers])
+    tiers: dict[tuple[bool, bool], list[str]] = defaultdict(list)
+    for address in eligible:
+        no_gpu = gpu and not advertises(worker_info.get(address) or {}, GPU_RESOURCE)
+        tiers[no_gpu, address in servers].append(address)
+    order = [a for tier in sorted(tiers) for a in spread_order(worker_info, tiers[tier])]
     if len(order) < n:
         raise NoWorkersError(
             f"trainers: --trainers {n} needs {n} Dask worker processes, one per trainer; the cluster has "

@@ -1,5 +1,10 @@
 """What W data-parallel trainers exchange, over torch.distributed (gloo).
 
+Gloo moves host memory: a trainer on a GPU hands its tensors here as they are, and this module copies them
+to the host before a collective (``.cpu()``, nothing for a tensor already there); what comes back is on the
+host, and the caller moves it to its device. The sums below are taken on the host, so trainers on GPUs and
+on CPUs add a row's gradients in the same order, in the same precision.
+
 A :class:`TrainerGroup` is one trainer's membership: its rank, the group size ``W``, and two
 process groups: the default one, used by the training loop (dense gradients, embedding-row
 gradients, barriers), and a second one used only by the oracle's prefetch thread (rows fetched
@@ -63,7 +68,7 @@ class TrainerGroup:
         if self.size == 1:
             return loss
         flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.reshape(1)])
-        mean = sum_in_rank_order(self.all_gather_equal(flat, "dense gradients"))
+        mean = sum_in_rank_order(self.all_gather_equal(flat, "dense gradients")).to(flat.device)
         offset = 0
         for p in params:
             p.grad.copy_(mean[offset:offset + p.numel()].view_as(p))
@@ -76,7 +81,8 @@ class TrainerGroup:
         self.bytes_received[kind] += received
 
     def all_gather_equal(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
-        """Every trainer's ``tensor`` (same shape on all), in rank order."""
+        """Every trainer's ``tensor`` (same shape on all), in rank order, on the host."""
+        tensor = tensor.cpu()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor)
         self._count(kind, tensor, tensor.numel() * tensor.element_size() * (self.size - 1))
@@ -84,13 +90,14 @@ class TrainerGroup:
 
     def all_gather_rows(self, rows: torch.Tensor, counts: Sequence[int], kind: str, *,
                         prefetch: bool = False, async_op: bool = False):
-        """Every trainer's ``[counts[w], width]`` rows, in rank order (``rows`` is this trainer's part).
+        """Every trainer's ``[counts[w], width]`` rows, in rank order, on the host (``rows`` is this trainer's
+        part).
 
         ``async_op``: returns a :class:`PendingGather` to :meth:`~PendingGather.wait` on instead."""
         if rows.shape[0] != counts[self.rank]:
             raise ValueError(f"trainer {self.rank} contributes {rows.shape[0]} rows, the counts say "
                              f"{counts[self.rank]}")
-        most = max(counts)
+        rows, most = rows.cpu(), max(counts)
         if most == 0:  # every trainer knows the counts: all skip the call together
             empty = [rows.new_zeros((0, *rows.shape[1:])) for _ in range(self.size)]
             pending = PendingGather(None, empty, list(counts))
@@ -107,9 +114,9 @@ class TrainerGroup:
 
     def exchange_rows(self, sends: dict[int, torch.Tensor], counts: dict[int, int], width: int, kind: str, *,
                       prefetch: bool = False, tag: int = 0) -> PendingExchange:
-        """Point to point: ``sends[h]`` (rows ``[k, width]``) to trainer h, ``counts[u]`` rows from trainer u,
-        all at once; returns a :class:`PendingExchange` whose :meth:`~PendingExchange.wait` gives the rows
-        received, by trainer. Both sides must agree on every count (a count of 0 sends nothing); ``tag``
+        """Point to point: ``sends[h]`` (rows ``[k, width]``) to trainer h, ``counts[u]`` rows from trainer u
+        (on the host), all at once; returns a :class:`PendingExchange` whose :meth:`~PendingExchange.wait`
+        gives the rows received, by trainer. Both sides must agree on every count (a count of 0 sends nothing); ``tag``
         keeps apart exchanges that may be in flight together on one process group."""
         group = self.prefetch_group if prefetch else None
         works, received, keep = [], {}, []
@@ -122,7 +129,7 @@ class TrainerGroup:
                 self.bytes_received[kind] += received[peer].numel() * 4
             rows = sends.get(peer)
             if rows is not None and rows.shape[0]:
-                keep.append(rows.contiguous())  # alive until the send completes
+                keep.append(rows.cpu().contiguous())  # alive until the send completes
                 works.append(dist.isend(keep[-1], dst=peer, group=group, tag=tag))
                 self.bytes_sent[kind] += rows.numel() * rows.element_size()
         return PendingExchange(works, received, keep)

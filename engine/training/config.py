@@ -80,7 +80,9 @@ class TrainConfig(ConfigModel):
         None, ge=1, description=f"cache rows: required by --mode {_modes('capacity_required')}; with --mode "
                                 f"{_modes('capacity', 'capacity_required')} an optional bound on the cache")
     plan_dir: str | None = Field(None, description=f"the plan for --mode {_modes('plan')} (`dlrmflow plan`)")
-    device: str = Field("cpu", description="cpu or cuda")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+                        description="cpu, cuda, or cuda:N (one trainer); with --trainers W each trainer takes its "
+                                    "worker's GPU (one advertising the Dask resource GPU=1), else cuda:(w mod GPUs)")
     seed: int = Field(0, description="model and embedding initialisation")
     model: Literal[MODELS] = Field(
         "dlrm", description="the model: DLRM, Wide & Deep, DeepFM or DCN-v2 (docs/models.md); its per-id "
@@ -193,9 +195,9 @@ class TrainConfig(ConfigModel):
         if self.batch_size % w:
             raise TrainConfigError(f"trainers: --batch-size {self.batch_size} does not split into {w} equal "
                                    f"slices (--trainers {w}); use a multiple of {w}")
-        if not self.device.startswith("cpu"):
-            raise TrainConfigError(f"trainers: --trainers {w} trains on the CPU (gloo); --device {self.device} "
-                                   "is for one trainer")
+        if self.device.startswith("cuda:"):
+            raise TrainConfigError(f"trainers: --device {self.device} names one GPU, for one trainer; with "
+                                   f"--trainers {w} use --device cuda (each trainer takes its worker's GPU)")
         if self.parity and not MODES[self.mode].parity_with_trainers:
             able = [name for name, m in MODES.items() if m.servers and m.parity_with_trainers]
             raise TrainConfigError(f"trainers: --mode {self.mode} with --parity is not supported with --trainers {w} "

@@ -270,21 +270,25 @@ class PrefetchWorker:
         start = time.perf_counter()
         rows = torch.empty((len(ids), self.cache.shape[1]), dtype=torch.float32, pin_memory=self.cuda)
         self.shards.exchange(write_ids, write_rows, ids, out=rows.numpy())
-        event = None
-        if len(ids):
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    # A plan's slots can be read-only (Arrow buffers); torch wants a writable array.
-                    slots = np.require(slots, requirements="W")
-                    index = torch.from_numpy(slots).to(self.cache.device, non_blocking=True)
-                    self.cache.index_copy_(0, index, rows.to(self.cache.device, non_blocking=True))
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-            else:
-                self.cache_np[slots] = rows.numpy()
+        event = self._into_cache(slots, rows) if len(ids) else None
         self.bytes_fetched += len(ids) * self.row_bytes
         self.bytes_written += len(write_ids) * self.row_bytes
         self.busy_seconds += time.perf_counter() - start
+        return event
+
+    def _into_cache(self, slots: np.ndarray, rows: torch.Tensor) -> torch.cuda.Event | None:
+        """``rows`` (host memory, pinned on a GPU) into the cache's ``slots``; on a GPU through the side stream,
+        returning the event compute waits on before it reads them."""
+        if not self.cuda:
+            self.cache_np[slots] = rows.numpy()
+            return None
+        with torch.cuda.stream(self.stream):
+            # A plan's slots can be read-only (Arrow buffers); torch wants a writable array.
+            slots = np.require(slots, requirements="W")
+            index = torch.from_numpy(slots).to(self.cache.device, non_blocking=True)
+            self.cache.index_copy_(0, index, rows.to(self.cache.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self.stream)
         return event
 
 
@@ -298,8 +302,6 @@ class PartitionedPrefetchWorker(PrefetchWorker):
     def __init__(self, *args, group: TrainerGroup, gateway: bool = False, **kwargs) -> None:
         self.group, self.gateway = group, gateway
         super().__init__(*args, **kwargs)
-        if self.cuda:
-            raise ValueError("several trainers train on the CPU")
 
     def _new_state(self, iterations: int, distance: int, total_rows: int, num_slots: int, start: int,
                    cached: tuple[np.ndarray, np.ndarray] | None) -> PartitionedPrefetchState:
@@ -316,7 +318,7 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         (``gateway``: trainer 0, always)."""
         return self.state.fetchers(ids)
 
-    def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> None:
+    def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> torch.cuda.Event | None:
         """One round trip to the shards for this trainer's share, then the rows it fetched go to their
         other holders and the rows it holds come from their fetchers."""
         start = time.perf_counter()
@@ -325,6 +327,7 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         fetched = np.empty((len(here), width), dtype=np.float32)
         if len(here) or len(exchange.write_ids):
             self.shards.exchange(exchange.write_ids, write_rows, here, out=fetched)
+        event = None
         if exchange.prefetch_ids is not None and len(exchange.prefetch_ids):
             fetcher, holders = exchange.fetcher, exchange.holders
             by_me = fetcher == rank
@@ -333,13 +336,13 @@ class PartitionedPrefetchWorker(PrefetchWorker):
                      for h in range(self.group.size) if h != rank}
             counts = {u: int(np.count_nonzero(mine & (fetcher == u))) for u in range(self.group.size) if u != rank}
             parts = self.group.exchange_rows(sends, counts, width, "prefetched rows", prefetch=True).wait()
-            values = np.empty((len(exchange.fetch_ids), width), dtype=np.float32)
-            held_fetcher = fetcher[mine]
+            held = torch.empty((len(exchange.fetch_ids), width), dtype=torch.float32, pin_memory=self.cuda)
+            values, held_fetcher = held.numpy(), fetcher[mine]
             values[held_fetcher == rank] = fetched[mine[by_me]]
             for u, part in parts.items():
                 values[held_fetcher == u] = part.numpy()
-            self.cache_np[exchange.fetch_slots] = values
+            event = self._into_cache(exchange.fetch_slots, held) if len(values) else None
         self.bytes_fetched += len(here) * self.row_bytes
         self.bytes_written += len(exchange.write_ids) * self.row_bytes
         self.busy_seconds += time.perf_counter() - start
-        return None
+        return event

@@ -106,11 +106,13 @@ def share_servers(group: TrainerGroup, shards: ShardGroup | None, spec) -> Shard
 
 
 def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report | None = None,
-               recovery_runner=None, worker: str | None = None) -> dict[str, Any]:
+               recovery_runner=None, worker: str | None = None, device: torch.device | None = None
+               ) -> dict[str, Any]:
     """This trainer's run: the loop (:mod:`.loop`) between setting up and recording. ``client``: the Dask
-    client trainer 0 starts the servers and injects kills through; ``report``: trainer 0's progress."""
+    client trainer 0 starts the servers and injects kills through; ``report``: trainer 0's progress;
+    ``device``: this trainer's (default: the configured one)."""
     config, n, lead = setup.config, setup.iterations, group.rank == 0
-    device = torch.device(config.device)
+    device = torch.device(config.device) if device is None else device
     output = Path(config.output_dir)
     store = shards = None
     try:
@@ -159,7 +161,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
                 raise
             group.barrier()  # every trainer's rows are home before trainer 0 reads them
             outcome: dict[str, Any] = {
-                "rank": group.rank, "worker": worker, "threads": torch.get_num_threads(),
+                "rank": group.rank, "worker": worker, "device": str(device), "threads": torch.get_num_threads(),
                 "log": {**log.result(), "flush_seconds": time.perf_counter() - start},  # train_seconds counts it
                 "sync_seconds": clock.pop("row_sync"), "seconds": clock, "bytes_fetched": int(store.bytes_fetched),
                 "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent),

@@ -128,7 +128,7 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
         "sync_fraction": float(np.sum(results[0]["sync_seconds"]) / iteration_seconds) if iteration_seconds else 0.0,
         # Per trainer: the most rows its cache held at once; the bytes it received from the other trainers
         # (rows, gradients, dense gradients) and from the servers (bytes_fetched).
-        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "threads": r["threads"],
+        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "device": r["device"], "threads": r["threads"],
                          "peak_cached_rows": r["peak_cached_rows"], "bytes_from_trainers": r["bytes_from_trainers"],
                          "bytes_from_servers": r["bytes_fetched"],
                          "bytes_fetched": r["bytes_fetched"], "bytes_written_back": r["bytes_written"],

@@ -28,7 +28,7 @@ import torch
 
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.serving.cluster import cluster_workers
-from dlrmflow.engine.serving.placement import WORKER_LOG, place_trainers
+from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers
 from dlrmflow.engine.training.checkpoint import (
     CHECKPOINT_FILE,
     resume_command,
@@ -58,6 +58,17 @@ def _worker_threads() -> int:
     return max(1, get_worker().state.nthreads)
 
 
+def trainer_device(device: str, rank: int, *, own_gpu: bool, gpus: int) -> torch.device:
+    """Where trainer ``rank`` of several trains for ``--device device``: ``cuda`` is the GPU its worker owns
+    (``own_gpu``: the worker advertises :data:`GPU_RESOURCE`; it sees that GPU first), else GPU ``rank mod
+    gpus`` of the ``gpus`` its process sees (dlrmflow's own LocalCluster: W trainers on fewer GPUs share them)."""
+    if not device.startswith("cuda"):
+        return torch.device(device)
+    if gpus < 1:
+        raise UserInputError(f"device: --device {device}: trainer {rank}'s Dask worker sees no CUDA GPU")
+    return torch.device("cuda", 0 if own_gpu else rank % gpus)
+
+
 def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, progress_topic: str | None = None
                     ) -> dict[str, Any]:
     """One trainer process's whole run (a Dask task): rank ``rank`` of ``size`` joined at ``init_method``;
@@ -67,9 +78,11 @@ def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, pro
     torch.set_num_threads(_worker_threads())
     config = setup.config
     worker = get_worker()
-    WORKER_LOG.info("dlrmflow trainer %d of %d: rows %d..%d of every batch of %d, %d threads", rank, size,
-                    rank * config.batch_size // size, (rank + 1) * config.batch_size // size - 1, config.batch_size,
-                    torch.get_num_threads())
+    device = trainer_device(config.device, rank, own_gpu=worker.state.total_resources.get(GPU_RESOURCE, 0) > 0,
+                            gpus=torch.cuda.device_count() if config.device.startswith("cuda") else 0)
+    WORKER_LOG.info("dlrmflow trainer %d of %d on %s: rows %d..%d of every batch of %d, %d threads", rank, size,
+                    device, rank * config.batch_size // size, (rank + 1) * config.batch_size // size - 1,
+                    config.batch_size, torch.get_num_threads())
     last_report = [0.0]
 
     def report(done: int, row: dict[str, Any] | None) -> None:
@@ -78,7 +91,7 @@ def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, pro
             last_report[0] = time.perf_counter()
 
     return train_rank(setup, TrainerGroup(rank, size, init_method), client=get_client(), report=report,
-                      worker=worker.address)
+                      worker=worker.address, device=device)
 
 
 def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None] | None = None,
@@ -98,7 +111,7 @@ def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None
     if client is None:
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers
-    workers = place_trainers(cluster_workers(client), size)
+    workers = place_trainers(cluster_workers(client), size, gpu=setup.config.device.startswith("cuda"))
     setup = prepare_trainers(setup, setup.config.output_dir)
     port = client.submit(_free_port, workers=[workers[0]], pure=False).result()
     host = workers[0].split("://", 1)[-1].rsplit(":", 1)[0]

@@ -415,7 +415,7 @@ class ServersCurrentRows(RowsForTrainers):
         """Write ``rows`` home, then wait until every trainer's writes of this iteration are home, so that no
         trainer reads a server before them; returns the seconds spent writing (the barrier counts as sync)."""
         start = time.perf_counter()
-        self.shards.write_back(ids, rows.numpy())
+        self.shards.write_back(ids, rows.cpu().numpy())
         written = time.perf_counter()
         self.group.barrier()
         self.sync_seconds += time.perf_counter() - written

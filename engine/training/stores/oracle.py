@@ -254,7 +254,7 @@ class LrppRows(OracleRows, RowsForTrainers):
             return
         slots = torch.from_numpy(self.directory.slot_of[ids]).to(self.device)
         rows = self.cache.index_select(0, slots)
-        apply_update_rowwise(self.spec_at(t), rows, sum_over_users(ids, parts, size))
+        apply_update_rowwise(self.spec_at(t), rows, sum_over_users(ids, parts, size).to(self.device))
         self.cache.index_copy_(0, slots, rows)
 
     def _apply_later(self) -> None:
@@ -313,6 +313,7 @@ class LrppRows(OracleRows, RowsForTrainers):
         recipients[evicted] = np.int64(1) << writer[evicted]
         now = evicted | np.isin(union, next_union, assume_unique=True)
 
+        grad = grad.cpu()  # the exchanges and the rank-order sums are on the host (collectives.py)
         start = time.perf_counter()
         ids, parts, pending = self._send_gradients(split, recipients, now, grad, "sync_now", tag=1)
         parts = _with_received(parts, pending.wait())
@@ -326,7 +327,11 @@ class LrppRows(OracleRows, RowsForTrainers):
         gone = evict[held[evicted]]  # the evicted rows this trainer holds
         gone_slots = self.directory.slot_of[gone]
         self.directory.remove(gone)
-        self.worker.post_done(Done(t, gone, gone_slots, None, writer[evicted], evict))
+        event = None
+        if self.device.type == "cuda":  # the worker copies the evicted rows out after this iteration's updates
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self.worker.post_done(Done(t, gone, gone_slots, event, writer[evicted], evict))
 
     def _write_back_all(self) -> None:
         """Every cached row home, each by its lowest holder (its holders' copies are all current)."""
