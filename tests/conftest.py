@@ -37,7 +37,7 @@ END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harne
 # parallel run (`make test`: pytest-xdist, --dist loadfile --no-loadscope-reorder) the workers take whole
 # modules in collection order, so these go first: started last, one of them alone would be the run's tail.
 # Out of date, this list costs only time (`pytest --durations=30` shows the slowest tests).
-LONGEST_MODULES = ["test_readme.py", "test_prefect_server.py", "test_prefect_daily.py", "test_pipeline.py",
+LONGEST_MODULES = ["test_prefect_server.py", "test_readme.py", "test_pipeline.py",
                    "test_fast_start.py", "test_recovery.py", "test_external_dask.py", "test_dataset_cli.py"]
 
 

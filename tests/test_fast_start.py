@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from dlrmflow.datasets.synthetic import generate_rows
+
 HEAVY = ("torch", "dask", "distributed", "prefect", "pandas")
 
 # In a fresh interpreter: main() on ARGV, then what it returned and which heavy packages were imported.
@@ -110,7 +112,7 @@ def test_json_keeps_stdout_to_one_object_and_shows_progress_on_stderr(tmp_path):
     cluster (preprocess's too), the server initialisation, the iterations and the final evaluation; summary.json
     records the start-up (launch to the first iteration) and the finish with its phases."""
     raw = tmp_path / "day_0.tsv"
-    _dlrmflow(["generate", "--rows", "3000", "--output", str(raw), "--scale", "0.001"], tmp_path)
+    raw.write_bytes(generate_rows(0, 3000, seed=0, scale=0.001))  # what `dlrmflow generate` writes
     prep, err = _dlrmflow(["preprocess", str(raw), "--output", str(tmp_path / "ds")], tmp_path)
     assert prep["rows"] == 3000
     assert "preprocess steps: " in err and "(100%)" in err

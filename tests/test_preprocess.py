@@ -108,7 +108,7 @@ def _write_criteo_tsv(path: Path, n: int, seed: int, bad: dict[int, str] | None 
 
 def test_shuffle_is_deterministic_by_seed_and_preserves_rows(tmp_path):
     src = tmp_path / "day_0"
-    _write_criteo_tsv(src, 3000, seed=1)
+    _write_criteo_tsv(src, 1200, seed=1)
     kw = dict(fmt="criteo", block_bytes=16 << 10)  # many blocks and output parts
     preprocess([src], tmp_path / "a", seed=5, **kw)
     preprocess([src], tmp_path / "b", seed=5, **kw)
