@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, tags
-from prefect.utilities.annotations import quote
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
@@ -33,6 +32,7 @@ from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.flows.daily_config import DailyConfig, DailyConfigError, day_name
 from dlrmflow.flows.dataset import preprocess_flow
 from dlrmflow.flows.plan import plan_flow
+from dlrmflow.flows.prefect_internals import untraced
 from dlrmflow.flows.run_names import daily_run_name, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.daily import publish_daily_report_task
@@ -90,9 +90,7 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, ad
               dask_address=address)
     evaluation = None
     if previous is not None:  # yesterday's model on today's data, before it trains on it
-        # Quoted: Prefect would take a value of an earlier subflow's result for that run's output, a
-        # ``flow_run`` input the UI's task run pages reject (flows/train.py's report says the same).
-        evaluation = evaluate_task(quote(previous["run_dir"]), quote(str(dataset)), quote(config.batch_size))
+        evaluation = evaluate_task(*untraced(previous["run_dir"], str(dataset), config.batch_size))
     summary = train_flow(_train_config(config, dataset, plan, run, previous["run_dir"] if previous else None),
                          address)
     total_ids = sum(meta.cardinalities)
@@ -128,8 +126,5 @@ def daily_flow(config: DailyConfig) -> dict[str, Any]:
             with tags(f"day:{day_name(path)}", f"state:{run_dir_label(state)}"):  # the day's subflow runs
                 history.append(run_day(config, path, history[-1] if history else None, address))
             write_history(state, history)
-    # Quoted: the rows hold values of the subflows' results, which Prefect would record as flow_run inputs of
-    # the report task (the UI's task run pages reject those; flows/train.py's report says the same). A new
-    # string can be taken for one too: Prefect knows results by ``id()``, and a freed one's may be reused.
-    report = publish_daily_report_task(quote(history), quote(str(state)))
+    report = publish_daily_report_task(*untraced(history, str(state)))  # the rows hold subflows' results
     return {"state_dir": str(state), "new_days": [day_name(p) for p in todo], "days": history, "report": report}

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, tags
-from prefect.utilities.annotations import quote
 
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 from dlrmflow.engine.planning.cache_policies import capacity_sweep
@@ -36,6 +35,7 @@ from dlrmflow.engine.training.summary import TrainSummary, saved_run, train_summ
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
+from dlrmflow.flows.prefect_internals import untraced
 from dlrmflow.flows.run_names import pipeline_run_name, pipeline_tags, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.pipeline_report import publish_pipeline_summary_task
@@ -169,10 +169,7 @@ def _pipeline(config: PipelineConfig) -> dict[str, Any]:
     result["link"] = {"rate_mbit": cfg.link_rate, "skipped": link_skipped}
     result["summary"] = summary_rows(profile, result["caches"], runs, link_skipped, cfg)
     table = format_table(result["summary"], SUMMARY_COLUMNS)
-    # Quoted: Prefect knows the subflows' results by ``id()``, and a new string may reuse a freed one's: it
-    # would become a ``flow_run`` input, which the UI's task run pages reject (flows/train.py says the same).
-    publish_pipeline_summary_task(quote(artifact_key("pipeline-summary", run_dir_label(work))), quote(str(work)),
-                                  quote(table))
+    publish_pipeline_summary_task(*untraced(artifact_key("pipeline-summary", run_dir_label(work)), str(work), table))
     return result
 
 

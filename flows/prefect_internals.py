@@ -18,12 +18,23 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from prefect.context import TaskRunContext
+from prefect.utilities.annotations import quote
 
 from dlrmflow.engine.errors import UserInputError
 
 T = TypeVar("T")
 
 RunInContext = Callable[..., Any]
+
+
+def untraced(*values: Any) -> tuple[Any, ...]:
+    """``values`` quoted (``prefect.utilities.annotations.quote``), for a task called by a flow that ran
+    subflows. Prefect links a subflow's result, and the values one level inside it, to that subflow run by
+    their ``id()`` in the flow run's context (``link_state_to_result``) and never forgets them: a later
+    task's argument that is one of those values, or a new object that reuses a freed one's address,
+    becomes a ``flow_run`` input of that task, which the UI's task run pages reject. Quoted arguments are
+    not traced (nor hashed into a cache key)."""
+    return tuple(quote(value) for value in values)
 
 
 def capture_run_context() -> RunInContext:

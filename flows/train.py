@@ -19,13 +19,13 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
-from prefect.utilities.annotations import quote
 
 from dlrmflow.engine.serving.cluster import coded_cluster_workers, dask_scheduler
 from dlrmflow.engine.training.checkpoint import unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.summary import train_summary
+from dlrmflow.flows.prefect_internals import untraced
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
 from dlrmflow.tasks.reporting import PHASES_LOGGER, PROGRESS, engine_events_to_run_log, train_run_label
@@ -81,11 +81,9 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
             trained = train_task(setup, address, runner, return_state=True)
     summary = trained.result()
     logger.info("publishing the run's tables and plots ...", extra=PROGRESS)
-    # The summary holds each recover-shard subflow's result: passed as is, Prefect would record that
-    # subflow run as an input of the report task (a ``flow_run`` input, which the UI's task run pages
-    # reject). Quoted, its values are not traced; the report's one input is the train task, by wait_for on
-    # its state with a stand-in for its data (Prefect looks into a state's data too, and reads it back).
-    publish_train_report_task(quote(summary), wait_for=[trained.model_copy(update={"data": True})])
+    # The summary holds each recover-shard subflow's result (untraced); the report's one input is the train
+    # task, by wait_for on its state with a stand-in for its data (Prefect looks into a state's data too).
+    publish_train_report_task(*untraced(summary), wait_for=[trained.model_copy(update={"data": True})])
     done = train_summary(summary)
     auc = "none" if done.eval_auc is None else f"{done.eval_auc:.4f}"
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",

@@ -1,7 +1,8 @@
 """The undocumented Prefect behaviour of :mod:`dlrmflow.flows.prefect_internals`, exercised for real.
 
 Each test fails when a Prefect upgrade changes what a function relies on (run contexts kept in
-contextvars, ``TaskRunContext.__var__``, how ``SubprocessASGIServer`` launches its server), naming the
+contextvars, ``TaskRunContext.__var__``, how ``SubprocessASGIServer`` launches its server, how results are
+linked to runs by ``id()``), naming the
 function to fix, instead of as a recover-shard
 flow run that is silently orphaned or logs under the wrong run.
 """
@@ -21,6 +22,7 @@ from dlrmflow.flows.prefect_internals import (
     outside_task_run,
     prepare_temporary_api,
     server_command,
+    untraced,
 )
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -80,6 +82,34 @@ def test_capture_run_context_makes_a_flow_called_from_a_bare_thread_a_child_of_t
         # The control: without the captured context the thread's flow run is a top-level run.
         _, (orphan,) = parent(False)
         assert client.read_flow_run(orphan).parent_task_run_id is None
+
+
+def test_untraced_arguments_of_a_subflows_result_are_not_taken_for_its_run():
+    """A value inside a subflow's result, passed on to a task as is, becomes a ``flow_run`` input of that
+    task (what the UI's task run pages reject); passed through ``untraced``, the task has no such input."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+
+    @task
+    def report(name: str, rows: list) -> int:
+        return len(name) + len(rows)
+
+    @flow
+    def child() -> dict:
+        return {"name": "day_0", "rows": [1, 2]}
+
+    @flow
+    def parent() -> tuple[Any, Any]:
+        result = child()
+        traced = report(result["name"], result["rows"], return_state=True)
+        quoted = report(*untraced(result["name"], result["rows"]), return_state=True)
+        return traced.state_details.task_run_id, quoted.state_details.task_run_id
+
+    traced_id, quoted_id = parent()
+    with get_client(sync_client=True) as client:
+        traced, quoted = client.read_task_run(traced_id), client.read_task_run(quoted_id)
+    assert {i.input_type for group in traced.task_inputs.values() for i in group} == {"flow_run"}
+    assert all(not group for group in quoted.task_inputs.values()), quoted.task_inputs
 
 
 def test_outside_task_run_hides_the_task_run_and_restores_it():
