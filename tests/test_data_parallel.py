@@ -381,6 +381,51 @@ def test_the_cli_refuses_a_batch_that_does_not_split_in_one_line(tmp_path, capsy
     assert not (tmp_path / "bad").exists()
 
 
+def _fail_trainer_one_at(t: int | None) -> None:
+    """On a worker: trainer 1 raises as iteration ``t`` starts (None: trains again)."""
+    from dlrmflow.engine.training import loop
+
+    original = getattr(loop, "_unpatched_train_step", loop.train_step)
+    loop._unpatched_train_step = original
+
+    def failing(step, *args):
+        if t is not None and step == t and args[8].rank == 1:  # args[8]: the trainer group
+            raise RuntimeError(f"trainer 1 failed at iteration {step}")
+        return original(step, *args)
+
+    loop.train_step = original if t is None else failing
+
+
+@pytest.mark.slow
+def test_a_trainer_that_raises_fails_the_run_with_its_error_and_frees_the_cluster(client, tmp_path):
+    """The run fails with the raising trainer's own error, not a peer's collective failing after it; and a peer
+    left waiting in a collective (LRPP's trainer 0 in the dense gradients' all_gather) does not hold its worker:
+    the next run on the cluster starts at once and ends in the bits of the run before the failure."""
+    dataset = make_dataset(tmp_path / "data", 13, rows=600, cards=CARDS)
+    planner.make_plan(dataset, planner.PlanConfig(batch_size=12, lookahead=5, prefetch_distance=2), tmp_path / "plan")
+    common = dict(batch_size=12, iterations=20, trainers=2, plan_dir=str(tmp_path / "plan"))
+    before = train(small_config(dataset, tmp_path / "before", "oracle", **common), client=client)
+
+    def took_too_long(*_):
+        raise TimeoutError("a run waited for a trainer blocked by the failed run")
+
+    previous = signal.signal(signal.SIGALRM, took_too_long)
+    signal.alarm(180)
+    try:
+        client.run(_fail_trainer_one_at, 3)
+        try:
+            with pytest.raises(RuntimeError, match="^trainer 1 failed at iteration 3$"):
+                train(small_config(dataset, tmp_path / "failed", "oracle", **common), client=client)
+        finally:
+            client.run(_fail_trainer_one_at, None)
+        after = train(small_config(dataset, tmp_path / "after", "oracle", **common), client=client)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert after["state_sha256"] == before["state_sha256"]
+    client.wait_for_workers(7, timeout=60)
+
+
 @pytest.mark.slow
 def test_a_w_trainer_run_needs_a_cluster_with_enough_workers(tmp_path):
     dataset = make_dataset(tmp_path / "data", 10, rows=200, cards=CARDS)

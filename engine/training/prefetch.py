@@ -188,13 +188,15 @@ class PrefetchWorker:
         with self._cond:
             return sum(r.fetched_bytes for r in self._ready.values())
 
-    def stop(self) -> None:
-        """Ask the worker to stop (after an error in compute) and wait for it."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the worker to stop (after an error in compute) and wait for it, at most ``timeout`` seconds
+        (None: as long as it takes); whether it stopped."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- worker thread ------------------------------------------------------------------
     def _run(self) -> None:

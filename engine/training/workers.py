@@ -16,6 +16,7 @@ parameters stay identical; rank 0 returns them. The trainers end with every row 
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers
 from dlrmflow.engine.training.checkpoint import (
@@ -38,7 +40,11 @@ from dlrmflow.engine.training.rank import train_rank
 from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.slices import prepare_trainers
 
+EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
+STOP_GRACE_SECONDS = 5.0  # after a failure, how long the other trainers get to stop on their own
+CAUSE_WAIT_S = 2.0  # after a trainer's collective failed for a peer that left, how long to wait for that peer's error
+RESTART_TIMEOUT_S = 60.0
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
 
 
@@ -127,9 +133,38 @@ def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None
     try:
         _watch(client, futures, workers, reports, setup, progress, on_metrics)
         return [future.result() for future in futures]
+    except BaseException:
+        release_blocked_trainers(client, futures, workers)
+        raise
     finally:
         client.cancel(futures)
         client.unsubscribe_topic(topic)
+
+
+def release_blocked_trainers(client, futures, workers: list[str], grace_s: float = STOP_GRACE_SECONDS
+                             ) -> list[str]:
+    """After the run failed: the workers of trainers still running ``grace_s`` later, restarted; returns them.
+
+    A trainer whose peer raised can stay blocked in a collective until the gloo timeout (10 minutes), even
+    though the peer destroyed its process group (seen with LRPP: trainer 0 in the dense gradients' all_gather
+    after trainer 1 raised). Cancelling its Dask task does not stop the thread, which holds the worker: the
+    next run's trainer would queue behind it and its peers wait in turn. A peer that died, or a trainer that
+    raised, lets the others fail at once; those that did not within ``grace_s`` get a fresh process from
+    their nanny (Dask's remedy for a hung worker)."""
+    deadline = time.monotonic() + grace_s
+    while any(f.status == "pending" for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = cluster_workers(client)
+    blocked = [w for f, w in zip(futures, workers, strict=True) if f.status == "pending" and w in alive]
+    if blocked:
+        with phase_reported(f"trainers: restarting {len(blocked)} trainer worker(s) still waiting for the "
+                            f"failed trainer ({', '.join(blocked)})"):
+            try:
+                client.restart_workers(blocked, timeout=RESTART_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the run's own error matters more; say why and go on
+                EVENTS.warning("trainers: could not restart %s (%s: %s); they free themselves after the "
+                                   "collectives' timeout", ", ".join(blocked), type(exc).__name__, exc)
+    return blocked
 
 
 def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, progress, on_metrics) -> None:
@@ -157,9 +192,8 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
         for rank, worker in enumerate(workers):
             if worker not in alive:
                 raise TrainerLostError(_lost_message(setup, rank, worker, done))
-        failed = [f for f in futures if f.status == "error"]
-        if failed:
-            failed[0].result()  # re-raises the trainer's error
+        if any(f.status == "error" for f in futures):
+            _raise_the_cause(futures)
         if all(f.status == "finished" for f in futures):
             # Events and results travel separately: the last reports may still be on their way.
             deadline = time.monotonic() + 5.0
@@ -169,6 +203,24 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
                 except queue.Empty:
                     pass
             return
+
+
+def _peer_left(exc: BaseException | None) -> bool:
+    """A collective that failed because a peer closed its sockets (it raised or died first): a consequence."""
+    text = str(exc)
+    return "gloo" in text and ("Connection reset by peer" in text or "Connection closed by peer" in text)
+
+
+def _raise_the_cause(futures) -> None:
+    """Re-raise the error of the trainer that failed first: the first failed trainer (rank order) whose error
+    is not :func:`_peer_left`, waiting up to :data:`CAUSE_WAIT_S` for it; else the first failure."""
+    deadline = time.monotonic() + CAUSE_WAIT_S
+    while True:
+        failed = [f for f in futures if f.status == "error"]
+        causes = [f for f in failed if not _peer_left(f.exception())]
+        if causes or time.monotonic() > deadline or not any(f.status == "pending" for f in futures):
+            (causes or failed)[0].result()  # re-raises that trainer's error
+        time.sleep(0.1)
 
 
 def _lost_message(setup: RunSetup, rank: int, worker: str, done: int) -> str:

@@ -23,6 +23,7 @@ holds only the rows it is a holder of, in slots of its own cache (as large as th
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -37,6 +38,9 @@ from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefet
 from dlrmflow.engine.training.prefetch_state import HeldStep
 from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.stores.base import CachedRows, RowsForTrainers
+
+EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
+CLOSE_WAIT_S = 5.0  # how long closing the store waits for its prefetch worker to stop
 
 
 class OracleRows(CachedRows):
@@ -173,8 +177,13 @@ class OracleRows(CachedRows):
         self._collect_worker_traffic()  # once: finish may be called again
 
     def close(self) -> None:
-        self.worker.stop()
-        if self.device.type == "cuda":
+        # After a run that failed, the worker may wait in a collective for a trainer that will never answer
+        # (W trainers: a peer blocked in its own collective); it is left behind, a daemon thread, rather than
+        # holding this trainer, and with it the run's error, until the collectives' timeout.
+        if not self.worker.stop(timeout=CLOSE_WAIT_S):
+            EVENTS.warning("the prefetch worker did not stop within %.0f s (%s); left behind", CLOSE_WAIT_S,
+                           self.worker.state.doing or "waiting")
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         super().close()
 
