@@ -320,7 +320,8 @@ def log(message: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="a,b", help="comma-separated: a (Criteo arch), b (embedding-bound)")
+    parser.add_argument("--configs", default="a,b", help="comma-separated: a (Criteo arch), b (embedding-bound), "
+                                                         "demo (make run's data; use --lookahead 200)")
     parser.add_argument("--rates", default=RATES, help=f"link rates in Mbit/s, 'unshaped' for none (default {RATES})")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default all four)")
     parser.add_argument("--iterations", type=int, help="override the per-config iteration count")

@@ -58,6 +58,10 @@ CONFIGS = {
               iterations=40),
     "b": dict(name="embedding-bound", scale=0.1, batch=16384, dim=64, bottom=(64, 64), top=(64, 1),
               iterations=30, zipf=0.9),
+    # `make run`'s data and model (dlrmflow demo: generated rows at scale 0.05, batch 2048, the default DLRM);
+    # its lookahead, L = 200, is --lookahead's to give.
+    "demo": dict(name="demo", scale=0.05, batch=2048, dim=16, bottom=(512, 256, 64, 16), top=(512, 256, 1),
+                 iterations=100),
 }
 MODES = ("local", "remote", "lru", "oracle")
 MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
