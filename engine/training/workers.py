@@ -5,7 +5,9 @@ synchronised by torch.distributed.
 worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`), picks a rendezvous port on rank
 0's worker, submits :func:`train_on_worker` to each, relays rank 0's progress to its callbacks, and
 watches the trainers' workers: a trainer whose worker dies fails the run at once with
-:class:`TrainerLostError`, one line naming the trainer. Each trainer runs :func:`~.rank.train_rank`.
+:class:`TrainerLostError`, one line naming the trainer; a trainer that raises fails it with its own error,
+and the workers of trainers left blocked in a collective are restarted (:func:`release_blocked_trainers`).
+Each trainer runs :func:`~.rank.train_rank`.
 
 Each trainer reads and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1`` of every global batch. What it
 must know of the others' slices (the stores decide from it what to sync, fetch and write) comes from one
@@ -163,7 +165,7 @@ def release_blocked_trainers(client, futures, workers: list[str], grace_s: float
                 client.restart_workers(blocked, timeout=RESTART_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the run's own error matters more; say why and go on
                 EVENTS.warning("trainers: could not restart %s (%s: %s); they free themselves after the "
-                                   "collectives' timeout", ", ".join(blocked), type(exc).__name__, exc)
+                               "collectives' timeout", ", ".join(blocked), type(exc).__name__, exc)
     return blocked
 
 
