@@ -239,7 +239,9 @@ def apply_update_rowwise(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor)
     fused multiply-add (``w - lr * g`` in one step) in their vectorised body and a multiply then
     an add in their scalar tail, so :func:`apply_update`'s result for a row can depend on where the
     row sits in its block. Here every step is a single elementwise operation (each exactly rounded
-    wherever the element sits) and Adagrad's row mean is a sum over columns in column order."""
+    wherever the element sits) and Adagrad's row mean is a sum over columns in column order. ``grad`` may lie
+    on another device (the trainers sum gradients on the host): it is applied where ``block`` lies."""
+    grad = grad.to(block.device)
     weights = block[:, : spec.dim]
     if spec.optimizer == "sgd":
         weights.sub_(grad.mul(spec.lr))

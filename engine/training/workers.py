@@ -45,8 +45,8 @@ from dlrmflow.engine.training.slices import prepare_trainers
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 STOP_GRACE_SECONDS = 5.0  # after a failure, how long the other trainers get to stop on their own
-CAUSE_WAIT_S = 2.0  # after a trainer's collective failed for a peer that left, how long to wait for that peer's error
-RESTART_TIMEOUT_S = 60.0
+CAUSE_WAIT_SECONDS = 2.0  # after a collective failed for a peer that left, how long to wait for that peer's error
+RESTART_TIMEOUT_SECONDS = 60.0
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
 
 
@@ -162,7 +162,7 @@ def release_blocked_trainers(client, futures, workers: list[str], grace_s: float
         with phase_reported(f"trainers: restarting {len(blocked)} trainer worker(s) still waiting for the "
                             f"failed trainer ({', '.join(blocked)})"):
             try:
-                client.restart_workers(blocked, timeout=RESTART_TIMEOUT_S)
+                client.restart_workers(blocked, timeout=RESTART_TIMEOUT_SECONDS)
             except Exception as exc:  # noqa: BLE001 - the run's own error matters more; say why and go on
                 EVENTS.warning("trainers: could not restart %s (%s: %s); they free themselves after the "
                                "collectives' timeout", ", ".join(blocked), type(exc).__name__, exc)
@@ -215,8 +215,8 @@ def _peer_left(exc: BaseException | None) -> bool:
 
 def _raise_the_cause(futures) -> None:
     """Re-raise the error of the trainer that failed first: the first failed trainer (rank order) whose error
-    is not :func:`_peer_left`, waiting up to :data:`CAUSE_WAIT_S` for it; else the first failure."""
-    deadline = time.monotonic() + CAUSE_WAIT_S
+    is not :func:`_peer_left`, waiting up to :data:`CAUSE_WAIT_SECONDS` for it; else the first failure."""
+    deadline = time.monotonic() + CAUSE_WAIT_SECONDS
     while True:
         failed = [f for f in futures if f.status == "error"]
         causes = [f for f in failed if not _peer_left(f.exception())]

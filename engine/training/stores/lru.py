@@ -146,7 +146,7 @@ class LruRowsW(ServersCurrentRows):
         slots = torch.from_numpy(directory.slot_of[held]).to(self.device)
         rows = self.lru.cache.index_select(0, slots)
         apply_update_rowwise(self.spec_at(t), rows,
-                             sum_over_users(held, list(zip(ids, parts, strict=True)), split.size).to(self.device))
+                             sum_over_users(held, list(zip(ids, parts, strict=True)), split.size))
         self.lru.cache.index_copy_(0, slots, rows)
         write = split.union[split.first_user() == split.rank]
         self._written += len(write) * self.spec.row_bytes

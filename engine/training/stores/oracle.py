@@ -165,11 +165,16 @@ class OracleRows(CachedRows):
             raise PlanViolation(f"iteration {t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
                                 "which is not cached")
         self.directory.remove(evict_ids)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self.worker.post_done(Done(t, evict_ids, evict_slots, event))
+        self.worker.post_done(Done(t, evict_ids, evict_slots, self._compute_done()))
+
+    def _compute_done(self) -> torch.cuda.Event | None:
+        """On a GPU, an event on compute's stream after this iteration's updates of the cache: the worker
+        copies evicted rows out once it has passed (None on the CPU, where compute is done already)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def finish(self) -> None:
         self.worker.join()
@@ -263,7 +268,7 @@ class LrppRows(OracleRows, RowsForTrainers):
             return
         slots = torch.from_numpy(self.directory.slot_of[ids]).to(self.device)
         rows = self.cache.index_select(0, slots)
-        apply_update_rowwise(self.spec_at(t), rows, sum_over_users(ids, parts, size).to(self.device))
+        apply_update_rowwise(self.spec_at(t), rows, sum_over_users(ids, parts, size))
         self.cache.index_copy_(0, slots, rows)
 
     def _apply_later(self) -> None:
@@ -336,11 +341,7 @@ class LrppRows(OracleRows, RowsForTrainers):
         gone = evict[held[evicted]]  # the evicted rows this trainer holds
         gone_slots = self.directory.slot_of[gone]
         self.directory.remove(gone)
-        event = None
-        if self.device.type == "cuda":  # the worker copies the evicted rows out after this iteration's updates
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self.worker.post_done(Done(t, gone, gone_slots, event, writer[evicted], evict))
+        self.worker.post_done(Done(t, gone, gone_slots, self._compute_done(), writer[evicted], evict))
 
     def _write_back_all(self) -> None:
         """Every cached row home, each by its lowest holder (its holders' copies are all current)."""

@@ -119,7 +119,7 @@ class RemoteRowsW(ServersCurrentRows):
             write = split.union[split.first_user() == split.rank]
             rows = block[torch.from_numpy(np.searchsorted(split.mine, write))]
         apply_update_rowwise(self.spec_at(t), rows,
-                             sum_over_users(write, list(zip(ids, parts, strict=True)), split.size).to(rows.device))
+                             sum_over_users(write, list(zip(ids, parts, strict=True)), split.size))
         self.bytes_written += len(write) * self.spec.row_bytes
         if self.gateway:  # one writer, which also makes every fetch: its calls are in order, no barrier needed
             start = time.perf_counter()
