@@ -4,7 +4,8 @@ The servers are Dask workers inside a network namespace joined to this one by a 
 with tbf at each rate (:func:`dlrmflow.engine.serving.cluster.shaped_cluster`); the trainer runs here, so
 every fetch and write-back crosses the link. One link serves every run of a configuration, its rate
 set before each run. Configurations, data and the plan are benchmarks/train.py's (``--configs a,b``:
-the Criteo architecture, the embedding-bound one).
+the Criteo architecture, the embedding-bound one; ``demo``: make run's data; ``skewed``: the Criteo
+architecture on small, strongly skewed tables, where the oracle fetches 3.4x fewer bytes than ``remote``).
 
 Each round runs every (rate, mode) point once, in an order rotated from round to round (no point
 always first; the machine's load drifts); ``local`` does not use the link and runs once per round.
@@ -141,7 +142,8 @@ def train_point(data: dict[str, Any], mode: str, link: ShapedLink | None, mbit: 
                    steady_iteration_ms=float(steady[:, 2].mean()),
                    steady_stall_fraction=float(steady[:, 3].sum() / steady[:, 2].sum()),
                    iteration_ms=per_it[:, 2].tolist(), stall_ms=per_it[:, 3].tolist(),
-                   link_bytes=link_bytes.get("inside", 0) + link_bytes.get("root", 0))
+                   link_bytes=link_bytes.get("inside", 0) + link_bytes.get("root", 0),
+                   link_bytes_larger=max(link_bytes.values(), default=0))
     if "mid" in cpu and "end" in cpu:
         n = cpu["end"][2] - cpu["mid"][2]
         summary.update(trainer_cpu_ms=1e3 * (cpu["end"][0] - cpu["mid"][0]) / n,
@@ -200,6 +202,7 @@ def run_config(data: dict[str, Any], rates: list[float | None], modes: list[str]
     for (_, mode), each in runs.items():
         row = combine(key, mode, each)
         row["link_bytes_each_round"] = [r["link_bytes"] for r in each]
+        row["link_larger_each_round"] = [r["link_bytes_larger"] for r in each]
         for field in ("trainer_cpu_ms", "servers_cpu_ms"):  # the median over the rounds
             row[field] = float(np.median([r[field] for r in each])) if all(field in r for r in each) else None
         rows.append(row)
@@ -228,6 +231,13 @@ def compare(rows: list[dict]) -> list[dict]:
                              oracle_transfer_ms_per_iteration=1e3 * per_iteration_s,
                              speedup_limit=remote["pooled_median_ms"] / bound_ms)
                 point["share_of_limit"] = speedup / point["speedup_limit"]
+                wire = float(np.median(oracle.get("link_larger_each_round") or [0]))
+                if mbit is not None and wire:
+                    # What crossed the link's busier direction (rows, ids, framing, TCP/IP headers) at the rate.
+                    wire_ms = 1e3 * wire * 8 / (mbit * 1e6) / oracle["iterations"]
+                    point.update(oracle_wire_ms_per_iteration=wire_ms,
+                                 wire_limit=remote["pooled_median_ms"] / max(loc["pooled_median_ms"], wire_ms))
+                    point["share_of_wire_limit"] = speedup / point["wire_limit"]
         out.append(point)
     return sorted(out, key=lambda p: (p["config"], -(p["rate_mbit"] or float("inf"))))
 
@@ -251,15 +261,18 @@ def print_table(rows: list[dict], points: list[dict], skipped: list[dict], same:
               f"{r['bytes_written_back'] / 1e6:12.1f}{link_mb:9.1f}{_fmt(r.get('trainer_cpu_ms'), '12.1f')}"
               f"{_fmt(r.get('servers_cpu_ms'), '9.1f')}")
     header = (f"{'cfg':<4}{'link':>15}{'remote stall':>14}{'oracle/remote':>15}{'oracle/local':>14}"
-              f"{'limit':>8}{'share':>8}")
+              f"{'limit':>8}{'share':>8}{'wire limit':>12}{'share':>8}")
     print("\n" + header + "\n" + "-" * len(header))
     for p in points:
         share = p.get("share_of_limit")
         print(f"{p['config']:<4}{rate_label(p['rate_mbit']):>15}{_fmt(p['remote_stall_fraction'], '13.1%')}"
               f"{_fmt(p.get('oracle_vs_remote'), '14.2f')}x{_fmt(p.get('oracle_vs_local'), '13.2f')}x"
-              f"{_fmt(p.get('speedup_limit'), '7.2f')}x{_fmt(share, '8.0%')}")
+              f"{_fmt(p.get('speedup_limit'), '7.2f')}x{_fmt(share, '8.0%')}"
+              f"{_fmt(p.get('wire_limit'), '11.2f')}x{_fmt(p.get('share_of_wire_limit'), '8.0%')}")
     print("oracle/remote: remote's median over the oracle's (the speed-up); oracle/local: the oracle's median over\n"
           "local's; limit: remote / max(local, the oracle's bytes per iteration / rate); share: speed-up / limit\n"
+          "wire limit: the same with the bytes the link's busier direction carried in the oracle's runs (rows, ids,\n"
+          "framing and headers) in place of its row bytes; share: speed-up / wire limit\n"
           "CPU trainer / servers: CPU ms per iteration of this process and of the servers together, second half "
           "of the iterations, median over the rounds")
     for s in skipped:
@@ -321,7 +334,8 @@ def log(message: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="a,b", help="comma-separated: a (Criteo arch), b (embedding-bound), "
-                                                         "demo (make run's data; use --lookahead 200)")
+                                                         "demo (make run's data; use --lookahead 200), skewed "
+                                                         "(a's model on small, strongly skewed tables)")
     parser.add_argument("--rates", default=RATES, help=f"link rates in Mbit/s, 'unshaped' for none (default {RATES})")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default all four)")
     parser.add_argument("--iterations", type=int, help="override the per-config iteration count")
@@ -348,6 +362,8 @@ def main() -> int:
     rows, skipped = [], []
     try:
         for key in args.configs.split(","):
+            if key.strip() not in CONFIGS:
+                raise SystemExit(f"--configs: unknown {key.strip()!r}; choose from {', '.join(CONFIGS)}")
             data = prepare(key.strip(), args, work)
             more, skip = run_config(data, rates, modes, args, work)
             rows += more

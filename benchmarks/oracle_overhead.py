@@ -9,6 +9,10 @@ milliseconds per iteration of: the main thread, torch's intra-op worker threads,
 cores compute already fills, background CPU adds to the iteration: this is what the oracle has to
 keep below ``remote``'s stall. Bit-exactness is checked too: every run must end with one SHA-256.
 
+First it counts the oracle's round trips (exchanges sent) per iteration on the plan, replayed through the
+prefetch worker's state with no data moved: as built (rows of ``t + 1`` fetched early, write-backs held
+until an exchange fetches) beside one exchange per iteration (the rule before).
+
     .venv/bin/python benchmarks/oracle_overhead.py DATASET_DIR PLAN_DIR [--rounds 3] [--iterations 40]
 """
 
@@ -24,9 +28,15 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
+from dlrmflow.datasets.meta import read_meta
+from dlrmflow.engine.planning.planner import load_plan
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.training import loop, run
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.prefetch_state import Done, Exchange, Finished, PrefetchState, ReadPlan, WaitForDone
+from dlrmflow.engine.training.stores.oracle import spare_slots
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -54,6 +64,37 @@ def thread_group(name: str) -> str:
     return "torch workers" if name.startswith("python") else "other"
 
 
+class OneExchangePerIteration(PrefetchState):
+    """The rule before: every iteration's exchange is sent, nothing is fetched early."""
+
+    fetches_early = False
+
+
+def round_trips(dataset_dir: str, plan_dir: str, iterations: int, state_class: type[PrefetchState]) -> int:
+    """Exchanges the oracle's worker sends over ``iterations`` of the plan (compute posting each iteration's
+    evictions when the worker asks for them; the order of events does not change the exchanges)."""
+    plan = load_plan(plan_dir)
+    total_rows = sum(read_meta(dataset_dir).cardinalities)
+    iterations = min(iterations, plan.num_iterations)
+    spare = spare_slots(plan, None) if state_class.fetches_early else 0
+    state = state_class(iterations, plan.config.prefetch_distance, total_rows, plan.num_slots, spare_slots=spare)
+    steps, evictions, sent = plan.iterations(0, iterations), {}, 0
+    while not isinstance(action := state.step(), Finished):
+        if isinstance(action, ReadPlan):
+            step = next(steps)
+            evictions[step.t] = np.asarray(step.evict_ids, dtype=np.int64)
+            state.plan_read(step)
+        elif isinstance(action, WaitForDone):
+            evict = evictions.pop(action.t)
+            state.evictions_posted(Done(action.t, evict, state.slot_of[evict], None))
+            state.evictions_taken()
+        else:
+            assert isinstance(action, Exchange)
+            sent += bool(action.sends_writes and (len(action.fetch_ids) or len(action.write_ids)))
+            state.exchanged(action)
+    return sent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dataset_dir")
@@ -64,6 +105,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2048)
     args = parser.parse_args()
     modes = args.modes.split(",")
+    now, before = (round_trips(args.dataset_dir, args.plan_dir, args.iterations, cls)
+                   for cls in (PrefetchState, OneExchangePerIteration))
+    print(f"oracle round trips (exchanges sent) per iteration over {args.iterations} iterations: "
+          f"{now / args.iterations:.2f} (one per iteration, the rule before: {before / args.iterations:.2f})")
     medians, stalls, shas = defaultdict(list), defaultdict(list), set()
     cpu: dict[str, dict[str, list[float]]] = {m: defaultdict(list) for m in modes}
     train_loop = loop.train_iterations  # wrapped to measure exactly the loop

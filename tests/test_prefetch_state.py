@@ -185,10 +185,13 @@ class System:
 
     def __init__(self, plan: Plan, *, size: int = 1, start: int = 0, gateway: bool = False, seed: int = 0,
                  writers: list[np.ndarray] | None = None, steps: list[Step] | None = None,
-                 holders: bool = False) -> None:
+                 holders: bool = False, checkpoints: frozenset[int] = frozenset(), spare_slots: int = 0) -> None:
         """``holders``: each lifetime is held by a random set of trainers (the plan's steps then carry their
-        masks, and a trainer reads only the rows it holds); else every trainer holds every row."""
-        self.plan, self.size, self.start = plan, size, start
+        masks, and a trainer reads only the rows it holds); else every trainer holds every row.
+        ``checkpoints`` (one trainer): after posting these iterations compute waits until the worker is idle,
+        having asked it to flush (what ``OracleRows`` does before a checkpoint). ``spare_slots`` (one trainer):
+        the cache's slots beyond the plan's, for rows fetched early."""
+        self.plan, self.size, self.start, self.checkpoints = plan, size, start, checkpoints
         self.before = plan.uses_before()
         rng = np.random.default_rng(seed)
         held_steps, self.holder_at, random_writers = random_holders(plan, size, rng, gateway=gateway,
@@ -208,14 +211,15 @@ class System:
             mine = (self.holder_at[start - 1][cached_all] >> w & 1) == 1 if start else np.zeros(0, dtype=bool)
             cached, cached_slots = cached_all[mine], slots_all[mine]
             if size == 1 and not gateway:
-                state = PrefetchState(*args, start=start, cached=(cached.copy(), cached_slots.copy()))
+                state = PrefetchState(*args, start=start, cached=(cached.copy(), cached_slots.copy()),
+                                      spare_slots=spare_slots)
             else:
                 state = PartitionedPrefetchState(*args, size=size, rank=w, gateway=gateway, start=start,
                                                  cached=(cached.copy(), cached_slots.copy()))
             self.states.append(state)
-            cache = np.full(plan.num_slots, -1, dtype=np.int64)
+            cache = np.full(plan.num_slots + spare_slots, -1, dtype=np.int64)
             cache[cached_slots] = self.before[start][cached]
-            cache_id = np.full(plan.num_slots, -1, dtype=np.int64)
+            cache_id = np.full(plan.num_slots + spare_slots, -1, dtype=np.int64)
             cache_id[cached_slots] = cached
             needed = cache_id >= 0
             self.cache.append(cache)
@@ -225,6 +229,7 @@ class System:
             slot_of[cached] = cached_slots
             self.compute_slot_of.append(slot_of)
         self.ready: list[set[int]] = [set() for _ in range(size)]
+        self.worker_done = [False] * size
         self.computed = [start] * size  # iterations whose update is in the cache
         self.posted = [start] * size  # iterations whose evictions are posted
         self.unsent: list[list[np.ndarray]] = [[] for _ in range(size)]
@@ -252,12 +257,17 @@ class System:
             action = state.step()
             self.actions[w].append(summary(action))
             if isinstance(action, Finished):
+                self.worker_done[w] = True
                 return
             if isinstance(action, ReadPlan):  # (no other generator sees the plan: no step of its own)
                 state.plan_read(self.steps[action.t])
             elif isinstance(action, WaitForDone):
                 assert state.waiting
-                yield lambda: state.has_posted()
+                self.actions[w].pop()  # recorded once answered: a flush may come first (timing)
+                yield lambda: state.has_posted() or state.flush_wanted
+                if not state.has_posted():
+                    continue  # a checkpoint wants the held write-backs: the state sends them next
+                self.actions[w].append(summary(action))
                 take = state.evictions_taken()
                 assert isinstance(take, CopyOut) and not state.waiting
                 self.actions[w].append(summary(take))
@@ -274,16 +284,21 @@ class System:
             else:
                 assert isinstance(action, Exchange) and state.in_flight is action
                 yield None  # in flight: compute runs on, posts, a checkpoint may look
-                rows = np.concatenate(self.unsent[w]) if self.unsent[w] else EMPTY_IDS
-                self.unsent[w] = []
+                rows = EMPTY_IDS
+                if action.sends_writes:  # else they wait for the next exchange that fetches
+                    rows = np.concatenate(self.unsent[w]) if self.unsent[w] else EMPTY_IDS
+                    self.unsent[w] = []
                 assert len(rows) == len(action.write_ids)
                 # One round trip, atomic at the home: the writes first, then the fetches.
                 self.home[action.write_ids] = rows
                 self.writes[action.write_ids] += 1
                 here = action.fetch_ids if action.fetched_here is None else action.fetched_here
                 if len(here):
-                    assert np.array_equal(self.home[here], self.before[action.t][here]), \
+                    now, ahead = here[:len(here) - action.ahead], here[len(here) - action.ahead:]
+                    assert np.array_equal(self.home[now], self.before[action.t][now]), \
                         f"trainer {w} read a stale row for iteration {action.t}"
+                    assert np.array_equal(self.home[ahead], self.before[action.t + 1][ahead]), \
+                        f"trainer {w} read a stale row for iteration {action.t + 1}, early"
                 fetched = self.home[here].copy()
                 values = fetched
                 if action.fetcher is not None and len(action.prefetch_ids):  # handed to the holders
@@ -307,7 +322,8 @@ class System:
                 needed[action.fetch_slots] = True
                 state.exchanged(action)
                 if action.t is not None:
-                    self.placed[w][action.t] = (action.fetch_ids, action.fetch_slots)
+                    self.placed[w][action.t] = (action.fetch_ids, action.fetch_slots) if action.ready_ids is None \
+                        else (action.ready_ids, action.ready_slots)
                     self.ready[w].add(action.t)
                 yield None
 
@@ -338,6 +354,9 @@ class System:
                                                  step.evict_ids if self.size > 1 else None))
             self.posted[w] = u + 1
             yield None
+            if u in self.checkpoints:
+                self.states[w].flush_requested()
+                yield lambda: self.states[w].idle() or self.worker_done[w] or self.errors[w] is not None
 
     # ---- running it -------------------------------------------------------------------------------------
     def ready_gens(self) -> list[Iterator[Blocked]]:
@@ -364,6 +383,9 @@ class System:
                       self.compute_slot_of[w].tobytes(), tuple(sorted(self.ready[w])),
                       tuple(v.tobytes() for v in self.unsent[w]), len(self.actions[w]),
                       state.t, state.written, state.plan_step is None, len(state.posted), state.waiting,
+                      len(state.read_ahead), state.flush_wanted,
+                      tuple((t, mask.tobytes(), at.tobytes()) for t, (mask, at) in sorted(state.early.items())),
+                      state._free[:state._free_count].tobytes(),
                       None if state.in_flight is None else ("x", state.in_flight.t), state.slot_of.tobytes(),
                       state.owner.tobytes(), tuple(a.tobytes() for u in state.unsent for a in u), state.doing,
                       getattr(state, "last_writer", np.zeros(0)).tobytes()]
@@ -384,7 +406,8 @@ class System:
         logical = self.home.copy()
         for w, state in enumerate(self.states):
             held = np.flatnonzero(state.slot_of >= 0)
-            assert state.held == len(held) <= state.peak_held, f"trainer {w}: the count of cached rows"
+            assert state.held == len(held), f"trainer {w}: the count of cached rows"
+            assert state.held - state.rows_fetched_ahead <= state.peak_held <= self.plan.num_slots, f"trainer {w}: peak"
             assert np.array_equal(self.cache[w][state.slot_of[held]], truth[held]), f"trainer {w} holds a stale row"
             logical[held] = self.cache[w][state.slot_of[held]]
         assert np.array_equal(logical, truth), "a checkpoint would save stale rows"
@@ -418,7 +441,8 @@ def summary(action) -> tuple:
         return ("exchange", action.t, action.write_ids.tolist(), action.write_slots.tolist(),
                 action.fetch_ids.tolist(), action.fetch_slots.tolist(),
                 None if action.fetcher is None else action.fetcher.tolist(),
-                None if action.prefetch_ids is None else action.prefetch_ids.tolist())
+                None if action.prefetch_ids is None else action.prefetch_ids.tolist(), action.ahead,
+                action.sends_writes)
     if isinstance(action, CopyOut):
         return ("copy", action.done.t, action.ids.tolist(), action.slots.tolist())
     return (type(action).__name__, getattr(action, "t", None))
@@ -487,6 +511,28 @@ def test_every_interleaving_of_a_prefetch_a_write_back_and_an_eviction(distance,
     assert [a[1] for a in exchanges] == [*range(distance + 2), *[None] * (distance + 1)]
 
 
+@pytest.mark.parametrize("distance", [1, 2, 3])
+def test_every_interleaving_with_write_backs_held_and_a_checkpoint(distance):
+    """Rows 1 and 2 used at 0 (row 2 also at 1) and evicted; row 3, used at 2 .. P + 1, is prefetched for 1 (with
+    P > 1 by the exchange for 0); iterations 2 .. P + 1 fetch nothing, so row 1's write-back waits; a checkpoint
+    after 0 must find it home (a flush sends it); row 1 comes back at P + 2 into row 2's slot, in the exchange
+    that writes row 2 home."""
+    batches = [[1, 2], [2], *([[3]] * distance), [1]]
+    slots = {(0, 1): 0, (0, 2): 1, (1, 3): 2, (distance + 2, 1): 1}
+    plan = scripted_plan(batches, slots, distance)
+    states, ends = every_interleaving(lambda: System(plan, checkpoints=frozenset({0}), spare_slots=1))
+    assert states > 30
+    # (The ends differ only in how often the worker was woken: by the flush request, or not at all.)
+    assert len({repr(e.actions) for e in ends}) == 1 and all(e.errors == [None] for e in ends), \
+        "the end depends on the timing"
+    exchanges = [a for a in ends[0].actions[0] if a[0] == "exchange"]
+    early = distance > 1
+    assert exchanges[0][4:6] == (([1, 2, 3], [0, 1, 2]) if early else ([1, 2], [0, 1])), "row 3 of 1 with 0's"
+    assert all(not x[9] for x in exchanges if x[1] in range(2 - early, distance + 2)), "nothing sent for 2 .. P + 1"
+    assert [x[2] for x in exchanges if x[1] is None][0] == [1], "the flush sends row 1's write-back"
+    assert [x[2:6] for x in exchanges if x[1] == distance + 2] == [([2], [1], [1], [1])]
+
+
 @pytest.mark.parametrize("same_slot", [True, False])
 @pytest.mark.parametrize("distance", [1, 2])
 def test_a_refetch_one_iteration_too_early_fails_in_every_interleaving(distance, same_slot):
@@ -499,10 +545,8 @@ def test_a_refetch_one_iteration_too_early_fails_in_every_interleaving(distance,
     states, ends = every_interleaving(lambda: System(plan))
     assert states > 10 and len(ends) > 1  # compute got more or less far before the worker failed
     messages = {str(e.errors[0]) for e in ends}
-    expected = (f"iteration {distance}: slot 0 is reused before its row (id 0) was written back" if same_slot else
-                f"iteration {distance}: id 0 is prefetched while its previous copy is still cached or not yet "
-                "written back (a stale read)")
-    assert messages == {expected}
+    assert messages == {f"iteration {distance}: id 0 is prefetched while its previous copy is still cached or not "
+                        "yet written back (a stale read)"}  # whatever slot the plan names
     assert {e.states[0].doing for e in ends} == {
         f"while writing back evictions and prefetching for iteration {distance}"}
 
@@ -551,11 +595,13 @@ def test_random_plans_under_random_interleavings(seed):
     plan = random_plan(rng, int(rng.integers(4, 14)), int(rng.integers(3, 9)),
                        distance + int(rng.integers(0, 3)), distance)
     start = int(rng.integers(0, plan.iterations)) if seed % 3 == 0 else 0
-    reference = System(plan, start=start)
+    checkpoints = frozenset(rng.integers(start, plan.iterations, 2).tolist()) if seed % 2 else frozenset()
+    spare = seed % 4  # cache slots for rows fetched early whose own slot is still taken
+    reference = System(plan, start=start, checkpoints=checkpoints, spare_slots=spare)
     reference.run_random(np.random.default_rng(0))
     assert reference.errors == [None]
     for trial in range(4):
-        system = System(plan, start=start)
+        system = System(plan, start=start, checkpoints=checkpoints, spare_slots=spare)
         system.run_random(np.random.default_rng(1000 * seed + trial))
         assert system.actions == reference.actions
 
@@ -607,8 +653,10 @@ def test_random_plans_with_a_window_below_the_distance_fail_exactly_when_they_re
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_slot_taken_before_its_row_is_written_back_is_refused(seed):
-    """A valid random plan with one prefetch moved into a slot whose row the worker has not taken yet."""
+def test_the_plans_slots_do_not_matter(seed):
+    """A valid random plan with one prefetch moved into a slot whose row the worker has not taken yet: the worker
+    places rows in slots of its own, so it runs exactly as the plan as made (the plan's slots only say where a
+    restart finds the rows cached before it)."""
     rng = np.random.default_rng(900 + seed)
     distance = int(rng.integers(1, 3))
     plan = random_plan(rng, 10, 6, distance + 1, distance)
@@ -629,16 +677,17 @@ def test_a_slot_taken_before_its_row_is_written_back_is_refused(seed):
         pytest.skip("no slot is busy at a prefetch in this plan")
     t, busy = candidates[int(rng.integers(0, len(candidates)))]
     slot = sorted(busy)[int(rng.integers(0, len(busy)))]
-    holder = busy[slot]
     step = plan.steps[t]
     bad_slots = step.prefetch_slots.copy()
     bad_slots[0] = slot
     steps = list(plan.steps)
     steps[t] = Step(t, step.prefetch_ids, bad_slots, step.evict_ids)
-    system = System(plan, steps=steps)
+    reference = System(plan, spare_slots=seed % 3)
+    reference.run_random(np.random.default_rng(seed))
+    system = System(plan, steps=steps, spare_slots=seed % 3)
     system.run_random(rng)
-    assert str(system.errors[0]) == (f"iteration {t}: slot {slot} is reused before its row (id {holder}) was "
-                                     "written back")
+    assert system.errors == reference.errors == [None]
+    assert system.actions == reference.actions
 
 
 # ---- the events one at a time ---------------------------------------------------------------------------
@@ -648,7 +697,8 @@ def steps_of(*specs: tuple[list[int], list[int], list[int]]) -> list[Step]:
 
 def test_the_actions_of_a_short_plan_in_order():
     """P = 1: two iterations prepared before any eviction is needed, then one eviction per exchange; after
-    the last iteration, one write-back per posted eviction, then Finished."""
+    the last iteration, one write-back per posted eviction, then Finished. (With P = 1 no row is fetched
+    early: the exchange for ``t + 1`` may go as soon as ``t - 1`` is computed.)"""
     steps = steps_of(([5, 6], [0, 1], [5]), ([7], [2], [6]), ([5], [0], [7, 5]))
     state = PrefetchState(3, 1, 8, 3)
     assert state.step() == ReadPlan(0) and state.doing == "while preparing iteration 0"
@@ -695,6 +745,123 @@ def test_the_actions_of_a_short_plan_in_order():
     assert state.step() == Finished() and (state.slot_of < 0).all()
 
 
+def stepper(state: PrefetchState, steps: list[Step]) -> Callable[[], object]:
+    """``state.step()``, answering the plan reads from ``steps``."""
+    def step():
+        while isinstance(action := state.step(), ReadPlan):
+            state.plan_read(steps[action.t])
+        return action
+    return step
+
+
+def test_one_exchange_fetches_the_rows_of_the_next_p_iterations_it_can():
+    """P = 3, two spare slots: the plan is read two iterations ahead, and an exchange that fetches rows of its own
+    also fetches those of the next two iterations whose id is not cached: iterations 1, 2 and 3 send nothing,
+    and 4 fetches row 5 (into the slot it left after 0, behind its write-back) and row 9."""
+    steps = steps_of(([5, 6], [0, 1], [5]), ([7], [2], [6]), ([8], [3], []), ([], [], []),
+                     ([5, 9], [0, 4], [5, 7, 8, 9]), ([], [], []))
+    state = PrefetchState(6, 3, 10, 5, spare_slots=2)
+    step = stepper(state, steps)
+    x0 = step()
+    assert (x0.t, x0.fetch_ids.tolist(), x0.fetch_slots.tolist(), x0.ahead, x0.ready_ids.tolist()) == \
+        (0, [5, 6, 7, 8], [0, 1, 2, 3], 2, [5, 6])
+    state.exchanged(x0)
+    assert state.rows_fetched_ahead == 2 and sorted(state.early) == [1, 2]
+    for t, rows in ((1, [7]), (2, [8]), (3, [])):
+        x = step()
+        assert (x.t, len(x.fetch_ids), len(x.write_ids), x.sends_writes, x.ready_ids.tolist()) == (t, 0, 0, False, rows)
+        state.exchanged(x)
+    assert state.rows_fetched_ahead == 0
+    assert step() == WaitForDone(0)
+    state.evictions_posted(Done(0, ids(5), ids(0), None))
+    state.evictions_taken()
+    x4 = step()
+    assert (x4.t, x4.write_ids.tolist(), x4.fetch_ids.tolist(), x4.fetch_slots.tolist(), x4.ready_ids.tolist()) == \
+        (4, [5], [5, 9], [0, 4], [5, 9])
+    state.exchanged(x4)
+    assert state.slot_of[[5, 6, 7, 8, 9]].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_rows_fetched_early_are_at_most_the_spare_slots():
+    """P = 2, a plan of three slots and one spare: the exchange for 0 fetches one row of iteration 1 early (row 2,
+    the budget), so 1 still fetches row 5; the one for 3 fetches row 4 of 4 into the fourth slot. So the rows the
+    plan fetches on time always find a slot. The worker tells compute where each row is."""
+    steps = steps_of(([1], [0], [1]), ([2, 5], [1, 2], [2, 5]), ([], [], []), ([3], [0], [3]), ([4], [1], [4]))
+    state = PrefetchState(5, 2, 8, 3, spare_slots=1)
+    step = stepper(state, steps)
+    x0 = step()
+    assert (x0.fetch_ids.tolist(), x0.fetch_slots.tolist(), x0.ahead) == ([1, 2], [0, 1], 1)
+    state.exchanged(x0)
+    x1 = step()
+    assert (x1.t, x1.fetch_ids.tolist(), x1.fetch_slots.tolist(), x1.ready_ids.tolist(), x1.ready_slots.tolist()) == \
+        (1, [5], [2], [2, 5], [1, 2])
+    state.exchanged(x1)
+    x2 = step()
+    assert (x2.t, x2.sends_writes) == (2, False)
+    state.exchanged(x2)
+    assert step() == WaitForDone(0)
+    state.evictions_posted(Done(0, ids(1), ids(0), None))
+    state.evictions_taken()
+    x3 = step()
+    assert (x3.write_ids.tolist(), x3.fetch_ids.tolist(), x3.fetch_slots.tolist(), x3.ahead, x3.ready_slots.tolist()) \
+        == ([1], [3, 4], [0, 3], 1, [0])
+    state.exchanged(x3)
+    assert state.owner.tolist() == [3, 2, 5, 4] and state.rows_fetched_ahead == 1
+    assert step() == WaitForDone(1)
+    state.evictions_posted(Done(1, ids(2, 5), ids(1, 2), None))
+    state.evictions_taken()
+    x4 = step()
+    assert (x4.t, x4.sends_writes, x4.ready_ids.tolist(), x4.ready_slots.tolist()) == (4, False, [4], [3])
+    state.exchanged(x4)
+    drain = step()  # every iteration prepared: a held write-back goes at once
+    assert (drain.t, drain.write_ids.tolist()) == (None, [2, 5])
+    state.exchanged(drain)
+    for t, (evict, slot) in enumerate(((EMPTY_IDS, EMPTY_IDS), (ids(3), ids(0)), (ids(4), ids(3))), start=2):
+        assert step() == WaitForDone(t)
+        state.evictions_posted(Done(t, evict, slot, None))
+        state.evictions_taken()
+        state.exchanged(step())
+    assert step() == Finished() and state._free_count == 4 and state.peak_held == 3
+
+
+def test_write_backs_wait_for_an_exchange_that_fetches_or_a_flush():
+    """P = 1. Iterations 1 and 2 fetch nothing: no exchange is sent for them, and row 1's write-back (evicted
+    after 0) waits; the worker is not idle while it holds it. A flush sends it alone, and the next exchange
+    that fetches carries the write-backs taken since."""
+    steps = steps_of(([1, 2], [0, 1], [1]), ([], [], [2]), ([], [], []), ([3], [1], [3]))
+    state = PrefetchState(4, 1, 8, 2)
+    step = stepper(state, steps)
+
+    def exchange(t: int) -> Exchange:
+        action = step()
+        assert isinstance(action, Exchange) and action.t == t, action
+        state.exchanged(action)
+        return action
+
+    assert exchange(0).fetch_ids.tolist() == [1, 2]
+    x1 = exchange(1)
+    assert not x1.sends_writes and not len(x1.fetch_ids) and not len(x1.write_ids)
+    assert step() == WaitForDone(0)
+    state.evictions_posted(Done(0, ids(1), ids(0), None))
+    state.evictions_taken()
+    x2 = exchange(2)  # (P = 1: nothing is fetched early)
+    assert not x2.sends_writes and not len(x2.write_ids) and [u[0].tolist() for u in state.unsent] == [[1]]
+    assert step() == WaitForDone(1) and not state.idle()
+    state.flush_requested()
+    flush = state.step()
+    assert (flush.t, flush.write_ids.tolist(), len(flush.fetch_ids), flush.sends_writes) == (None, [1], 0, True)
+    assert state.doing == "while writing back held evictions"
+    state.exchanged(flush)
+    assert state.step() == WaitForDone(1) and state.idle() and not state.flush_wanted
+    state.evictions_posted(Done(1, ids(2), ids(1), None))
+    state.evictions_taken()
+    x3 = state.step()
+    assert (x3.t, x3.write_ids.tolist(), x3.fetch_ids.tolist()) == (3, [2], [3])
+    state.exchanged(x3)
+    state.flush_requested()  # with nothing held, a flush only clears the request
+    assert state.step() == WaitForDone(2) and state.idle() and not state.flush_wanted
+
+
 def test_evictions_are_taken_only_after_a_wait_and_exchanges_reported_once():
     state = PrefetchState(2, 1, 4, 2)
     state.evictions_posted(Done(0, EMPTY_IDS, EMPTY_IDS, None))
@@ -712,25 +879,30 @@ def test_a_resumed_state_starts_from_its_cached_rows():
     """``start = 3`` with rows 2 and 4 cached: the first eviction needed is 3's, at the exchange for 3 + P + 1."""
     state = PrefetchState(6, 2, 6, 3, start=3, cached=(ids(2, 4), ids(1, 2)))
     assert state.slot_of.tolist() == [-1, -1, 1, -1, 2, -1] and state.owner.tolist() == [-1, 2, 4]
-    for t in (3, 4, 5):
-        assert state.step() == ReadPlan(t)
-        state.plan_read(Step(t, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS))
-        state.exchanged(state.step())  # 3 + 2 + 1 = 6 >= iterations: no eviction is waited for
+    read = []
+    for _ in (3, 4, 5):
+        while isinstance(action := state.step(), ReadPlan):
+            read.append(action.t)
+            state.plan_read(Step(action.t, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS))
+        state.exchanged(action)  # 3 + 2 + 1 = 6 >= iterations: no eviction is waited for
+    assert read == [3, 4, 5]
     assert state.step() == WaitForDone(3)
 
 
 def test_bad_plans_and_evictions_raise_plan_violations():
     def at(steps: list[Step], evict_slots=None, distance: int = 1, iterations: int = 2):
+        """Run ``steps`` (empty ones after them, for a look ahead) until all are done."""
         state = PrefetchState(iterations, distance, 8, 4)
-        for step in steps:
-            assert isinstance(state.step(), ReadPlan)
-            state.plan_read(step)
+        while state.t < len(steps):
             action = state.step()
-            if isinstance(action, WaitForDone):
+            if isinstance(action, ReadPlan):
+                state.plan_read(steps[action.t] if action.t < len(steps) else Step(action.t, EMPTY_IDS, EMPTY_IDS,
+                                                                                    EMPTY_IDS))
+            elif isinstance(action, WaitForDone):
                 state.evictions_posted(Done(action.t, ids(1), ids(0) if evict_slots is None else evict_slots, None))
                 state.evictions_taken()
-                action = state.step()
-            state.exchanged(action)
+            else:
+                state.exchanged(action)
         return state
 
     with pytest.raises(PlanViolation, match="^the plan yielded iteration 1 where 0 was expected$"):
@@ -739,9 +911,9 @@ def test_bad_plans_and_evictions_raise_plan_violations():
         at([Step(0, ids(1, 2), ids(0), EMPTY_IDS)])
     with pytest.raises(PlanViolation, match="^iteration 0: two prefetched rows share a cache slot$"):
         at([Step(0, ids(1, 2), ids(0, 0), EMPTY_IDS)])
-    with pytest.raises(PlanViolation, match=r"^iteration 1: slot 0 is reused before its row \(id 1\) was written "
-                                            r"back$"):
-        at([Step(0, ids(1), ids(0), ids(1)), Step(1, ids(2), ids(0), EMPTY_IDS)])
+    with pytest.raises(PlanViolation, match=r"^iteration 1: the worker holds more rows than its cache of 4 \(a plan "
+                                            r"made for other batches\?\)$"):
+        at([Step(0, ids(1, 2, 3), ids(0, 1, 2), EMPTY_IDS), Step(1, ids(4, 5), ids(3, 0), EMPTY_IDS)])
     with pytest.raises(PlanViolation, match=r"^iteration 1: id 1 is prefetched while its previous copy is still "
                                             r"cached or not yet written back \(a stale read\)$"):
         at([Step(0, ids(1), ids(0), ids(1)), Step(1, ids(1), ids(1), EMPTY_IDS)])
@@ -753,7 +925,7 @@ def test_bad_plans_and_evictions_raise_plan_violations():
     # The same exchange may reuse the slot and the id its write-back frees: the shards apply writes first.
     state = at([Step(0, ids(1), ids(0), ids(1)), Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS),
                 Step(2, ids(1, 2), ids(1, 0), EMPTY_IDS)], iterations=3)
-    assert state.slot_of[[1, 2]].tolist() == [1, 0]
+    assert state.slot_of[[1, 2]].tolist() == [0, 1]  # the worker's slots, the lowest free first
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -860,19 +1032,23 @@ def fake_hub(size: int) -> dict:
     return {(a, b): queue.Queue() for a in range(size) for b in range(size) if a != b}
 
 
-def expected_exchanges(plan: Plan, start: int, make_state=None, steps=None, writers=None
-                       ) -> list[tuple[list[int], list[int]]]:
+def expected_exchanges(plan: Plan, start: int, make_state=None, steps=None, writers=None, checkpoints=(),
+                       spare_slots: int = 0) -> list[tuple[list[int], list[int]]]:
     """The round trips a driver must make: the state's non-empty exchanges, compute posting each
     iteration's evictions (those the state holds) only when the state waits for them (the order does not
-    matter: checked above)."""
+    matter: checked above), and a flush requested when it first waits after a checkpoint's iteration."""
     state = make_state() if make_state else PrefetchState(plan.iterations, plan.distance, plan.total_rows,
                                                           plan.num_slots, start=start,
-                                                          cached=plan.cached_at(start))
+                                                          cached=plan.cached_at(start), spare_slots=spare_slots)
     steps = plan.steps if steps is None else steps
     calls = []
+    flushed = set()
     while not isinstance(action := state.step(), Finished):
         if isinstance(action, ReadPlan):
             state.plan_read(steps[action.t])
+        elif isinstance(action, WaitForDone) and action.t - 1 in set(checkpoints) - flushed:
+            flushed.add(action.t - 1)
+            state.flush_requested()
         elif isinstance(action, WaitForDone):
             step = plan.steps[action.t]
             held = step.evict_ids[state.slot_of[step.evict_ids] >= 0]
@@ -948,19 +1124,21 @@ def test_the_driver_runs_random_plans_exactly(device, seed):
     before = plan.uses_before().astype(np.float32)
     shards = FakeShards(np.repeat(before[start][:, None], width, axis=1))
     dev = torch.device(device)
-    cache = torch.zeros((plan.num_slots, width), dtype=torch.float32, device=dev)
+    spare = seed % 3
+    cache = torch.zeros((plan.num_slots + spare, width), dtype=torch.float32, device=dev)
     cached, slots = plan.cached_at(start)
     cache[torch.from_numpy(slots).to(dev)] = torch.from_numpy(shards.rows[cached]).to(dev)
     worker = PrefetchWorker(iter(plan.steps[start:]), plan.iterations, distance, cache, shards, plan.total_rows,
-                            start=start, cached=(cached, slots))
+                            start=start, cached=(cached, slots), spare_slots=spare)
+    checkpoints = set(range(start, plan.iterations - 1))  # seeds 4000 and 4002 flush held write-backs
     worker.start()
     try:
-        run_compute(worker, plan, cache, start, before, dev, checkpoints={start + 1, plan.iterations - 2})
+        run_compute(worker, plan, cache, start, before, dev, checkpoints=checkpoints)
         worker.join()
     finally:
         worker.stop()
     assert (shards.rows == before[-1][:, None]).all()
-    assert shards.calls == expected_exchanges(plan, start)
+    assert shards.calls == expected_exchanges(plan, start, checkpoints=checkpoints, spare_slots=spare)
     assert worker.bytes_fetched == sum(len(s.prefetch_ids) for s in plan.steps[start:]) * 4 * width
     assert worker.bytes_written == sum(len(s.evict_ids) for s in plan.steps[start:]) * 4 * width
 

@@ -29,7 +29,7 @@ from dlrmflow.engine.training.checkpoint import (
 from dlrmflow.engine.training.stores.base import RowStore
 from dlrmflow.engine.training.stores.local import LocalRows
 from dlrmflow.engine.training.stores.lru import LruRows
-from dlrmflow.engine.training.stores.oracle import OracleRows
+from dlrmflow.engine.training.stores.oracle import OracleRows, spare_slots
 from dlrmflow.engine.training.stores.remote import RemoteRows
 
 MODES = ("local", "remote", "lru", "oracle")
@@ -250,3 +250,19 @@ def test_a_reloaded_checkpoint_replays_on_the_same_store(client, tmp_path, mode)
         assert_rows_equal(store.all_rows(), reference_rows(spec, uses, ITERATIONS), f"{mode}: after the replay")
     finally:
         store.close()
+
+
+def test_the_oracle_caches_spare_rows_for_p_minus_1_iterations_within_the_capacity():
+    """A quarter more than P - 1 iterations of the plan's mean prefetches; none at P = 1; never past --capacity."""
+    def plan(distance: int, prefetched: int = 1000, iterations: int = 10, num_slots: int = 300) -> ListPlan:
+        made = ListPlan(FakePlanConfig(1, prefetch_distance=distance), [Step(t, EMPTY, EMPTY, EMPTY)
+                                                                      for t in range(iterations)], num_slots)
+        made.steps[0] = Step(0, np.arange(prefetched), np.arange(prefetched), EMPTY)
+        return made
+
+    assert spare_slots(plan(1), None) == 0
+    assert spare_slots(plan(2), None) == 125  # 1.25 x 100 rows an iteration
+    assert spare_slots(plan(3, prefetched=999), None) == 250  # ceil(1.25 x 2 x 99.9)
+    assert spare_slots(plan(3), 400) == 100  # within --capacity
+    assert spare_slots(plan(3), 300) == 0
+

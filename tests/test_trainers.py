@@ -8,6 +8,7 @@ compared tensor by tensor on bit patterns, over randomized small configurations.
 from __future__ import annotations
 
 import csv
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ class ListPlan:
 
     def __post_init__(self) -> None:
         self.num_iterations = len(self.steps)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"prefetched_rows": sum(len(s.prefetch_ids) for s in self.steps)}
 
     def iterations(self, first: int = 0, stop: int | None = None):
         return iter(self.steps[first:stop])
@@ -414,7 +419,9 @@ def test_oracle_with_real_plans_is_bit_identical_to_local(client, tmp_path, monk
     row_bytes = 4 * (4 + (1 if common["embedding_optimizer"] == "adagrad" else 0))
     assert oracle["bytes_fetched"] == sum(len(s.prefetch_ids) for s in steps) * row_bytes
     assert oracle["bytes_written_back"] == oracle["bytes_fetched"]
-    assert oracle["capacity"] == plan.num_slots
+    assert oracle["capacity"] == plan.num_slots + oracle["plan"]["spare_slots"]
+    assert oracle["plan"]["spare_slots"] == math.ceil(1.25 * (distance - 1) * plan.counts["prefetched_rows"]
+                                                      / plan.num_iterations)
 
 
 def test_a_plan_for_other_data_or_batch_size_is_refused(tmp_path):

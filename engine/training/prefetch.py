@@ -6,20 +6,24 @@ Protocol between compute (main thread) and the worker, for prefetch distance ``P
   finished computing, in one round trip per shard that first writes back the evictions of
   those iterations not yet written (in steady state: of ``t-P-1``) and then fetches. That is
   the plan contract, and it is what guarantees no stale read: a row evicted after ``u`` is
-  home before any fetch issued for ``t >= u + P + 1`` (same shard, write applied first);
+  home before any fetch issued for ``t >= u + P + 1`` (same shard, write applied first).
+  The same round trip fetches rows of ``t + 1 .. t + P - 1`` early (into spare cache slots), and
+  a round trip with nothing of its own to fetch is not made: its write-backs ride the next one
+  (the state's rules);
 - compute waits until iteration ``t``'s rows are in the cache (that wait is the stall),
   computes, and hands the worker iteration ``t``'s evictions (ids and slots).
 
 The worker also keeps its own view of the cache (id -> slot, from prefetch until the row is
-written back) and refuses a plan step that would overwrite a row not yet written back or
-fetch a row whose newer copy is still cached or in flight: a bad plan fails loudly instead
-of training on a stale row. Any exception in the worker is re-raised in the main thread by
-the next :meth:`PrefetchWorker.wait_ready` / :meth:`PrefetchWorker.join` (no hang, no silent
-fallback).
+written back; it picks the slots, and compute learns them with the rows) and refuses a plan step
+that would fetch a row whose newer copy is still cached or in flight, or hold more rows than the
+cache: a bad plan fails loudly instead of training on a stale row. Any exception in the worker is
+re-raised in the main thread by the next :meth:`PrefetchWorker.wait_ready` /
+:meth:`PrefetchWorker.join` (no hang, no silent fallback).
 
-A checkpoint before iteration ``t`` first waits until the worker is idle (:meth:`PrefetchWorker.wait_idle`):
-with iterations ``0 .. t-1`` done it has then written back every eviction before ``t`` and
-prefetched ``t .. t+P``, and has no round trip in flight. A worker made with ``start=t`` and the
+A checkpoint before iteration ``t`` first waits until the worker is idle (:meth:`PrefetchWorker.wait_idle`,
+which has it send the write-backs it holds): with iterations ``0 .. t-1`` done it has then written back
+every eviction before ``t`` and prefetched ``t .. t+P`` (and maybe rows of later iterations), and has no
+round trip in flight. A worker made with ``start=t`` and the
 slots the plan implies at ``t`` continues from there (a resume, or a replay after a lost shard).
 
 On CPU the worker moves rows with NumPy on the cache's memory (disjoint rows from compute's);
@@ -95,10 +99,13 @@ class PrefetchWorker:
         *,
         start: int = 0,
         cached: tuple[np.ndarray, np.ndarray] | None = None,
+        spare_slots: int = 0,
     ) -> None:
         """``start``: the first iteration to prepare (``plan_iterations`` begins there); ``cached``: the
-        (ids, slots) already in the cache at ``start``, whose write-backs are all applied."""
-        self.state = self._new_state(iterations, distance, total_rows, cache.shape[0], start, cached)
+        (ids, slots) already in the cache at ``start``, whose write-backs are all applied; ``spare_slots``: the
+        last rows of ``cache``, beyond the plan's slots, for rows fetched early (the state's)."""
+        self.spare_slots = spare_slots
+        self.state = self._new_state(iterations, distance, total_rows, cache.shape[0] - spare_slots, start, cached)
         self.plans = plan_iterations
         self.iterations = iterations
         self.distance = distance
@@ -123,7 +130,8 @@ class PrefetchWorker:
 
     def _new_state(self, iterations: int, distance: int, total_rows: int, num_slots: int, start: int,
                    cached: tuple[np.ndarray, np.ndarray] | None) -> PrefetchState:
-        return PrefetchState(iterations, distance, total_rows, num_slots, start=start, cached=cached)
+        return PrefetchState(iterations, distance, total_rows, num_slots, start=start, cached=cached,
+                             spare_slots=self.spare_slots)
 
     @property
     def slot_of(self) -> np.ndarray:
@@ -175,6 +183,8 @@ class PrefetchWorker:
         """Block until the worker waits for evictions not yet posted (or has finished): every posted
         eviction is written back and no round trip is in flight. Re-raise a worker failure."""
         with self._cond:
+            self.state.flush_requested()  # the write-backs it holds go home now
+            self._cond.notify_all()
             while not (self._finished or self.state.idle()):
                 self._raise_if_failed()
                 if not self._thread.is_alive():
@@ -186,7 +196,8 @@ class PrefetchWorker:
     def bytes_fetched_ahead(self) -> int:
         """Bytes fetched for iterations prepared but not yet handed to compute."""
         with self._cond:
-            return sum(r.fetched_bytes for r in self._ready.values())
+            ahead = sum(r.fetched_bytes for r in self._ready.values())
+            return ahead + self.state.rows_fetched_ahead * self.row_bytes
 
     def stop(self, timeout: float | None = None) -> bool:
         """Ask the worker to stop (after an error in compute) and wait for it, at most ``timeout`` seconds
@@ -216,21 +227,27 @@ class PrefetchWorker:
         """The state's next action; a :class:`WaitForDone` is waited out here and answered with the evictions
         compute posted (a :class:`CopyOut`). None: stop, or nothing left to do."""
         with self._cond:
-            action = self.state.step()
-            if isinstance(action, Finished):
-                return None
-            if not isinstance(action, WaitForDone):
-                return action
-            notified = False
-            while not self.state.has_posted() and not self._stop:
-                if not notified:
-                    notified = True
-                    self._cond.notify_all()  # a checkpoint may be waiting for this
-                self._cond.wait(WAIT_POLL_SECONDS)
-            return None if self._stop else self.state.evictions_taken()
+            while True:
+                action = self.state.step()
+                if isinstance(action, Finished):
+                    return None
+                if not isinstance(action, WaitForDone):
+                    return action
+                notified = False
+                while not self.state.has_posted() and not self._stop and not self.state.flush_wanted:
+                    if not notified:
+                        notified = True
+                        self._cond.notify_all()  # a checkpoint may be waiting for this
+                    self._cond.wait(WAIT_POLL_SECONDS)
+                if self._stop:
+                    return None
+                if self.state.has_posted():
+                    return self.state.evictions_taken()
+                # else a checkpoint wants the held write-backs: the state issues them next
 
     def _loop(self) -> None:
-        taken: list[np.ndarray] = []  # rows copied out of the cache, to go home in the next exchange
+        taken: list[np.ndarray] = []  # rows copied out of the cache, to go home in the next exchange that sends
+        event = None  # the last copy into the cache (GPU): later than every earlier one, on the same stream
         while (action := self._next_action()) is not None:
             if isinstance(action, ReadPlan):
                 step = next(self.plans)
@@ -239,18 +256,25 @@ class PrefetchWorker:
             elif isinstance(action, CopyOut):
                 taken.append(self._copy_out(action))
             else:
-                if action.t is None and len(taken) == 1:
+                if not action.sends_writes:
+                    rows = self._no_rows
+                elif action.t is None and len(taken) == 1:
                     rows = taken[0]
                 else:
                     rows = np.concatenate(taken) if taken else self._no_rows
-                taken = []
-                event = self._exchange(action.t, action, rows)
+                if action.sends_writes:
+                    taken = []
+                copied = self._exchange(action.t, action, rows)
+                event = event if copied is None else copied
                 with self._cond:
                     self.state.exchanged(action)
                     if action.t is not None:
-                        here = action.fetch_ids if action.fetched_here is None else action.fetched_here
-                        self._ready[action.t] = Ready(action.step, event, action.fetch_ids, action.fetch_slots,
-                                                      action.fetch_holders, len(here) * self.row_bytes)
+                        if action.ready_ids is not None:  # one trainer: every row of t, some fetched earlier
+                            ids, slots, fetched = action.ready_ids, action.ready_slots, len(action.ready_ids)
+                        else:
+                            ids, slots, fetched = action.fetch_ids, action.fetch_slots, len(action.fetched_here)
+                        self._ready[action.t] = Ready(action.step, event, ids, slots, action.fetch_holders,
+                                                      fetched * self.row_bytes)
                         self._cond.notify_all()
 
     def _copy_out(self, take: CopyOut) -> np.ndarray:

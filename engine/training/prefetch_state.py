@@ -19,12 +19,29 @@ The rules, for prefetch distance ``P`` (docs/planner.md argues them):
   (``written >= t - P``; in steady state it waits for those of ``t-P-1``), and it writes them home
   before it fetches. So a row evicted after ``u`` is home before any fetch issued for
   ``t >= u + P + 1``: no stale read;
-- a plan step that would overwrite a row not yet taken, fetch a row whose newer copy is still cached
-  or not yet sent, or evict rows not where the worker put them raises :class:`PlanViolation`.
+- the worker places rows in slots of its own choosing (a pool: a slot is taken when its row is fetched
+  and given back when the row's eviction is taken), and tells compute where (``Exchange.ready_slots``);
+  the plan's slot numbers only say where a restart finds the rows cached before it;
+- a plan step that would fetch a row whose newer copy is still cached or not yet sent, hold more rows
+  than the cache, or evict rows not where the worker put them raises :class:`PlanViolation`;
+- fewer round trips (one trainer): the exchange for ``t`` also fetches the rows of ``t + 1 .. t + P - 1``
+  whose id is not cached in the worker's view (so no copy of them is newer than the home's, or it is
+  among this exchange's write-backs, which the shards apply first), and an exchange with no row of its
+  own to fetch is not sent: its write-backs wait for the next exchange that fetches (every exchange
+  that fetches carries every write-back taken before it), or for a flush
+  (:meth:`~PrefetchState.flush_requested`: a checkpoint reads the shards), or for the end. So in steady
+  state one exchange can serve ``P`` iterations. Not further ahead: behind a slow link compute waits for
+  the exchange for ``t``, and the next one (``t + P``) may go as soon as ``t - 1`` is computed, so the
+  link never idles for it. A plan fills its cache (in steady state the rows of ``t + 1`` need the slots
+  that the evictions taken just before ``t + 1``'s exchange free), so rows are fetched early only into
+  ``spare_slots`` cache rows beyond the plan's: at most that many are held early at once, so the rows the
+  plan fetches on time always find a slot.
 
 :class:`PartitionedPrefetchState` adds the rules of one of W trainers holding the same slots (the
 LRPP cache): which trainer fetches each row (the one that last wrote it home, else ``id % W``;
 ``gateway``: trainer 0) and which evicted rows this trainer writes home (those ``Done.writers`` gives it).
+It neither fetches early nor holds write-backs: which rows a trainer could fetch early would depend on its
+own slots, and its fetches are handed to other trainers in collectives that all of them issue alike.
 """
 
 from __future__ import annotations
@@ -99,7 +116,10 @@ class Exchange:
     the order of the :class:`CopyOut` answers since the last exchange) and then fetches ``fetch_ids``
     into ``fetch_slots``; report :meth:`PrefetchState.exchanged` when the rows are in the cache.
 
-    ``t``: the iteration prepared (``step`` its plan step), None for a write-back after the last one.
+    ``t``: the iteration prepared (``step`` its plan step), None for a write-back after the last one or a
+    flush. One trainer: the last ``ahead`` of ``fetch_ids`` are rows of later iterations fetched early;
+    ``ready_ids``/``ready_slots`` are every row prefetched for ``t`` (some fetched by the exchange before);
+    ``sends_writes``: False when the exchange fetches nothing and its write-backs wait (``write_ids`` empty).
     Several trainers: ``fetch_ids`` are the prefetched rows this trainer holds (``fetch_holders`` their
     holders), ``prefetch_ids`` all of them, ``holders`` theirs (bit w: trainer w), ``fetcher`` the trainer
     that fetches each from the shards and hands it to its holders, ``fetched_here`` those this trainer fetches."""
@@ -115,6 +135,10 @@ class Exchange:
     prefetch_ids: np.ndarray | None = None
     holders: np.ndarray | None = None
     fetch_holders: np.ndarray | None = None
+    ahead: int = 0
+    ready_ids: np.ndarray | None = None
+    ready_slots: np.ndarray | None = None
+    sends_writes: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,25 +157,40 @@ class PrefetchState:
     """The plan cursor, the worker's cache view and the pending evictions (see the module docstring).
 
     ``start``: the first iteration to prepare; ``cached``: the (ids, slots) in the cache at ``start``,
-    whose write-backs are all applied (a resume, or a replay after a lost shard)."""
+    whose write-backs are all applied (a resume, or a replay after a lost shard). ``spare_slots``: cache rows
+    beyond the plan's ``num_slots``, so many rows may be held fetched early at once."""
+
+    fetches_early = True  # fetch rows of t + 1 .. t + P - 1 in t's exchange, hold write-backs (module docstring)
 
     def __init__(self, iterations: int, distance: int, total_rows: int, num_slots: int, *, start: int = 0,
-                 cached: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 cached: tuple[np.ndarray, np.ndarray] | None = None, spare_slots: int = 0) -> None:
         if distance < 1:
             raise ValueError(f"prefetch distance must be >= 1, got {distance}")
         self.iterations, self.distance = iterations, distance
         self.slot_of = np.full(total_rows, -1, dtype=np.int64)
-        self.owner = np.full(num_slots, -1, dtype=np.int64)
+        self.owner = np.full(num_slots + spare_slots, -1, dtype=np.int64)
+        self.spare_slots = spare_slots
         self.held = 0  # rows in the cache as the worker places them: fetched in, and not yet taken out
         if cached is not None:
             self.slot_of[cached[0]] = cached[1]
             self.owner[cached[1]] = cached[0]
             self.held = len(cached[0])
+        # The most rows held at once, less those fetched early for iterations not prepared yet: what the plan's
+        # rule holds (its peak is the plan's num_slots); the others are at most spare_slots.
         self.peak_held = self.held
+        free = np.flatnonzero(self.owner < 0)[::-1]  # a stack: the lowest slot is taken first
+        self._free, self._free_count = np.empty(len(self.owner), dtype=np.int64), len(free)
+        self._free[:len(free)] = free
         self.start = start
         self.t = start  # the next iteration to prepare
         self.written = start  # iterations whose evictions are taken (home, or going home in the next exchange)
         self.plan_step: Any = None  # iteration t's plan step, once read
+        self.read_ahead: deque[Any] = deque()  # the plan steps of t + 1 .. t + P - 1 (fetches_early), once read
+        # Per later iteration: which prefetches earlier exchanges fetched, and their slots (-1: the others); the
+        # same for the exchange in flight.
+        self.early: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._early_in_flight: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.flush_wanted = False  # send held write-backs at the next wait with nothing posted
         self.posted: deque[Done] = deque()  # posted by compute, not yet taken
         self.unsent: list[tuple[np.ndarray, np.ndarray]] = []  # taken (ids, slots), not yet in an exchange
         self.waiting = False  # the last step was a WaitForDone, not yet answered by evictions_taken
@@ -164,8 +203,14 @@ class PrefetchState:
 
     def idle(self) -> bool:
         """The worker waits for evictions compute has not posted: every posted eviction is written home
-        and no round trip is in flight (a checkpoint may read the cache and the shards)."""
-        return self.waiting and not self.posted
+        and no round trip is in flight (a checkpoint may read the cache and the shards). A checkpoint first
+        calls :meth:`flush_requested`, or held write-backs keep the worker from being idle."""
+        return self.waiting and not self.posted and not self.unsent
+
+    @property
+    def rows_fetched_ahead(self) -> int:
+        """Rows of iterations not prepared yet that earlier exchanges fetched already."""
+        return sum(int(np.count_nonzero(mask)) for mask, _ in self.early.values())
 
     def draining(self) -> bool:
         """Every iteration is prepared: what is left is writing back the last evictions."""
@@ -180,26 +225,52 @@ class PrefetchState:
             if self.plan_step is None:
                 self.doing = f"while preparing iteration {self.t}"
                 return ReadPlan(self.t)
+            if len(self.read_ahead) < self._window():
+                return ReadPlan(self.t + 1 + len(self.read_ahead))
             if self.written < self.t - self.distance:  # in steady state exactly one: iteration t - P - 1
-                self.waiting = True
-                return WaitForDone(self.written)
+                return self._wait()
             self.doing = f"while writing back evictions and prefetching for iteration {self.t}"
             ids = np.asarray(self.plan_step.prefetch_ids, dtype=np.int64)
-            slots = np.asarray(self.plan_step.prefetch_slots, dtype=np.int64)
-            self._check_prefetch(self.t, ids, slots)
-            return self._issue(self.t, self.plan_step, ids, slots)
+            self._check_prefetch(self.t, ids, np.asarray(self.plan_step.prefetch_slots, dtype=np.int64))
+            if self.t in self.early:  # those are in place already
+                ids = ids[~self.early[self.t][0]]
+            return self._issue(self.t, self.plan_step, ids)
         if self.unsent:
-            return self._issue(None, None, EMPTY_IDS, EMPTY_IDS)
+            return self._issue(None, None, EMPTY_IDS)
         if self.written < self.iterations:
-            self.waiting = True
-            return WaitForDone(self.written)
+            return self._wait()
         return Finished()
+
+    def _wait(self) -> WaitForDone | Exchange:
+        """The next step needs evictions not taken yet: wait for them, unless a flush is wanted and nothing is
+        posted (then the held write-backs go first)."""
+        if self.flush_wanted and not self.posted:
+            self.flush_wanted = False
+            if self.unsent:
+                self.doing = "while writing back held evictions"
+                return self._issue(None, None, EMPTY_IDS)
+        self.waiting = True
+        return WaitForDone(self.written)
+
+    def _window(self) -> int:
+        """How many iterations after ``t`` the exchange for ``t`` may fetch rows of."""
+        return min(self.distance - 1, self.iterations - self.t - 1) if self.fetches_early else 0
 
     def plan_read(self, step: Any) -> None:
         """The plan yielded ``step`` (with ``t``, ``prefetch_ids``, ``prefetch_slots``) after a :class:`ReadPlan`."""
-        if step.t != self.t:
-            raise PlanViolation(f"the plan yielded iteration {step.t} where {self.t} was expected")
-        self.plan_step = step
+        expected = self.t if self.plan_step is None else self.t + 1 + len(self.read_ahead)
+        if step.t != expected:
+            raise PlanViolation(f"the plan yielded iteration {step.t} where {expected} was expected")
+        if self.plan_step is None:
+            self.plan_step = step
+        else:
+            self.read_ahead.append(step)
+
+    def flush_requested(self) -> None:
+        """A checkpoint wants every posted eviction home: unless the worker is idle already, the next time it
+        would wait with nothing posted, it sends the write-backs it holds first (then :meth:`idle`). (An idle
+        worker takes no request, which would otherwise linger to a point that depends on the timing.)"""
+        self.flush_wanted = not self.idle()
 
     def evictions_posted(self, done: Done) -> None:
         """Compute finished iteration ``done.t`` (posted in iteration order); the worker takes them when needed."""
@@ -236,10 +307,14 @@ class PrefetchState:
             self.slot_of[exchange.fetch_ids] = exchange.fetch_slots
             self.owner[exchange.fetch_slots] = exchange.fetch_ids
             self.held += len(exchange.fetch_ids)
-            self.peak_held = max(self.peak_held, self.held)
         if exchange.t is not None:
             self.t += 1
-            self.plan_step = None
+            self.plan_step = self.read_ahead.popleft() if self.read_ahead else None
+            self.doing = f"while preparing iteration {self.t}"
+            self.early.pop(exchange.t, None)
+            self.early.update(self._early_in_flight)
+            self._early_in_flight = {}
+        self.peak_held = max(self.peak_held, self.held - self.rows_fetched_ahead)
 
     # ---- the rules ----------------------------------------------------------------------------------
     def _writes_of(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
@@ -247,33 +322,95 @@ class PrefetchState:
         return done.evict_ids, done.evict_slots
 
     def _released(self, slots: np.ndarray) -> None:
-        """``slots`` are free (the plan reuses them by number)."""
+        """``slots`` are free: back on the pool."""
+        self._free[self._free_count:self._free_count + len(slots)] = slots[::-1]
+        self._free_count += len(slots)
 
-    def _issue(self, t: int | None, step: Any, ids: np.ndarray, slots: np.ndarray) -> Exchange:
-        if t is None and len(self.unsent) == 1:  # after the last iteration: one exchange per iteration's evictions
+    def _take_slots(self, t: int, count: int) -> np.ndarray:
+        if count > self._free_count:
+            raise PlanViolation(f"iteration {t}: {self._holder()} holds more rows than its cache of "
+                                f"{len(self.owner)} ({self._made_for_others()})")
+        self._free_count -= count
+        return self._free[self._free_count:self._free_count + count][::-1].copy()
+
+    def _holder(self) -> str:
+        return "the worker"
+
+    def _made_for_others(self) -> str:
+        return "a plan made for other batches?"
+
+    def _issue(self, t: int | None, step: Any, ids: np.ndarray) -> Exchange:
+        """The exchange for ``t`` (None: write-backs only) that fetches ``ids`` (``t``'s rows not in place)."""
+        # Sent when t has rows of its own to fetch (an exchange sent just for later rows would be one per
+        # iteration again).
+        sends = t is None or not self.fetches_early or len(ids) > 0
+        if not sends:
+            write_ids = write_slots = EMPTY_IDS
+        elif t is None and len(self.unsent) == 1:  # after the last iteration: one exchange per iteration's evictions
             write_ids, write_slots = self.unsent[0]
         else:
             write_ids = _joined([w[0] for w in self.unsent])
             write_slots = _joined([w[1] for w in self.unsent])
-        self.unsent = []
+        if sends:
+            self.unsent = []
         self.waiting = False
-        self.in_flight = self._exchange(t, step, write_ids, write_slots, ids, slots)
+        self.in_flight = self._exchange(t, step, write_ids, write_slots, ids, sends)
         return self.in_flight
 
-    def _exchange(self, t, step, write_ids, write_slots, ids, slots) -> Exchange:
-        return Exchange(t, step, write_ids, write_slots, ids, slots)
+    def _fetchable_ahead(self, ids: np.ndarray) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
+        """The prefetches of the steps read ahead that the exchange for ``t`` (which fetches ``ids``) fetches too:
+        their id is not cached in the worker's view, nor fetched by this exchange or claimed by an earlier step
+        read ahead (a valid plan claims none twice; a bad one is then checked at its own iteration), within the
+        spare slots' budget, in plan order. A row whose write-back is held goes home in that exchange, before
+        its fetches. Per iteration the mask, and all those ids and their slots (taken from the pool)."""
+        budget = self.spare_slots - sum(int(np.count_nonzero(m)) for u, (m, _) in self.early.items() if u > self.t)
+        masks, claimed, out_ids, out_slots = {}, [ids], [], []
+        for step in self.read_ahead:
+            step_ids = np.asarray(step.prefetch_ids, dtype=np.int64)
+            self._check_shape(step.t, step_ids, np.asarray(step.prefetch_slots, dtype=np.int64))
+            before, placed = self.early.get(step.t, (np.zeros(len(step_ids), dtype=bool),
+                                                     np.full(len(step_ids), -1, dtype=np.int64)))
+            early = (self.slot_of[step_ids] < 0) & ~before & ~np.isin(step_ids, np.concatenate(claimed))
+            early[np.flatnonzero(early)[max(budget, 0):]] = False
+            budget -= int(np.count_nonzero(early))
+            placed = placed.copy()
+            placed[early] = self._take_slots(step.t, int(np.count_nonzero(early)))
+            masks[step.t] = (before | early, placed)
+            claimed.append(step_ids)
+            out_ids.append(step_ids[early])
+            out_slots.append(placed[early])
+        return masks, _joined(out_ids), _joined(out_slots)
 
-    def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
+    def _exchange(self, t, step, write_ids, write_slots, ids, sends: bool) -> Exchange:
+        """The state's choice of slots: ``t``'s rows not in place into slots from the pool, then (if the exchange
+        is sent) the rows fetched early."""
+        ready_ids = ready_slots = None
+        slots = self._take_slots(t, len(ids)) if t is not None else EMPTY_IDS
+        ahead_ids = ahead_slots = EMPTY_IDS
+        if t is not None and sends and self.read_ahead:
+            self._early_in_flight, ahead_ids, ahead_slots = self._fetchable_ahead(ids)
+        if step is not None:
+            ready_ids = np.asarray(step.prefetch_ids, dtype=np.int64)
+            mask, placed = self.early.get(t, (np.zeros(len(ready_ids), dtype=bool), None))
+            ready_slots = np.empty(len(ready_ids), dtype=np.int64)
+            ready_slots[~mask] = slots
+            if placed is not None:
+                ready_slots[mask] = placed[mask]
+        return Exchange(t, step, write_ids, write_slots, np.concatenate([ids, ahead_ids]),
+                        np.concatenate([slots, ahead_slots]), ahead=len(ahead_ids), ready_ids=ready_ids,
+                        ready_slots=ready_slots, sends_writes=sends)
+
+    def _check_shape(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
         if len(ids) != len(slots):
             raise PlanViolation(f"iteration {t}: {len(ids)} prefetch ids but {len(slots)} slots")
         if len(np.unique(slots)) != len(slots):
             raise PlanViolation(f"iteration {t}: two prefetched rows share a cache slot")
-        busy = self.owner[slots] >= 0
-        if busy.any():
-            raise PlanViolation(
-                f"iteration {t}: slot {int(slots[busy][0])} is reused before its row "
-                f"(id {int(self.owner[slots[busy][0]])}) was written back"
-            )
+
+    def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
+        """``t``'s prefetches (those earlier exchanges fetched early were checked then, and are placed)."""
+        self._check_shape(t, ids, slots)
+        if t in self.early:
+            ids = ids[~self.early[t][0]]
         live = self.slot_of[ids] >= 0
         if live.any():
             raise PlanViolation(
@@ -290,14 +427,13 @@ class PartitionedPrefetchState(PrefetchState):
     :meth:`fetchers` gives it, for their holders. Every trainer runs the same plan through the same rules, so
     they agree on who fetches, holds and writes each row."""
 
+    fetches_early = False  # (module docstring)
+
     def __init__(self, iterations: int, distance: int, total_rows: int, num_slots: int, *, size: int, rank: int,
                  gateway: bool = False, start: int = 0, cached: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         super().__init__(iterations, distance, total_rows, num_slots, start=start, cached=cached)
         self.size, self.rank, self.gateway = size, rank, gateway
         self.last_writer = np.full(total_rows, -1, dtype=np.int16)  # -1: never written home by a trainer
-        free = np.flatnonzero(self.owner < 0)[::-1]  # a stack: the lowest slot is taken first
-        self._free, self._free_count = np.empty(num_slots, dtype=np.int64), len(free)
-        self._free[:len(free)] = free
 
     def fetchers(self, ids: np.ndarray) -> np.ndarray:
         """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
@@ -318,21 +454,16 @@ class PartitionedPrefetchState(PrefetchState):
                                 f"{int(mine[slots < 0][0])}, which it does not hold")
         return mine, slots
 
-    def _released(self, slots: np.ndarray) -> None:
-        self._free[self._free_count:self._free_count + len(slots)] = slots[::-1]
-        self._free_count += len(slots)
+    def _holder(self) -> str:
+        return f"trainer {self.rank}"
 
-    def _take_slots(self, t: int, count: int) -> np.ndarray:
-        if count > self._free_count:
-            raise PlanViolation(f"iteration {t}: trainer {self.rank} holds more rows than its cache of "
-                                f"{len(self.owner)} (holders made for another plan or batches?)")
-        self._free_count -= count
-        return self._free[self._free_count:self._free_count + count][::-1].copy()
+    def _made_for_others(self) -> str:
+        return "holders made for another plan or batches?"
 
     def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
         """Only a held row has a copy here to check; the slots are this trainer's own (:meth:`_take_slots`)."""
 
-    def _exchange(self, t, step, write_ids, write_slots, ids, slots) -> Exchange:
+    def _exchange(self, t, step, write_ids, write_slots, ids, sends: bool) -> Exchange:
         fetcher = self.fetchers(ids)
         holders = getattr(step, "holders", None)
         holders = np.full(len(ids), (1 << self.size) - 1, dtype=np.int64) if holders is None else \

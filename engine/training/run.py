@@ -30,6 +30,7 @@ from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.continuation import init_from_record
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.setup import RunSetup, prepare_run
+from dlrmflow.engine.training.stores.oracle import spare_slots
 from dlrmflow.engine.training.timing import run_timing
 from dlrmflow.engine.training.workers import run_trainers
 
@@ -153,6 +154,8 @@ def _summary(setup: RunSetup, traffic: dict[str, int], log: dict, metrics: dict,
     config = setup.config
     it, stall = log["iteration_seconds"], log["stall_seconds"]
     plan = setup.plan
+    # one trainer's oracle cache: the plan's slots and the spare ones for rows fetched early
+    spare = spare_slots(plan, config.capacity) if plan is not None and config.trainers == 1 else 0
     tail = log["losses"][-min(len(log["losses"]), config.metrics_every) :]
     # --eval-every's evaluations, then the final one (none without held-out rows)
     evaluations = [*log["evaluations"], *([evaluation_row(setup.iterations, metrics)] if metrics["eval_rows"] else [])]
@@ -166,10 +169,10 @@ def _summary(setup: RunSetup, traffic: dict[str, int], log: dict, metrics: dict,
         "iterations": setup.iterations,
         "batch_size": config.batch_size,
         "num_shards": config.num_shards if MODES[config.mode].servers else 0,
-        "capacity": (plan.num_slots if plan is not None else config.capacity),
+        "capacity": (plan.num_slots + spare if plan is not None else config.capacity),
         "plan": None if plan is None else {
             "dir": str(config.plan_dir), "lookahead": plan.config.lookahead,
-            "prefetch_distance": plan.config.prefetch_distance, "num_slots": plan.num_slots,
+            "prefetch_distance": plan.config.prefetch_distance, "num_slots": plan.num_slots, "spare_slots": spare,
         },
         "seed": config.seed,
         "model": setup.model_config.name,

@@ -24,6 +24,7 @@ holds only the rows it is a holder of, in slots of its own cache (as large as th
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -43,17 +44,29 @@ EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log 
 CLOSE_WAIT_S = 5.0  # how long closing the store waits for its prefetch worker to stop
 
 
+def spare_slots(plan, capacity: int | None) -> int:
+    """Cache rows beyond the plan's slots, for rows the worker fetches early (:mod:`..prefetch_state`): ``P - 1``
+    iterations of the plan's mean prefetches and a quarter more (iterations vary, and an iteration with one row
+    left to fetch costs a round trip), within ``capacity`` (``--capacity``) if given. So one round trip can
+    serve ``P`` iterations also where the plan's cache is full."""
+    mean = plan.counts["prefetched_rows"] / max(plan.num_iterations, 1)
+    spare = math.ceil(1.25 * (plan.config.prefetch_distance - 1) * mean)
+    return spare if capacity is None else max(0, min(spare, capacity - plan.num_slots))
+
+
 class OracleRows(CachedRows):
     """Executes a lookahead plan: prefetches ``P`` iterations ahead in a background worker.
 
     ``start``/``rows``: begin at iteration ``start`` (a resume) with the cache the plan implies
-    there, filled from ``rows`` (every row's value at ``start``: a checkpoint's image)."""
+    there, filled from ``rows`` (every row's value at ``start``: a checkpoint's image). The cache has the
+    plan's slots and ``spare`` more (:func:`spare_slots`)."""
 
     def __init__(
         self, spec: RowSpec, device: torch.device, shards: ShardGroup, plan, iterations: int, *,
-        start: int = 0, rows: np.ndarray | None = None, num_slots: int | None = None,
+        start: int = 0, rows: np.ndarray | None = None, num_slots: int | None = None, spare: int = 0,
     ) -> None:
-        super().__init__(spec, device, shards, plan.num_slots if num_slots is None else num_slots)
+        self.spare = spare
+        super().__init__(spec, device, shards, (plan.num_slots if num_slots is None else num_slots) + spare)
         self.plan = plan
         self.iterations = iterations
         self.worker: PrefetchWorker | None = None
@@ -64,7 +77,8 @@ class OracleRows(CachedRows):
     @property
     def peak_cached_rows(self) -> int:
         """The most rows cached at once as the worker places them: rows fetched ahead for the next ``P``
-        iterations included (compute's directory is a subset of the worker's view)."""
+        iterations included (compute's directory is a subset of the worker's view), rows fetched early into
+        spare slots not (they are at most ``spare``)."""
         return max(self._worker_peak, 0 if self.worker is None else self.worker.state.peak_held)
 
     def drop_pending(self) -> None:
@@ -112,7 +126,7 @@ class OracleRows(CachedRows):
         """The prefetch worker that starts at iteration ``t`` with ``ids`` cached in ``slots``."""
         return PrefetchWorker(
             self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
-            self.spec.total_rows, start=t, cached=(ids, slots),
+            self.spec.total_rows, start=t, cached=(ids, slots), spare_slots=self.spare,
         )
 
     def _quiesce(self) -> None:
@@ -367,7 +381,8 @@ def _with_received(parts: list, received: dict[int, torch.Tensor]) -> list[tuple
 def make_store(setup: RunSetup, device: torch.device, shards: ShardGroup, group: TrainerGroup, *, start: int = 0,
                rows: np.ndarray | None = None) -> OracleRows | LrppRows:
     if group.size == 1:
-        return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start, rows=rows)
+        return OracleRows(setup.spec, device, shards, setup.plan, setup.iterations, start=start, rows=rows,
+                          spare=spare_slots(setup.plan, setup.config.capacity))
     holders = load_lifetime_holders(setup.trainers_dir)
     return LrppRows(setup.spec, device, shards, group, setup.plan, setup.iterations, holders,
                     gateway=bool(setup.config.parity), start=start, rows=rows)
