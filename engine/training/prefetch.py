@@ -256,13 +256,12 @@ class PrefetchWorker:
             elif isinstance(action, CopyOut):
                 taken.append(self._copy_out(action))
             else:
-                if not action.sends_writes:
-                    rows = self._no_rows
-                elif action.t is None and len(taken) == 1:
-                    rows = taken[0]
-                else:
-                    rows = np.concatenate(taken) if taken else self._no_rows
+                rows = self._no_rows  # unless it sends the write-backs taken so far
                 if action.sends_writes:
+                    if action.t is None and len(taken) == 1:
+                        rows = taken[0]
+                    elif taken:
+                        rows = np.concatenate(taken)
                     taken = []
                 copied = self._exchange(action.t, action, rows)
                 event = event if copied is None else copied

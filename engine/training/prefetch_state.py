@@ -232,9 +232,7 @@ class PrefetchState:
             self.doing = f"while writing back evictions and prefetching for iteration {self.t}"
             ids = np.asarray(self.plan_step.prefetch_ids, dtype=np.int64)
             self._check_prefetch(self.t, ids, np.asarray(self.plan_step.prefetch_slots, dtype=np.int64))
-            if self.t in self.early:  # those are in place already
-                ids = ids[~self.early[self.t][0]]
-            return self._issue(self.t, self.plan_step, ids)
+            return self._issue(self.t, self.plan_step, self._not_in_place(self.t, ids))
         if self.unsent:
             return self._issue(None, None, EMPTY_IDS)
         if self.written < self.iterations:
@@ -344,14 +342,13 @@ class PrefetchState:
         # Sent when t has rows of its own to fetch (an exchange sent just for later rows would be one per
         # iteration again).
         sends = t is None or not self.fetches_early or len(ids) > 0
-        if not sends:
-            write_ids = write_slots = EMPTY_IDS
-        elif t is None and len(self.unsent) == 1:  # after the last iteration: one exchange per iteration's evictions
-            write_ids, write_slots = self.unsent[0]
-        else:
-            write_ids = _joined([w[0] for w in self.unsent])
-            write_slots = _joined([w[1] for w in self.unsent])
+        write_ids = write_slots = EMPTY_IDS
         if sends:
+            if t is None and len(self.unsent) == 1:  # after the last iteration: one exchange per iteration's evictions
+                write_ids, write_slots = self.unsent[0]
+            else:
+                write_ids = _joined([w[0] for w in self.unsent])
+                write_slots = _joined([w[1] for w in self.unsent])
             self.unsent = []
         self.waiting = False
         self.in_flight = self._exchange(t, step, write_ids, write_slots, ids, sends)
@@ -385,7 +382,7 @@ class PrefetchState:
         """The state's choice of slots: ``t``'s rows not in place into slots from the pool, then (if the exchange
         is sent) the rows fetched early."""
         ready_ids = ready_slots = None
-        slots = self._take_slots(t, len(ids)) if t is not None else EMPTY_IDS
+        slots = self._take_slots(t, len(ids))  # (none after the last iteration)
         ahead_ids = ahead_slots = EMPTY_IDS
         if t is not None and sends and self.read_ahead:
             self._early_in_flight, ahead_ids, ahead_slots = self._fetchable_ahead(ids)
@@ -400,6 +397,10 @@ class PrefetchState:
                         np.concatenate([slots, ahead_slots]), ahead=len(ahead_ids), ready_ids=ready_ids,
                         ready_slots=ready_slots, sends_writes=sends)
 
+    def _not_in_place(self, t: int, ids: np.ndarray) -> np.ndarray:
+        """``t``'s prefetches ``ids`` less those earlier exchanges fetched early (in place already)."""
+        return ids[~self.early[t][0]] if t in self.early else ids
+
     def _check_shape(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
         if len(ids) != len(slots):
             raise PlanViolation(f"iteration {t}: {len(ids)} prefetch ids but {len(slots)} slots")
@@ -409,8 +410,7 @@ class PrefetchState:
     def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
         """``t``'s prefetches (those earlier exchanges fetched early were checked then, and are placed)."""
         self._check_shape(t, ids, slots)
-        if t in self.early:
-            ids = ids[~self.early[t][0]]
+        ids = self._not_in_place(t, ids)
         live = self.slot_of[ids] >= 0
         if live.any():
             raise PlanViolation(
