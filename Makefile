@@ -25,7 +25,7 @@ run: $(STAMP)
 # pytest 9.2, pytest-xdist issue #1386.) --no-loadscope-reorder: modules go out in collection order, where
 # tests/conftest.py puts the longest first (xdist's own order, most tests first, sends them last).
 # `make test TEST_WORKERS=0` runs the tests serially, in this process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Every test, the slow end-to-end ones included (what CI runs).

@@ -2,10 +2,12 @@
 
 Each sample is a fresh process that starts ``--clusters`` LocalClusters of ``--workers`` workers one
 after the other, runs one task on every worker that imports what an embedding server and a trainer
-import, and closes each cluster. The two start methods alternate, ``--repeats`` samples each; the
-table gives medians of the wall seconds of each cluster (start, first task, close) and of the CPU
-seconds the whole machine spent per sample (``/proc/stat``: the forked workers are not this
-process's children, so only a machine-wide count sees them; quiet machines only).
+import, and closes each cluster; in the last one it SIGKILLs a worker and times its replacement (the
+nanny restarts it by the same method) until the replacement has run that task. The two start methods
+alternate, ``--repeats`` samples each; the table gives medians of the wall seconds of each cluster
+(start, first task, close), of the replacement, and of the CPU seconds the whole machine spent per
+sample (``/proc/stat``: the forked workers are not this process's children, so only a machine-wide
+count sees them; quiet machines only).
 
     .venv/bin/python benchmarks/cluster_start.py --workers 4 --clusters 3 --repeats 5
 """
@@ -35,20 +37,32 @@ def _worker_task() -> int:
     return 1
 
 
-def one_sample(method: str, workers: int, clusters: int) -> list[float]:
-    """In this process: the wall seconds of each of ``clusters`` LocalClusters started by ``method``."""
+def one_sample(method: str, workers: int, clusters: int) -> dict[str, object]:
+    """In this process: the wall seconds of each of ``clusters`` LocalClusters started by ``method``, and of
+    a killed worker's replacement (from the SIGKILL until the nanny's new worker has run the task)."""
+    import os
+    import signal
+
     from distributed import Client
 
     import dlrmflow.engine.serving.cluster as cluster
 
     cluster.WORKER_START = method
     walls = []
-    for _ in range(clusters):
+    for i in range(clusters):
         start = time.perf_counter()
         with cluster.local_cluster(workers) as local, Client(local) as client:
             client.run(_worker_task)
-        walls.append(time.perf_counter() - start)
-    return walls
+            walls.append(time.perf_counter() - start)
+            if i == clusters - 1:
+                victim, pid = next(iter(client.run(os.getpid).items()))
+                killed = time.perf_counter()
+                os.kill(pid, signal.SIGKILL)
+                while victim in client.scheduler_info()["workers"] or len(client.scheduler_info()["workers"]) < workers:
+                    time.sleep(0.01)
+                client.run(_worker_task)
+                replacement = time.perf_counter() - killed
+    return {"walls": walls, "replacement": replacement}
 
 
 def main() -> None:
@@ -61,7 +75,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one_sample(args.one, args.workers, args.clusters)))
         return
-    samples: dict[str, list[tuple[float, list[float]]]] = {"spawn": [], "forkserver": []}
+    samples: dict[str, list[tuple[float, dict]]] = {"spawn": [], "forkserver": []}
     for i in range(args.repeats):
         for method in samples:
             before = busy_cpu_seconds()
@@ -70,13 +84,16 @@ def main() -> None:
             samples[method].append((busy_cpu_seconds() - before, json.loads(out.strip().splitlines()[-1])))
             print(f"sample {i + 1}/{args.repeats} {method}: {samples[method][-1][0]:.1f} CPU s", file=sys.stderr)
     print(f"{args.workers} workers, {args.clusters} clusters per sample, medians of {args.repeats} samples")
-    print("| start method | first cluster s | later clusters s | machine CPU s per sample |")
-    print("|---|---|---|---|")
+    print("| start method | first cluster s | later clusters s | killed worker's replacement s "
+          "| machine CPU s per sample |")
+    print("|---|---|---|---|---|")
     for method, runs in samples.items():
-        first = statistics.median(walls[0] for _, walls in runs)
-        later = statistics.median(w for _, walls in runs for w in walls[1:]) if args.clusters > 1 else float("nan")
+        first = statistics.median(run["walls"][0] for _, run in runs)
+        later = statistics.median(w for _, run in runs for w in run["walls"][1:]) if args.clusters > 1 \
+            else float("nan")
+        replacement = statistics.median(run["replacement"] for _, run in runs)
         cpu = statistics.median(c for c, _ in runs)
-        print(f"| {method} | {first:.2f} | {later:.2f} | {cpu:.1f} |")
+        print(f"| {method} | {first:.2f} | {later:.2f} | {replacement:.2f} | {cpu:.1f} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,13 @@ flow and CLI test; engine tests never touch Prefect.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,11 +21,80 @@ DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_harness(tmp_path_factory):
+    """Prefect's test harness: a server of this process's own on a fresh SQLite database; its schema comes from
+    a copy of the first harness's database (:func:`migrated_database`)."""
+    from prefect.testing import utilities
 
-    with prefect_test_harness(server_startup_timeout=120):
+    made: list[str] = []
+    with ExitStack() as harness, migrated_database(tmp_path_factory) as (template, take_snapshot):
+        def temporary_dir_with_database() -> str:  # where prefect_test_harness puts its database
+            made.append(tempfile.mkdtemp())
+            if template is not None:
+                shutil.copyfile(template, Path(made[-1]) / "prefect-test.db")
+            return made[-1]
+
+        real, utilities.mkdtemp = utilities.mkdtemp, temporary_dir_with_database
+        try:
+            harness.enter_context(utilities.prefect_test_harness(server_startup_timeout=120))
+        finally:
+            utilities.mkdtemp = real
+        take_snapshot(Path(made[0]) / "prefect-test.db")
+        started = harness.pop_all()
+    with started:
         yield
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """``prefect server start`` with a PREFECT_HOME of its own, as the README's deployment block starts it
+    (tests/prefect_deployments.py); one per test module."""
+    from prefect_deployments import running_server
+
+    base = tmp_path_factory.mktemp("prefect-server")
+    with ExitStack() as server, migrated_database(tmp_path_factory) as (template, take_snapshot):
+        made = server.enter_context(running_server(base, database=template))
+        take_snapshot(made.database)
+        started = server.pop_all()
+    with started:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def prefect_worker(prefect_server):
+    """The README's work pool, deployments and process worker on ``prefect_server``; the worker's log."""
+    from prefect_deployments import polling_worker
+
+    with polling_worker(prefect_server) as log:
+        yield log
+
+
+@contextmanager
+def migrated_database(tmp_path_factory) -> Iterator[tuple[Path | None, Callable[[Path], None]]]:
+    """A Prefect server's start migrates a fresh database through every schema revision: most of its 15-20 CPU
+    seconds. The test run's first server (of any pytest-xdist worker) starts on an empty database and leaves a
+    copy of it, migrated, for the next ones: yields (that copy, or None and a lock that the other workers wait on
+    meanwhile; a function that makes the copy from a database path)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's directory, above each worker's own
+    template = shared / "prefect-migrated.db"
+
+    def take_snapshot(database: Path) -> None:
+        if template.exists():
+            return
+        partial = template.with_suffix(".partial")
+        with closing(sqlite3.connect(database)) as source, closing(sqlite3.connect(partial)) as copy:
+            source.backup(copy)  # consistent while the server writes
+        partial.rename(template)
+
+    with open(shared / "prefect-migrated.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if template.exists():
+            fcntl.flock(lock, fcntl.LOCK_UN)  # only the first server's start is waited for
+            yield template, take_snapshot
+        else:
+            yield None, take_snapshot
 
 
 @pytest.fixture(scope="session")
@@ -30,15 +105,15 @@ def data_dir() -> Path:
 # Fixtures that start servers or processes: Dask worker processes (a LocalCluster of processes, or
 # external workers) and the Prefect API. The tests that use them are end-to-end, so they count as slow:
 # `make test-fast` runs the rest (algorithms, formats, in-process clusters) in under two minutes.
-END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harness"}
+END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harness", "prefect_server"}
 
 
 # The modules that take longest (minutes each, most of it in one end-to-end test), longest first. In a
 # parallel run (`make test`: pytest-xdist, --dist loadfile --no-loadscope-reorder) the workers take whole
 # modules in collection order, so these go first: started last, one of them alone would be the run's tail.
 # Out of date, this list costs only time (`pytest --durations=30` shows the slowest tests).
-LONGEST_MODULES = ["test_prefect_server.py", "test_readme.py", "test_pipeline.py",
-                   "test_fast_start.py", "test_recovery.py", "test_external_dask.py", "test_dataset_cli.py"]
+LONGEST_MODULES = ["test_readme.py", "test_daily_deployment.py", "test_pipeline.py", "test_prefect_server.py",
+                   "test_external_dask.py", "test_fast_start.py", "test_recovery.py", "test_dataset_cli.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

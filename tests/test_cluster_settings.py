@@ -4,8 +4,10 @@ housekeeping in the clusters it starts (docs/oracle-overhead.md)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import dask
 import pytest
@@ -66,8 +68,18 @@ def test_workers_fork_from_a_server_that_imported_the_engine_and_start_as_spawne
         monkeypatch.chdir(where)
         with local_cluster(2) as cluster, Client(cluster) as client:
             seen.append((where, list(client.run(_worker_start).values())))
+    # A worker its nanny restarts after a kill forks from the server too (a replacement comes up in a fraction
+    # of a second, without importing torch again).
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        victim = next(iter(client.run(os.getpid).items()))
+        os.kill(victim[1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while victim[0] in client.scheduler_info()["workers"] or len(client.scheduler_info()["workers"]) < 2:
+            assert time.monotonic() < deadline, "the killed worker was not replaced within 60 s"
+            time.sleep(0.1)
+        seen.append((tmp_path / "b", list(client.run(_worker_start).values())))
     parents = {w["parent"] for _, workers in seen for w in workers}
-    assert len(parents) == 1 and os.getpid() not in parents  # one server, for both clusters
+    assert len(parents) == 1 and os.getpid() not in parents  # one server, for every cluster and the replacement
     for where, workers in seen:
         for worker in workers:
             assert worker["imported"] == list(WORKER_IMPORTS) and worker["cwd"] == str(where)

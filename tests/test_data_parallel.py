@@ -479,7 +479,7 @@ def test_a_killed_trainer_names_the_resume_and_the_resumed_run_is_bit_identical(
     with pytest.raises(TrainerLostError, match=f"trainer 1 of 2 .*; continue the run from its last checkpoint with "
                                                f"`dlrmflow resume {tmp_path / 'run'}`"):
         train(config, client=client, progress=kill_at)
-    client.wait_for_workers(7, timeout=60)
+    # No wait for the killed worker's replacement: the cluster's third trainer worker is free.
     resumed = train(TrainConfig(**{**config.model_dump(), "resume": True}), client=client)
     assert resumed["checkpoint"]["resumed_from"] in range(5, killed[0] + 1, 5)  # the last checkpoint before the kill
     assert resumed["state_sha256"] == whole["state_sha256"]

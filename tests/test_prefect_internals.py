@@ -182,3 +182,48 @@ def test_prepare_temporary_api_makes_prefect_launch_its_server_under_exit_with_p
 def test_server_command_refuses_a_command_it_does_not_know():
     with pytest.raises(UnexpectedServerCommand, match="unexpected Prefect server command"):
         server_command(["python", "-m", "hypercorn", "app"])
+
+
+@pytest.mark.slow
+def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_training_run():
+    """The cause of the recover-shard nesting gap, in process and in seconds: the oracle trainer notices
+    a loss in its prefetch worker, a plain thread whose context is empty. The runner made inside the
+    task brings the task's context along; calling the bare runner from such a thread makes an orphan."""
+    import threading
+
+    from prefect import flow, get_client, task
+    from prefect.context import FlowRunContext
+
+    from dlrmflow.engine.coding.record import RecoveryRecord
+    from dlrmflow.flows.recovery import recovery_runner, run_recovery_subflow
+
+    def rebuild(progress=None):  # what rebuild_lost returns (a record of a rebuild that took 0.01 s), and the run
+        record = RecoveryRecord(members=[0], detected_at=0.0, rebuilt_at=0.01, rows_rebuilt=8, chunks=1)
+        return record.as_dict(k=2, start=0.0) | {"recovery_run": FlowRunContext.get().flow_run.id}
+
+    @task
+    def train_like(bound: bool):
+        runner = recovery_runner() if bound else run_recovery_subflow
+        results = []
+        # Like engine/training/prefetch.py's worker: a thread that does not copy its creator's context.
+        thread = threading.Thread(target=lambda: results.append(runner(rebuild, {"lost": ["data shard 0"],
+                                                                                  "stripes": 8, "chunk": 8})))
+        thread.start()
+        thread.join()
+        return results[0]["recovery_run"]
+
+    @flow(name="train")
+    def train_like_flow(bound: bool):
+        return FlowRunContext.get().flow_run.id, train_like(bound)
+
+    with get_client(sync_client=True) as client:
+        for bound in (True, False):
+            train_run, recovery_run = train_like_flow(bound)
+            recovery = client.read_flow_run(recovery_run)
+            assert client.read_flow(recovery.flow_id).name == "recover-shard"
+            assert recovery.state.is_completed()
+            if bound:
+                assert recovery.parent_task_run_id is not None, "recover-shard run is not a subflow run"
+                assert client.read_task_run(recovery.parent_task_run_id).flow_run_id == train_run
+            else:  # Prefect finds no parent in the thread's context: a top-level run
+                assert recovery.parent_task_run_id is None

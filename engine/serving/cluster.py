@@ -130,9 +130,13 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
     # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
     # drown the flow's own progress lines in the terminal and the Prefect logs.
     logging.getLogger("distributed").setLevel(logging.WARNING)
-    # Read when the scheduler and the nannies start; the nannies pass HOUSEKEEPING to their workers. (A worker
-    # that a nanny restarts after a kill is spawned: the start method is read at each start.)
-    with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
+    # The start method is read at each worker start, a nanny's restart of a killed worker included: set for the
+    # process, so that a replacement forks from the server too (spawned, it imported torch anew: seconds of CPU
+    # on the cores the surviving trainers and servers use, while a rebuild waits for it).
+    dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START})
+    # Read when the scheduler, the worker server and the nannies start; the nannies pass HOUSEKEEPING to their
+    # workers.
+    with dask.config.set(HOUSEKEEPING):
         _start_worker_server()
         cluster = LocalCluster(
             n_workers=workers,
