@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
+from distributed.core import Status
 from distributed.utils import get_mp_context
 
 from dlrmflow.engine.phases import phase_reported
@@ -80,6 +81,21 @@ WORKER_IMPORTS = ("dlrmflow", "distributed", "numpy", "pyarrow.parquet", "torch"
                   "dlrmflow.engine.planning.planner", "dlrmflow.engine.planning.profile",
                   "dlrmflow.datasets.preprocess", "dlrmflow.datasets.synthetic")
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+class ForkingNanny(Nanny):
+    """A nanny whose every worker start uses :data:`WORKER_START`, its restart of a killed worker included.
+
+    Dask reads the start method from the global configuration at each start: a restart after the cluster's
+    start would spawn the replacement, which then imports torch anew (seconds of CPU on the cores the surviving
+    trainers and servers use, while a rebuild may wait for it). Set for these nannies only, not for the process:
+    other clusters it starts keep Dask's default."""
+
+    async def instantiate(self) -> Status:
+        # Global while this start awaits: a start of another cluster's worker in that window (rare: restarts
+        # are) may fork too, which only makes it start faster.
+        with dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START}):
+            return await super().instantiate()
 
 
 def _start_worker_server() -> None:
@@ -130,18 +146,15 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
     # The scheduler lives in this process; its INFO chatter (workers joining and leaving) would
     # drown the flow's own progress lines in the terminal and the Prefect logs.
     logging.getLogger("distributed").setLevel(logging.WARNING)
-    # The start method is read at each worker start, a nanny's restart of a killed worker included: set for the
-    # process, so that a replacement forks from the server too (spawned, it imported torch anew: seconds of CPU
-    # on the cores the surviving trainers and servers use, while a rebuild waits for it).
-    dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START})
     # Read when the scheduler, the worker server and the nannies start; the nannies pass HOUSEKEEPING to their
-    # workers.
-    with dask.config.set(HOUSEKEEPING):
+    # workers. (A nanny's later restart of a killed worker: ForkingNanny.)
+    with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
         _start_worker_server()
         cluster = LocalCluster(
             n_workers=workers,
             threads_per_worker=1,
             processes=True,
+            worker_class=ForkingNanny,
             dashboard_address=":0",  # a free port: never collides with another cluster's 8787
             memory_limit=memory_limit,
             silence_logs=logging.ERROR,
