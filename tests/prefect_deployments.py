@@ -5,7 +5,7 @@ PREFECT_HOME (so it never touches ~/.prefect, nor the session's ``prefect_harnes
 PREFECT_API_URL in their environment (for the README's ``prefect config set``); then the README's next lines
 verbatim in a shell with the venv's ``bin`` first on PATH (what ``source .venv/bin/activate`` does): ``prefect
 work-pool create``, ``prefect deploy --all``, ``prefect worker start``. tests/conftest.py makes a server and a
-worker per test module (``prefect_server``, ``worker``), so that two modules' long runs go on in parallel.
+worker per test module (``prefect_server``, ``prefect_worker``), so that two modules' long runs go on in parallel.
 
 They run in a copy of the project root (``prefect.yaml`` and the ``flows/`` its entrypoints name), as a user's
 clone: the README's relative ``work_dir`` then lands in the test's temporary directory, not in this checkout's
@@ -127,7 +127,6 @@ def _project_copy(base: Path) -> Path:
     return project
 
 
-
 @contextmanager
 def running_server(base: Path, database: Path | None = None) -> Iterator[PrefectServer]:
     """``prefect server start`` in ``base``, healthy; stopped afterwards. ``database``: a copy of it is the
@@ -200,4 +199,3 @@ def wait_for_final_state(url: str, run_id: str, worker_log: Path):
                 pytest.fail(f"flow run {run_id} still {run.state_name} after {RUN_TIMEOUT_S} s; worker log:\n"
                             f"{tail(worker_log)}")
             time.sleep(2)
-
