@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 from train import CONFIGS, config_dataset
 
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.planning.holders import slice_masks
 from dlrmflow.engine.training.batch_split import BatchSplit
-from dlrmflow.engine.training.slices import BatchSlices, SliceWriter
+from dlrmflow.engine.training.trainer_slices import BatchSlices, SliceWriter
 
 
 def write_slices(dataset: Path, batch: int, size: int, iterations: int, directory: Path) -> BatchSlices:

@@ -32,7 +32,7 @@ def busy_cpu_seconds() -> float:
 
 def _worker_task() -> int:
     import dlrmflow.engine.serving.shards  # noqa: F401 - what an embedding server imports
-    import dlrmflow.engine.training.workers  # noqa: F401 - what a trainer imports
+    import dlrmflow.engine.training.launch  # noqa: F401 - what a trainer imports
 
     return 1
 

@@ -82,7 +82,7 @@ def one_day_alone(days: list[dict], work: Path, batch_size: int) -> dict:
     """A model trained on day 1 alone (fresh start, the loop's settings but local: the same bits as the
     oracle), scored on day 2."""
     from dlrmflow.engine.training.config import TrainConfig
-    from dlrmflow.engine.training.run import train
+    from dlrmflow.engine.training.job import train
     from dlrmflow.engine.training.scoring import evaluate_run
 
     run_dir = work / "day1-alone"

@@ -75,7 +75,7 @@ from dlrmflow.engine.coding import rebuild as recovery
 from dlrmflow.engine.planning.planner import PlanConfig, make_plan
 from dlrmflow.engine.serving.cluster import local_cluster
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 MODES: tuple[str, ...] = ()  # set in main(): none, checkpoint/N for each N, parity R=1, R=2, R=1 rate-limited
 

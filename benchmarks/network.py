@@ -61,7 +61,7 @@ from train import CONFIGS, EVAL_BATCHES, MODES, combine, config_data
 from dlrmflow.engine.serving.cluster import shaped_cluster
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError, ShapedLink
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import train
+from dlrmflow.engine.training.job import train
 
 RATES = "unshaped,1000,200,100,50,20,10"
 UNSHAPED = "unshaped"

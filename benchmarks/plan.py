@@ -53,7 +53,7 @@ from distributed import Client
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.planning import planner
 from dlrmflow.engine.planning.cache_policies import compare_dataset
 from dlrmflow.engine.planning.lookahead import decide_range, iter_id_batches

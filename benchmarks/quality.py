@@ -46,11 +46,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.models import MODELS
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.engine.training.job import train
 from dlrmflow.engine.training.metrics import log_loss, roc_auc
-from dlrmflow.engine.training.run import train
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_data import synthetic_dataset  # noqa: E402

@@ -25,7 +25,7 @@ from bench_data import synthetic_dataset
 from dlrmflow.engine.planning.planner import PlanConfig, load_plan, make_plan
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import train
+from dlrmflow.engine.training.job import train
 
 BATCH, BATCH_W3, ITERATIONS, ROWS, SCALE = 256, 255, 30, 256 * 36, 0.002
 

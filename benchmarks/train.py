@@ -51,7 +51,7 @@ from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine.planning.planner import PlanConfig, load_plan, make_plan
 from dlrmflow.engine.serving.cluster import local_cluster
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import train
+from dlrmflow.engine.training.job import train
 
 CONFIGS = {
     "a": dict(name="criteo-arch", scale=0.05, batch=4096, dim=16, bottom=(512, 256, 64, 16), top=(512, 256, 1),

@@ -60,13 +60,13 @@ from distributed import Client
 from network import UNSHAPED, log, parse_rates, rate_label, rotated, transfer_seconds
 from train import CONFIGS, EVAL_BATCHES, combine, config_data
 
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.planning.holders import HolderCounts, holder_counts
 from dlrmflow.engine.serving.cluster import ShapedCluster, local_cluster, shaped_cluster
 from dlrmflow.engine.serving.shaped_link import LinkUnavailableError
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import train
-from dlrmflow.engine.training.setup import prepare_run
+from dlrmflow.engine.training.job import train
+from dlrmflow.engine.training.run_setup import prepare_run
 
 # oracle-every: the oracle with every LRPP trainer holding every cached row (before Bagpipe's saving), the
 # baseline of the memory table; with one trainer it is the oracle, and is not run.

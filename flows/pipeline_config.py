@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from dlrmflow.datasets.preprocess_config import FORMAT_NAMES, PreprocessConfig
-from dlrmflow.engine.batches import batches_ending_by
+from dlrmflow.engine.batch_stream import batches_ending_by
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning.planner import PlanConfig
 from dlrmflow.engine.training.config import MODELS, TrainConfig
@@ -39,7 +39,7 @@ class PipelineConfigError(UserInputError):
 def training_batches(rows: int, batch_size: int, eval_fraction: float = EVAL_FRACTION) -> int:
     """Whole batches a training run of a ``rows``-row dataset has before its held-out rows.
 
-    The rule of ``engine/training/run.py``'s ``prepare_run``: the last ``round(eval_fraction * rows)`` rows
+    The rule of ``engine/training/job.py``'s ``prepare_run``: the last ``round(eval_fraction * rows)`` rows
     are held out, and a batch counts when it ends at or before them (:func:`batches_ending_by`)."""
     return batches_ending_by(rows, batch_size, rows - int(round(eval_fraction * rows)))
 

@@ -2,7 +2,7 @@
 
 Its parameter is one validated :class:`~dlrmflow.engine.training.config.TrainConfig`, whatever starts it
 (``dlrmflow train``, a deployment, the pipeline). Its first task checks every input against the dataset,
-the plan, the machine and the run directory (:func:`~dlrmflow.engine.training.setup.prepare_run`); the
+the plan, the machine and the run directory (:func:`~dlrmflow.engine.training.run_setup.prepare_run`); the
 checked run it returns goes to the train task as that task's input. Once the check passed, the flow says
 so on :data:`INPUT_CHECKED` (the CLI holds the run's console lines until then, so that a run refused for
 its input prints one line).

@@ -1,4 +1,4 @@
-"""Prefect tasks of the train flow (thin wrappers over :mod:`dlrmflow.engine.training.run`) and its report."""
+"""Prefect tasks of the train flow (thin wrappers over :mod:`dlrmflow.engine.training.job`) and its report."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from prefect.cache_policies import NO_CACHE
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.faults import parse_kill
+from dlrmflow.engine.training.job import train
 from dlrmflow.engine.training.modes import MODES
-from dlrmflow.engine.training.run import train
-from dlrmflow.engine.training.setup import RunSetup, prepare_run
+from dlrmflow.engine.training.run_setup import RunSetup, prepare_run
 from dlrmflow.engine.training.summary import TrainSummary, train_summary
 from dlrmflow.tasks import plots
 from dlrmflow.tasks.reporting import (

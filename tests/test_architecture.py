@@ -129,7 +129,7 @@ _IMPORT_WITHOUT_PREFECT = textwrap.dedent(
 
 def test_every_engine_module_imports_without_prefect():
     names = [m.name for m in engine_modules()]
-    assert "dlrmflow.engine.coding.erasure" in names and "dlrmflow.engine.training.run" in names
+    assert "dlrmflow.engine.coding.erasure" in names and "dlrmflow.engine.training.job" in names
     done = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_PREFECT, json.dumps(names)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

@@ -38,7 +38,7 @@ from dlrmflow.engine.run_lock import OutputLockedError, lock_path, output_lock
 from dlrmflow.engine.run_state import MANIFEST_FILE, STATE_DIR, save_sharded_state, save_state
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint import refuse_to_overwrite
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 DATA = Path(__file__).parent / "data"
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_planner import make_dataset, naive_plan
 
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning.cache_policies import (
     build_trace,

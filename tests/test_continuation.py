@@ -23,7 +23,7 @@ from dlrmflow.datasets.synthetic import generate_rows
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.run_state import load_state, read_summary, state_differences
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 ROWS_PER_DAY = 1024  # whole batches of 128: day 1's first batch is the reference's batch after day 0's last
 
@@ -195,7 +195,7 @@ def test_evaluate_scores_a_run_on_the_next_days_data_as_training_would_see_it(da
     assert next_day["rows"] == meta1.rows and next_day["new_ids"] == sum(meta1.cardinalities) - sum(meta0.cardinalities)
     assert next_day["new_id_lookups"] > 0 and 0 < next_day["new_id_lookup_share"] < 1
     assert 0 < next_day["auc"] < 1
-    labels = np.concatenate([b.labels for b in __import__("dlrmflow.engine.batches", fromlist=["BatchStream"])
+    labels = np.concatenate([b.labels for b in __import__("dlrmflow.engine.batch_stream", fromlist=["BatchStream"])
                              .BatchStream(days["ds1"], 512)])
     rate = labels.mean()
     assert next_day["constant_log_loss"] == pytest.approx(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))

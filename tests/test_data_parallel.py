@@ -26,7 +26,7 @@ from distributed import Client
 from test_trainers import _plan_with_capacity, make_dataset, small_config
 
 from dlrmflow.cli import main
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning import planner
 from dlrmflow.engine.planning.holders import holder_counts, slice_masks
@@ -38,10 +38,10 @@ from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_users
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
-from dlrmflow.engine.training.run import train
-from dlrmflow.engine.training.setup import prepare_run
-from dlrmflow.engine.training.slices import BatchSlices, SliceWriter
-from dlrmflow.engine.training.workers import TrainerLostError, trainer_device
+from dlrmflow.engine.training.job import train
+from dlrmflow.engine.training.launch import TrainerLostError, trainer_device
+from dlrmflow.engine.training.run_setup import prepare_run
+from dlrmflow.engine.training.trainer_slices import BatchSlices, SliceWriter
 
 CARDS = (400, 5, 1200, 90)  # larger tables than test_trainers': LRU caches and capped plans evict
 

@@ -26,7 +26,7 @@ from dlrmflow.cli import main
 from dlrmflow.datasets import synthetic
 from dlrmflow.datasets.writer import write_array_dataset
 from dlrmflow.engine import models
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.models.dcn_v2 import DCNv2Config
 from dlrmflow.engine.models.deepfm import DeepFMConfig
@@ -34,7 +34,7 @@ from dlrmflow.engine.models.wide_deep import WideDeepConfig
 from dlrmflow.engine.run_state import bit_equal, load_state
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.training.config import MODELS, TrainConfig
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 DATA = Path(__file__).parent / "data"
 

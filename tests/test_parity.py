@@ -29,7 +29,7 @@ from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
 from dlrmflow.engine.training.config import TrainConfigError
 from dlrmflow.engine.training.faults import FaultSpecError, parse_kill
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 from cli_helpers import run_json
 
 from dlrmflow.cli import main
-from dlrmflow.engine.batches import batches_ending_by
+from dlrmflow.engine.batch_stream import batches_ending_by
 from dlrmflow.engine.serving import shaped_link
 from dlrmflow.flows.pipeline import PipelineConfig
 from dlrmflow.flows.pipeline_config import PipelineConfigError, training_batches
@@ -86,7 +86,7 @@ def test_training_batches_is_the_trainers_count_of_whole_batches_before_the_held
     for rows in [*range(6, 60), 199, 200, 201, 180_000, 200_000]:  # up to 5 rows none is held out: refused
         for batch_size in (1, 2, 3, 7, 512, 2048):
             held_out_start = rows - int(round(0.1 * rows))
-            batches = -(-rows // batch_size)  # engine/training/run.py: every batch of the stream that ends in time
+            batches = -(-rows // batch_size)  # engine/training/job.py: every batch of the stream that ends in time
             fit = sum(1 for t in range(batches) if min((t + 1) * batch_size, rows) <= held_out_start)
             assert training_batches(rows, batch_size) == fit, (rows, batch_size)
     assert training_batches(200_000, 2048) == 87

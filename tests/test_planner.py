@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.planning import lookahead, planner
 from dlrmflow.engine.planning.lookahead import PlanConsistencyError, assign_slots, farthest_first_drops, iter_id_batches
 from dlrmflow.engine.planning.planner import (

@@ -33,8 +33,8 @@ from dlrmflow.engine.serving.placement import place
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
 from dlrmflow.engine.training import faults as faults_module
 from dlrmflow.engine.training import loop as loop_module
-from dlrmflow.engine.training import rank as rank_module
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training import trainer as rank_module
+from dlrmflow.engine.training.job import prepare_run, train
 
 ITERATIONS = 14
 WORKERS = 4  # K = 2 data shards + up to R = 2 parity shards, one worker each

@@ -33,7 +33,7 @@ from dlrmflow.engine.training.checkpoint import (
     checkpoint_iteration,
 )
 from dlrmflow.engine.training.config import replace
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -233,7 +233,7 @@ def test_training_behind_the_link_ends_in_the_same_bits(tmp_path):
 
     from dlrmflow.engine.planning import planner
     from dlrmflow.engine.serving.cluster import shaped_cluster
-    from dlrmflow.engine.training.run import train
+    from dlrmflow.engine.training.job import train
 
     dataset = make_dataset(tmp_path / "ds", seed=3)
     planner.make_plan(dataset, planner.PlanConfig(batch_size=16, lookahead=4), tmp_path / "plan")

@@ -50,11 +50,11 @@ from dlrmflow.engine.run_state import (
 from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
-from dlrmflow.engine.training import rank as rank_module
-from dlrmflow.engine.training import run as run_module
+from dlrmflow.engine.training import job as run_module
+from dlrmflow.engine.training import trainer as rank_module
 from dlrmflow.engine.training.checkpoint import CHECKPOINT_FILE, CHECKPOINT_ROWS_DIR, load_checkpoint
 from dlrmflow.engine.training.config import replace
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 from dlrmflow.engine.training.stores.base import ServersCurrentRows, ShardRows
 
 CARDS = (400, 5, 1201, 90)  # 1,696 rows: odd, and three chunks of 1 << 9

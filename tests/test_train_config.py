@@ -13,7 +13,7 @@ from test_trainers import make_dataset
 from dlrmflow.cli import build_parser, main
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.serving.embedding_rows import EMBEDDING_OPTIMIZERS
-from dlrmflow.engine.training import run as trainer_module
+from dlrmflow.engine.training import job as trainer_module
 from dlrmflow.engine.training.checkpoint import config_sha256, start_run_dir
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError, cli_option, replace
 from dlrmflow.engine.training.faults import FaultSpecError, check_kills

@@ -21,7 +21,7 @@ from distributed import Client, LocalCluster
 
 from dlrmflow.datasets.meta import DatasetError
 from dlrmflow.datasets.writer import write_array_dataset
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.models import build_model
 from dlrmflow.engine.planning.planner import CapacityError
 from dlrmflow.engine.run_state import bit_equal, load_state, read_summary, state_differences
@@ -31,8 +31,8 @@ from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup, answer, s
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint import RestoredShard
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
+from dlrmflow.engine.training.job import prepare_run, train
 from dlrmflow.engine.training.prefetch import PlanViolation, PrefetchError, PrefetchWorker
-from dlrmflow.engine.training.run import prepare_run, train
 
 DATA = Path(__file__).parent / "data"
 

@@ -34,7 +34,7 @@ from test_trainers import (
 from dlrmflow.engine.planning import planner as plans
 from dlrmflow.engine.run_state import load_state
 from dlrmflow.engine.serving.cluster import local_cluster
-from dlrmflow.engine.training.run import prepare_run, train
+from dlrmflow.engine.training.job import prepare_run, train
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)

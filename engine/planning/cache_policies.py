@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning.lookahead import coverage, decide_range, farthest_first_drops, iter_id_batches, occupancy
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.errors import UserInputError
 
 INT32_MAX = 2**31 - 1

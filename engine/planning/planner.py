@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dlrmflow.datasets.meta import read_meta
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import phase_reported

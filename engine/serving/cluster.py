@@ -77,7 +77,7 @@ WORKER_LOGGING = "dlrmflow.engine.serving.worker_logging"
 # nanny gives a spawned worker: an environment variable set later in this process does not reach it (nothing
 # dlrmflow's workers run reads one). Imports that fail are skipped there and done by the worker that needs them.
 WORKER_IMPORTS = ("dlrmflow", "distributed", "numpy", "pyarrow.parquet", "torch", WORKER_LOGGING,
-                  "dlrmflow.engine.serving.shards", "dlrmflow.engine.coding.group", "dlrmflow.engine.training.workers",
+                  "dlrmflow.engine.serving.shards", "dlrmflow.engine.coding.group", "dlrmflow.engine.training.launch",
                   "dlrmflow.engine.planning.planner", "dlrmflow.engine.planning.profile",
                   "dlrmflow.datasets.preprocess", "dlrmflow.datasets.synthetic")
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"

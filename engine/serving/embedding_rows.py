@@ -234,7 +234,7 @@ def apply_update(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torc
 def apply_update_rowwise(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """:func:`apply_update` computed so that each row's result depends on that row alone, in place.
 
-    Several trainers (:mod:`dlrmflow.engine.training.workers`) update a row in blocks of different
+    Several trainers (:mod:`dlrmflow.engine.training.launch`) update a row in blocks of different
     shapes (a trainer's own rows, the rows synced now, those synced later). CPU kernels round a
     fused multiply-add (``w - lr * g`` in one step) in their vectorised body and a multiply then
     an add in their scalar tail, so :func:`apply_update`'s result for a row can depend on where the

@@ -42,7 +42,7 @@ class BatchSplit:
     def of_slice(cls, t: int, union: np.ndarray, masks: np.ndarray, ids: np.ndarray, size: int, rank: int
                  ) -> BatchSplit:
         """The same split from the batch's distinct ids ``union`` (sorted), their trainers ``masks`` (bit w:
-        trainer w's slice uses it; :class:`~dlrmflow.engine.training.slices.BatchSlices`) and this trainer's
+        trainer w's slice uses it; :class:`~dlrmflow.engine.training.trainer_slices.BatchSlices`) and this trainer's
         slice ``ids`` ``[B/W, T]`` alone."""
         users = (masks[None, :] >> np.arange(size, dtype=np.int64)[:, None]) & 1 == 1
         where = [np.flatnonzero(used) for used in users]

@@ -1,6 +1,6 @@
 """The training configuration, declared once: every field's type, default, bounds and help text.
 
-:class:`TrainConfig` is what :func:`dlrmflow.engine.training.run.train` runs, the train flow's
+:class:`TrainConfig` is what :func:`dlrmflow.engine.training.job.train` runs, the train flow's
 parameter, the source of the ``dlrmflow train`` options (:func:`cli_option` names them) and
 what ``RUN_DIR/run_config.json`` records for ``dlrmflow resume``. Constructing one validates it:
 a bad value raises :class:`TrainConfigError` (a ``UserInputError``: the CLI prints one line and

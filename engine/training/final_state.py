@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from dlrmflow.engine.run_state import StateDigest, stage_state_dir, write_dense, write_manifest
-from dlrmflow.engine.training.common import dense_state
+from dlrmflow.engine.training.dense import dense_state
 from dlrmflow.engine.training.stores.base import RowStore
 
 

@@ -35,17 +35,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrmflow.engine.batches import global_ids
+from dlrmflow.engine.batch_stream import global_ids
 from dlrmflow.engine.models import bce_loss
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.checkpoint import Checkpointer
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.common import TrainLog, evaluation_row
+from dlrmflow.engine.training.evaluation import evaluation_row
 from dlrmflow.engine.training.faults import FaultInjector
+from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.schedule import LrSchedule
-from dlrmflow.engine.training.setup import RunSetup
-from dlrmflow.engine.training.slices import BatchSlices
 from dlrmflow.engine.training.stores.base import RowStore
+from dlrmflow.engine.training.train_log import TrainLog
+from dlrmflow.engine.training.trainer_slices import BatchSlices
 
 logger = logging.getLogger(__name__)
 EMPTY_IDS = np.zeros(0, dtype=np.int64)

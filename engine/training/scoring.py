@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from dlrmflow.datasets.meta import read_meta
-from dlrmflow.engine.batches import BatchStream
+from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.models import build_model, row_init_std
 from dlrmflow.engine.models.registry import config_of
 from dlrmflow.engine.phases import PhaseProgress
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
-from dlrmflow.engine.training.common import deterministic_torch, score_rows
 from dlrmflow.engine.training.continuation import InitFromError, parent_cardinalities, read_finished_run
+from dlrmflow.engine.training.dense import deterministic_torch
+from dlrmflow.engine.training.evaluation import score_rows
 from dlrmflow.engine.training.metrics import log_loss, roc_auc
 
 

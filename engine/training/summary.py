@@ -1,6 +1,6 @@
 """A typed view of a training run's summary, for the code that reads it (the pipeline, the train report).
 
-:func:`~dlrmflow.engine.training.run.train` returns its summary as a dict, the object ``summary.json``
+:func:`~dlrmflow.engine.training.job.train` returns its summary as a dict, the object ``summary.json``
 records and ``dlrmflow train --json`` prints. :func:`train_summary` is the one place that reads that
 dict by key; everything else reads the attributes of the :class:`TrainSummary` it makes.
 :func:`saved_run` is the training run's "up to date" rule (:mod:`dlrmflow.engine.up_to_date`).

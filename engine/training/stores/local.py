@@ -13,7 +13,7 @@ from dlrmflow.engine import row_files
 from dlrmflow.engine.row_files import as_sharded, shard_file, write_rows_file
 from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.stores.base import OneTrainerRows
 
 

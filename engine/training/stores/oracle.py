@@ -4,7 +4,7 @@ background (:mod:`..prefetch`); with several trainers, Bagpipe's LRPP cache.
 ``oracle`` with W trainers (:class:`LrppRows`, Bagpipe's logically replicated, physically partitioned cache): one
 plan for the global batch. A row the plan caches for one lifetime (prefetched for ``f``, evicted after
 ``e``) has *holders*: the trainers whose slices use it in ``f .. e`` (with parity or checkpoints, trainer 0
-too), known before the run (:func:`~dlrmflow.engine.training.slices.prepare_trainers`). A trainer
+too), known before the run (:func:`~dlrmflow.engine.training.trainer_slices.prepare_trainers`). A trainer
 holds only the rows it is a holder of, in slots of its own cache (as large as the most it holds at once).
 
 - Fetching: each prefetched row is fetched from its server by one trainer, the one that last wrote it home
@@ -37,7 +37,7 @@ from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import PendingExchange, TrainerGroup, sum_over_users
 from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
 from dlrmflow.engine.training.prefetch_state import HeldStep
-from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.stores.base import CachedRows, RowsForTrainers
 
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it

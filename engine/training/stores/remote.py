@@ -12,7 +12,7 @@ from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import TrainerGroup, sum_over_users
-from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.stores.base import ServersCurrentRows, ShardRows, host_buffer
 
 

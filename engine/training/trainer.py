@@ -36,22 +36,17 @@ from dlrmflow.engine.training.checkpoint import (
     start_placed_shards,
 )
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.common import (
-    TrainLog,
-    collect_state,
-    deterministic_torch,
-    evaluate,
-    make_dense_optimizer,
-    start_from_run,
-)
+from dlrmflow.engine.training.dense import collect_state, deterministic_torch, make_dense_optimizer, start_from_run
+from dlrmflow.engine.training.evaluation import evaluate
 from dlrmflow.engine.training.faults import FaultInjector, kills_since
 from dlrmflow.engine.training.final_state import seal_final_state, write_final_state
 from dlrmflow.engine.training.loop import LoopHooks, Report
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.schedule import LrSchedule
-from dlrmflow.engine.training.setup import RunSetup
 from dlrmflow.engine.training.timing import timed
+from dlrmflow.engine.training.train_log import TrainLog
 
 
 def start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_runner=None) -> ShardGroup | None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
-from dlrmflow.engine.batches import BatchStream, batches_ending_by, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, batches_ending_by, global_ids
 from dlrmflow.engine.models import architecture, model_config, row_init_std, row_width
 from dlrmflow.engine.planning.planner import CapacityError, Plan, load_plan
 from dlrmflow.engine.serving.embedding_rows import RowSpec

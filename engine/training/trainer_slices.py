@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrmflow.engine.batches import BatchStream, global_ids
+from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.planning.holders import mask_dtype, slice_masks, write_lifetime_holders
 from dlrmflow.engine.planning.planner import PlanMismatchError
 from dlrmflow.engine.training.batch_split import BatchSplit
-from dlrmflow.engine.training.setup import RunSetup
+from dlrmflow.engine.training.run_setup import RunSetup
 
 TRAINERS_DIR = "trainers"  # in the run directory: what prepare_trainers wrote
 

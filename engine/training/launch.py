@@ -7,11 +7,11 @@ worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`), pick
 watches the trainers' workers: a trainer whose worker dies fails the run at once with
 :class:`TrainerLostError`, one line naming the trainer; a trainer that raises fails it with its own error,
 and the workers of trainers left blocked in a collective are restarted (:func:`release_blocked_trainers`).
-Each trainer runs :func:`~.rank.train_rank`.
+Each trainer runs :func:`~.trainer.train_rank`.
 
 Each trainer reads and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1`` of every global batch. What it
 must know of the others' slices (the stores decide from it what to sync, fetch and write) comes from one
-pass over the batches' ids before the trainers start (:func:`~.slices.prepare_trainers`).
+pass over the batches' ids before the trainers start (:func:`~.trainer_slices.prepare_trainers`).
 Every trainer starts from the same model (same seed) and applies the same mean gradient, so the dense
 parameters stay identical; rank 0 returns them. The trainers end with every row home on its server.
 """
@@ -38,9 +38,9 @@ from dlrmflow.engine.training.checkpoint import (
     resume_command,
 )
 from dlrmflow.engine.training.collectives import TrainerGroup
-from dlrmflow.engine.training.rank import train_rank
-from dlrmflow.engine.training.setup import RunSetup
-from dlrmflow.engine.training.slices import prepare_trainers
+from dlrmflow.engine.training.run_setup import RunSetup
+from dlrmflow.engine.training.trainer import train_rank
+from dlrmflow.engine.training.trainer_slices import prepare_trainers
 
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress

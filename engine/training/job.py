@@ -1,5 +1,5 @@
-"""Run one training job: check it (:mod:`.setup`), run its trainers (:mod:`.rank`; one in this process, or
-W on Dask workers, :mod:`.workers`), write what it produced.
+"""Run one training job: check it (:mod:`.run_setup`), run its trainers (:mod:`.trainer`; one in this process, or
+W on Dask workers, :mod:`.launch`), write what it produced.
 
 Every mode ends in bit-identical parameters: the one-trainer reference is ``local`` (all rows in the
 trainer's memory), the W-trainer reference ``remote`` with the same W (docs/trainers.md). The modes
@@ -25,14 +25,14 @@ from dlrmflow.engine.models import architecture
 from dlrmflow.engine.run_lock import output_lock
 from dlrmflow.engine.run_state import ITERATIONS_FILE, commit_state_dir, write_summary
 from dlrmflow.engine.training.checkpoint import finish_run_dir, start_run_dir, unfinished_run_message
-from dlrmflow.engine.training.common import best_evaluation, evaluation_row
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.continuation import init_from_record
+from dlrmflow.engine.training.evaluation import best_evaluation, evaluation_row
+from dlrmflow.engine.training.launch import run_trainers
 from dlrmflow.engine.training.modes import MODES
-from dlrmflow.engine.training.setup import RunSetup, prepare_run
+from dlrmflow.engine.training.run_setup import RunSetup, prepare_run
 from dlrmflow.engine.training.stores.oracle import spare_slots
 from dlrmflow.engine.training.timing import run_timing
-from dlrmflow.engine.training.workers import run_trainers
 
 Progress = Callable[[int, int], None]
 MetricsCallback = Callable[[dict[str, Any]], None]
