@@ -1,11 +1,10 @@
 """What a training run leaves behind: its final state (``final_state/``), its canonical hash, ``summary.json``.
 
-The final state is a dict (what :func:`load_state` returns, whatever the format on disk)::
+The final state is a dict (what :func:`load_state` returns)::
 
     format_version       1 (the dict's layout)
     mode                 "local" | "remote" | "lru" | "oracle"
-    model                "dlrm" | "wide-deep" | "deepfm" | "dcn-v2" (absent in states written before
-                         --model existed: those are DLRM's)
+    model                "dlrm" | "wide-deep" | "deepfm" | "dcn-v2"
     model_config         the model's architecture (its config dataclass of dlrmflow.engine.models) as a dict
     dense                the model's parameters (state_dict: name -> tensor)
     dense_optimizer      the dense optimizer's state_dict (SGD: no state; Adam: step, exp_avg, exp_avg_sq)
@@ -30,9 +29,9 @@ On disk (a run writes it; no process ever holds every row)::
         parity-<p>.npy   with --parity: parity shard p's rows, written by its worker (``dlrmflow verify``)
 
 The shards write into ``final_state.<token>.tmp/``, the run renames it into place when it records
-the summary (:func:`commit_state_dir`). Older runs wrote one file, ``RUN_DIR/final_state.pt`` (the
-dict itself) and ``parity_shards.pt``: :func:`load_state`, :func:`state_sha256` and ``dlrmflow
-verify`` still read them; :func:`save_state` writes that format (tests, states held whole).
+the summary (:func:`commit_state_dir`). :func:`load_state`, :func:`load_dense`, :func:`state_rows` and
+:func:`state_sha256` read that directory. :func:`save_state` writes a state held whole (tests) as one file,
+``RUN_DIR/final_state.pt`` (the dict itself), which ``dlrmflow verify`` reads with its ``parity_shards.pt``.
 
 The state hash is SHA-256 over, in this order: every dense parameter (sorted by name), every
 dense-optimizer state entry (by parameter index, then key, sorted), then the embedding rows;
@@ -61,11 +60,11 @@ from dlrmflow.engine.row_files import ROW_CHUNK, ShardedRows, file_sha256, shard
 
 FORMAT_VERSION = 1  # the state dict's layout
 STATE_DIR_FORMAT_VERSION = 2  # final_state/ (manifest.json + dense.pt + one rows file per shard)
-STATE_FILE = "final_state.pt"  # the single-file format of older runs
+STATE_FILE = "final_state.pt"  # a state held whole, in one file (save_state)
 STATE_DIR = "final_state"
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.pt"
-PARITY_FILE = "parity_shards.pt"  # older runs' parity shards (a run now writes parity-<p>.npy into final_state/)
+PARITY_FILE = "parity_shards.pt"  # parity shards held whole, next to STATE_FILE (a run writes parity-<p>.npy)
 SUMMARY_FILE = "summary.json"
 ITERATIONS_FILE = "iterations.csv"
 ROWS_ENTRY = "embedding/rows"
@@ -223,8 +222,8 @@ def write_manifest(staged: str | os.PathLike, *, state_sha256: str, total_rows: 
 
 
 def commit_state_dir(run_dir: str | os.PathLike, staged: str | os.PathLike) -> Path:
-    """Rename a staged state directory to ``RUN_DIR/final_state`` (replacing an earlier one); remove an
-    older run's final_state.pt and parity_shards.pt, and other staged directories left behind."""
+    """Rename a staged state directory to ``RUN_DIR/final_state`` (replacing the one there); remove a
+    single-file state (final_state.pt, parity_shards.pt) and other staged directories left behind."""
     run_dir = Path(run_dir)
     target = run_dir / STATE_DIR
     if target.exists():
@@ -251,8 +250,8 @@ def save_sharded_state(run_dir: str | os.PathLike, state: dict[str, Any], num_sh
 
 
 def save_state(run_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` as one file, ``RUN_DIR/final_state.pt`` (the format of older runs), in place of a
-    final_state/ directory."""
+    """Write ``state`` as one file, ``RUN_DIR/final_state.pt``, in place of a final_state/ directory (a
+    state held whole: tests of ``dlrmflow verify``)."""
     path = Path(run_dir) / STATE_FILE
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
@@ -285,39 +284,31 @@ def read_manifest(run_dir_or_state: str | os.PathLike) -> dict[str, Any] | None:
     return manifest
 
 
-def _state_file(path: Path) -> Path:
-    if path.is_dir():
-        path = path / STATE_FILE
-    if not path.is_file():
-        raise StateFormatError(f"{path.parent} holds no final state ({STATE_DIR}/{MANIFEST_FILE} or {STATE_FILE})")
-    return path
+def _required_manifest(run_dir_or_state: str | os.PathLike) -> dict[str, Any]:
+    """:func:`read_manifest`, or StateFormatError when there is no final_state/ directory."""
+    manifest = read_manifest(run_dir_or_state)
+    if manifest is None:
+        raise StateFormatError(f"{run_dir_or_state} holds no final state ({STATE_DIR}/{MANIFEST_FILE})")
+    return manifest
 
 
 def load_dense(run_dir_or_state: str | os.PathLike) -> dict[str, Any]:
-    """The final state without its rows (the directory's dense.pt; an older run's whole file)."""
-    manifest = read_manifest(run_dir_or_state)
-    if manifest is None:
-        return dense_part(torch.load(_state_file(Path(run_dir_or_state)), map_location="cpu", weights_only=True,
-                                     mmap=True))
+    """The final state without its rows (the directory's dense.pt)."""
+    manifest = _required_manifest(run_dir_or_state)
     return torch.load(Path(manifest["dir"]) / manifest["dense"]["file"], map_location="cpu", weights_only=True)
 
 
 def state_rows(run_dir_or_state: str | os.PathLike) -> ShardedRows:
-    """The final state's rows as a view (shard files memory-mapped; an older run's file memory-mapped)."""
-    manifest = read_manifest(run_dir_or_state)
-    if manifest is None:
-        state = torch.load(_state_file(Path(run_dir_or_state)), map_location="cpu", weights_only=True, mmap=True)
-        return ShardedRows.from_array(state["embedding"]["rows"].numpy(), 1)
+    """The final state's rows as a view (the shard files, memory-mapped)."""
+    manifest = _required_manifest(run_dir_or_state)
     return ShardedRows.from_files(manifest["dir"], manifest["shards"], manifest["total_rows"], manifest["width"])
 
 
-def load_state(run_dir_or_file: str | os.PathLike) -> dict[str, Any]:
-    """The whole final state (the dict of the module docstring) of a run directory, its final_state/
-    directory or an older run's final_state.pt. The directory format is assembled from its shard files:
-    every row in this process, for tests and small runs (:func:`state_rows` reads them piecewise)."""
-    path = Path(run_dir_or_file)
-    if read_manifest(path) is None:
-        return torch.load(_state_file(path), map_location="cpu", weights_only=True)
+def load_state(run_dir_or_state: str | os.PathLike) -> dict[str, Any]:
+    """The whole final state (the dict of the module docstring) of a run directory or its final_state/
+    directory, assembled from its shard files: every row in this process, for tests and small runs
+    (:func:`state_rows` reads them piecewise)."""
+    path = Path(run_dir_or_state)
     state = load_dense(path)
     state["embedding"]["rows"] = torch.from_numpy(state_rows(path).assemble())
     return state

@@ -21,9 +21,9 @@ from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
 
 from dlrmflow.engine.serving.cluster import coded_cluster_workers, dask_scheduler
-from dlrmflow.engine.training.checkpoint import unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.run_directory_checks import unfinished_run_message
 from dlrmflow.engine.training.summary import train_summary
 from dlrmflow.flows.prefect_internals import untraced
 from dlrmflow.flows.recovery import recovery_runner
@@ -50,7 +50,8 @@ def log_resume_command(flow, flow_run, state) -> None:
 
 @flow(name="train", flow_run_name=train_run_name, on_failure=[log_resume_command], on_crashed=[log_resume_command])
 def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str, Any]:
-    """Train the model ``config`` names (mode local | remote | lru | oracle); writes final_state.pt and summary.json.
+    """Train the model ``config`` names (mode local | remote | lru | oracle); writes final_state/ (unless
+    ``config.save_state`` is off), summary.json and iterations.csv into ``config.output_dir``.
 
     ``config.resume``: continue the unfinished run in ``output_dir`` from its checkpoint; every other setting
     must be the run's own (``dlrmflow resume RUN_DIR`` reads them from its run_config.json).

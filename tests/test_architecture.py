@@ -434,3 +434,41 @@ def test_private_attributes_and_apis_are_used_only_in_the_internals_modules():
     found = [f"{m.path.name} {where}" for m in modules if m.name not in INTERNALS for where in foreign_private_uses(m)]
     assert not found, ("private attributes or modules used outside engine/serving/dask_internals.py and "
                        "flows/prefect_internals.py (engine/, datasets/, flows/, tasks/):\n" + "\n".join(found))
+
+
+def project_ancestors(cls: type) -> list[type]:
+    """The classes of this project that ``cls`` inherits from (itself excluded)."""
+    return [base for base in cls.__mro__[1:] if base.__module__.split(".")[0] == "dlrmflow"]
+
+
+def test_the_depth_check_counts_every_project_ancestor():
+    class Base:
+        pass
+
+    class Middle(Base):
+        pass
+
+    class Leaf(Middle):
+        pass
+
+    for cls in (Base, Middle, Leaf):
+        cls.__module__ = "dlrmflow.example"
+    assert project_ancestors(Leaf) == [Middle, Base] and project_ancestors(Base) == []
+
+
+def test_no_row_store_class_subclasses_more_than_one_level_deep():
+    """A store combines its parts (home, cache, W-trainer sync) by composition: each class subclasses at most
+    one class of the project (the protocol), so a call never bounces between levels of one object."""
+    import importlib
+    import inspect
+
+    package = "dlrmflow.engine.training.stores"
+    modules = [m for m in engine_modules() if m.name.startswith(package + ".")]
+    assert len(modules) >= 5
+    deep = []
+    for module in modules:
+        loaded = importlib.import_module(module.name)
+        for name, cls in inspect.getmembers(loaded, inspect.isclass):
+            if cls.__module__ == module.name and len(project_ancestors(cls)) > 1:
+                deep.append(f"{module.name}.{name}: {[a.__name__ for a in project_ancestors(cls)]}")
+    assert not deep, "store classes more than one level deep:\n" + "\n".join(deep)

@@ -37,8 +37,8 @@ from dlrmflow.engine.row_files import parity_file, write_rows_file
 from dlrmflow.engine.run_lock import OutputLockedError, lock_path, output_lock
 from dlrmflow.engine.run_state import MANIFEST_FILE, STATE_DIR, save_sharded_state, save_state
 from dlrmflow.engine.training import loop as loop_module
-from dlrmflow.engine.training.checkpoint import refuse_to_overwrite
 from dlrmflow.engine.training.job import prepare_run, train
+from dlrmflow.engine.training.run_directory_checks import refuse_to_overwrite
 
 DATA = Path(__file__).parent / "data"
 

@@ -208,12 +208,6 @@ def test_bad_trainer_settings_name_the_field(tmp_path, change, message):
         TrainConfig(**{**values, **change})
 
 
-def test_one_trainer_is_not_recorded_so_old_runs_keep_their_fingerprint(tmp_path):
-    config = TrainConfig(dataset_dir=str(tmp_path), mode="remote", output_dir=str(tmp_path / "out"))
-    assert "trainers" not in config.model_dump()
-    assert TrainConfig(**{**config.model_dump(), "trainers": 2}).model_dump()["trainers"] == 2
-
-
 # ---- trainers on a cluster ---------------------------------------------------------------------------
 
 

@@ -120,7 +120,7 @@ def test_a_replacement_is_written_only_the_stripes_already_rebuilt(seed):
     copies (``rebuilt`` is None), none."""
     spec = RowSpec(dim=2, optimizer="sgd", seed=0, table_offsets=(0,), cardinalities=(20,))
     group = _in_process_group(spec, 2, 1)
-    group.parity_batches = 100
+    group.batching.parity_batches = 100
     rebuilt = [None, np.random.default_rng(seed).random(10) < 0.5, np.zeros(10, bool), np.ones(10, bool)][seed]
     replacement = CodedShard(spec, 0, 2, initialise=False)  # every row fresh: nothing generated or installed
     state = group.state  # driven by hand: data shard 0 lost, its replacement placed, ``rebuilt`` stripes rebuilt
@@ -138,9 +138,9 @@ def test_a_replacement_is_written_only_the_stripes_already_rebuilt(seed):
     assert np.array_equal(replacement.rows[written], new[0::2][written])
     assert not replacement.rows[~written].any()  # still fresh: not even generated
     assert np.array_equal(replacement.fresh, ~written)
-    assert np.array_equal(group.members[1].member.rows, new[1::2])
+    assert np.array_equal(group.state.members[1].member.rows, new[1::2])
     assert replacement.applied_batches() == ([1] if written.any() else [])
-    assert len(group.pending) == 1  # the whole batch's parity delta, for every stripe
+    assert len(group.batching.pending) == 1  # the whole batch's parity delta, for every stripe
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -233,7 +233,7 @@ def test_a_lost_member_differs_from_its_initial_rows_only_in_the_stripes_a_rebui
         written |= set(write.tolist())
     with group.lock:
         group.settle()
-    members = [m.member for m in group.members]
+    members = [m.member for m in group.state.members]
     initial = [CodedShard(spec, i, k).rows for i in range(k)] + [ParityShard(spec, k, r, p).rows for p in range(r)]
     for n_lost in range(1, r + 1):
         lost = sorted(rng.choice(k + r, size=n_lost, replace=False).tolist())
@@ -318,7 +318,7 @@ def _mortal_group(spec: RowSpec, k: int, r: int, split: bool) -> CodedShardGroup
     """An in-process group whose data shards can die; ``split``: every shard's fetch of rows the batch does
     not write goes apart (whatever the sizes and the link's rate), else never."""
     group = _in_process_group(spec, k, r)
-    group.members[:k] = group.actors[:] = [Mortal(m.member) for m in group.members[:k]]
+    group.state.members[:k] = group.actors[:] = [Mortal(m.member) for m in group.state.members[:k]]
     group.overlap_min_bytes, group.overlap_max_rate = (0, float("inf")) if split else (1 << 62, 0.0)
     return group
 
@@ -406,7 +406,7 @@ def test_a_split_exchange_fetches_and_writes_what_one_call_per_shard_does(seed, 
     for group in (split, whole):
         with group.lock:
             group.settle()
-    for a, b in zip(split.members, whole.members, strict=True):
+    for a, b in zip(split.state.members, whole.state.members, strict=True):
         assert np.array_equal(a.member.rows.view(np.uint8), b.member.rows.view(np.uint8))
     assert split.verify()["ok"]
 
@@ -423,8 +423,8 @@ def test_a_split_exchange_whose_shard_dies_is_resent_with_the_same_result(dies_a
     steps = list(_trainer_steps(rng, spec, 8, np.zeros(0, np.int64)))
     for t, (write, rows, fetch) in enumerate(steps):
         if t == 4:
-            group.members[1].dies_at, group.members[1].runs = dies_at, runs
-        seq = group.seq + (len(write) > 0)
+            group.state.members[1].dies_at, group.state.members[1].runs = dies_at, runs
+        seq = group.batching.seq + (len(write) > 0)
         made.clear()
         got = group.exchange(write, rows, fetch)
         if t == 4:  # the batch went out split, and again (same number) to the survivor after the loss
@@ -435,7 +435,7 @@ def test_a_split_exchange_whose_shard_dies_is_resent_with_the_same_result(dies_a
     everything = np.arange(spec.total_rows)
     got, expected = group.fetch(everything), reference.fetch(everything)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
-    assert group.members[0].member.applied_batches() == reference.members[0].member.applied_batches()
+    assert group.state.members[0].member.applied_batches() == reference.state.members[0].member.applied_batches()
 
 
 # ---- whole runs ------------------------------------------------------------------------------------
@@ -554,7 +554,7 @@ def test_group_verify_reports_a_corrupted_parity_shard(client):
         assert group.verify()["ok"]
         assert np.array_equal(group.all_rows()[ids], rows + 1)
         # A write that bypasses the group (no parity delta) is caught.
-        group.members[0].write_back(np.array([0]), np.zeros((1, spec.width), np.float32)).result()
+        group.state.members[0].write_back(np.array([0]), np.zeros((1, spec.width), np.float32)).result()
         result = group.verify()
         assert not result["ok"] and result["mismatched_stripes"] == [1]
         assert not np.array_equal(init_rows(spec, np.array([0])), np.zeros((1, spec.width), np.float32))

@@ -985,10 +985,8 @@ def test_the_drivers_keep_their_interface():
 
     assert prefetch.PlanViolation is PlanViolation and prefetch.Done is Done and prefetch.EMPTY_IDS is EMPTY_IDS
     for name in ("start", "wait_ready", "post_done", "join", "wait_idle", "stop", "bytes_fetched_ahead",
-                 "slot_of", "owner"):
+                 "cached", "peak_held", "doing"):
         assert hasattr(prefetch.PrefetchWorker, name)
-    for name in ("fetchers", "last_writer"):
-        assert hasattr(prefetch.PartitionedPrefetchWorker, name)
     assert prefetch.WAIT_POLL_SECONDS == 1.0 and issubclass(prefetch.PrefetchError, RuntimeError)
 
 
@@ -1100,9 +1098,9 @@ def run_compute(worker, plan: Plan, cache, start: int, before: np.ndarray, devic
                               None if writers is None else plan.steps[u].evict_ids))
         if u in checkpoints:
             worker.wait_idle()
-            logical = worker.shards.rows[:, 0].copy()
-            held = np.flatnonzero(worker.slot_of >= 0)
-            logical[held] = cache.index_select(0, torch.from_numpy(worker.slot_of[held]).to(device)).cpu()[:, 0]
+            logical = worker.home.rows[:, 0].copy()
+            held, held_slots = worker.cached()
+            logical[held] = cache.index_select(0, torch.from_numpy(held_slots).to(device)).cpu()[:, 0]
             assert np.array_equal(logical, before[u + 1]), f"a checkpoint after {u} would save stale rows"
 
 
@@ -1139,8 +1137,8 @@ def test_the_driver_runs_random_plans_exactly(device, seed):
         worker.stop()
     assert (shards.rows == before[-1][:, None]).all()
     assert shards.calls == expected_exchanges(plan, start, checkpoints=checkpoints, spare_slots=spare)
-    assert worker.bytes_fetched == sum(len(s.prefetch_ids) for s in plan.steps[start:]) * 4 * width
-    assert worker.bytes_written == sum(len(s.evict_ids) for s in plan.steps[start:]) * 4 * width
+    assert sum(len(fetched) for _, fetched in shards.calls) == sum(len(s.prefetch_ids) for s in plan.steps[start:])
+    assert sum(len(written) for written, _ in shards.calls) == sum(len(s.evict_ids) for s in plan.steps[start:])
 
 
 @pytest.mark.parametrize("holders", [False, True])
@@ -1187,6 +1185,6 @@ def test_the_partitioned_driver_runs_random_plans_exactly(seed, holders):
     evicted = np.concatenate([s.evict_ids for s in plan.steps])
     last = {x: int(w) for x, w in zip(evicted.tolist(), np.concatenate(writers).tolist(), strict=True)}
     for rank, w in enumerate(workers):
-        assert {x: int(w.last_writer[x]) for x in last} == last
-        assert w.shards.calls == expected_exchanges(plan, 0, lambda rank=rank: PartitionedPrefetchState(
+        assert {x: int(w.state.last_writer[x]) for x in last} == last
+        assert w.home.calls == expected_exchanges(plan, 0, lambda rank=rank: PartitionedPrefetchState(
             plan.iterations, distance, plan.total_rows, plan.num_slots, size=size, rank=rank), steps, writers)

@@ -16,7 +16,7 @@ import pytest
 from test_pipeline import SMALL
 
 from dlrmflow.cli import build_parser, main
-from dlrmflow.engine.training.checkpoint import checkpoint_iteration
+from dlrmflow.engine.training.checkpoint_format import checkpoint_iteration
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

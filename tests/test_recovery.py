@@ -303,7 +303,7 @@ def test_a_shard_that_dies_mid_write_back_is_recovered_exactly(cluster, tmp_path
         state["calls"] += 1
         group = groups[-1]
         # A batch's calls to the 2 data shards, its parity delta pending (sent with later batches'):
-        if state["killed"] is None and group.seq >= 6 and len(calls) == 2 and group.pending:
+        if state["killed"] is None and group.batching.seq >= 6 and len(calls) == 2 and group.batching.pending:
             address = group.worker_of[1]
             pid = cluster.run(os.getpid, workers=[address])[address]
             os.kill(pid, signal.SIGKILL)

@@ -25,15 +25,10 @@ from test_trainers import assert_bit_identical, make_dataset, small_config
 
 from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
 from dlrmflow.engine.training import loop as loop_module
-from dlrmflow.engine.training.checkpoint import (
-    CHECKPOINT_FILE,
-    RUN_CONFIG_FILE,
-    UNFINISHED_FILE,
-    ResumeError,
-    checkpoint_iteration,
-)
+from dlrmflow.engine.training.checkpoint_format import checkpoint_iteration
 from dlrmflow.engine.training.config import replace
 from dlrmflow.engine.training.job import prepare_run, train
+from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE, RUN_CONFIG_FILE, UNFINISHED_FILE, ResumeError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,15 +17,10 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import EMPTY, FakePlanConfig, ListPlan, Step, _spec, lru_simulation
 
-from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, init_rows
 from dlrmflow.engine.training.batch_split import BatchSplit
-from dlrmflow.engine.training.checkpoint import (
-    checkpoint_rows,
-    load_checkpoint,
-    restore_checkpoint,
-    save_checkpoint,
-    start_placed_shards,
-)
+from dlrmflow.engine.training.checkpoint_format import checkpoint_rows, load_checkpoint, save_checkpoint
+from dlrmflow.engine.training.shard_restore import restore_checkpoint, start_placed_shards
 from dlrmflow.engine.training.stores.base import RowStore
 from dlrmflow.engine.training.stores.local import LocalRows
 from dlrmflow.engine.training.stores.lru import LruRows
@@ -81,26 +76,28 @@ def window_plan(uses: list[np.ndarray], distance: int) -> ListPlan:
     return ListPlan(FakePlanConfig(batch_size=1, prefetch_distance=distance), steps, max(next_slot, 1))
 
 
-def update(block: torch.Tensor, t: int) -> torch.Tensor:
-    """The row update of iteration ``t``: deterministic, and every value changes."""
-    return block * 0.5 + float(t + 1)
+def gradient(block: torch.Tensor, t: int, spec: RowSpec) -> torch.Tensor:
+    """The row gradient of iteration ``t``: deterministic, a function of the rows, and nonzero."""
+    return block[:, : spec.dim] * 0.5 + float(t + 1)
 
 
 def reference_rows(spec: RowSpec, uses: list[np.ndarray], upto: int) -> np.ndarray:
     """Every row after iterations ``0 .. upto-1``, computed without a store."""
     rows = init_rows(spec, np.arange(spec.total_rows))
     for t in range(upto):
-        rows[uses[t]] = update(torch.from_numpy(rows[uses[t]]), t).numpy()
+        block = torch.from_numpy(rows[uses[t]])
+        apply_update(spec, block, gradient(block, t, spec))
+        rows[uses[t]] = block.numpy()
     return rows
 
 
 def drive(store: RowStore, uses: list[np.ndarray], first: int, stop: int) -> list[np.ndarray]:
-    """Iterations ``first .. stop-1`` (gather, update, scatter); the blocks gathered."""
+    """Iterations ``first .. stop-1`` (gather, update); the rows gathered."""
     seen = []
     for t in range(first, stop):
-        block = store.gather(t, BatchSplit.of(t, uses[t].reshape(-1, 1), 1, 0))
-        seen.append(block.numpy().copy())
-        store.scatter(t, uses[t], update(block, t))
+        step = store.gather(t, BatchSplit.of(t, uses[t].reshape(-1, 1), 1, 0), EMPTY)
+        seen.append(step.rows.numpy().copy())
+        store.update(step, gradient(step.rows, t, store.spec), store.spec.lr)
     return seen
 
 
@@ -207,7 +204,7 @@ def test_restart_at_a_checkpoint_continues_as_the_uninterrupted_run(client, mode
     resumed = make_store(mode, client, spec, uses, rows)
     try:
         resumed.restart_at(CHECKPOINT_AT, rows)
-        resumed.bytes_fetched, resumed.bytes_written = traffic["bytes_fetched"], traffic["bytes_written"]
+        resumed.home.count_from(traffic)
         assert_rows_equal(resumed.logical_rows(), rows, f"{mode}: restarted at the checkpoint's rows")
         for t, (got, want) in enumerate(zip(drive(resumed, uses, CHECKPOINT_AT, ITERATIONS), blocks[CHECKPOINT_AT:],
                                             strict=True), start=CHECKPOINT_AT):

@@ -11,13 +11,11 @@
   resume included).
 - A parity shard's rows, encoded from the data shards' rows streamed a chunk at a time, are the
   encoding of the data, at a run's start and on a resume.
-- A checkpoint of the older format (every row in checkpoint.pt) still resumes.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -52,10 +50,11 @@ from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
 from dlrmflow.engine.training import job as run_module
 from dlrmflow.engine.training import trainer as rank_module
-from dlrmflow.engine.training.checkpoint import CHECKPOINT_FILE, CHECKPOINT_ROWS_DIR, load_checkpoint
+from dlrmflow.engine.training.checkpoint_format import load_checkpoint
 from dlrmflow.engine.training.config import replace
 from dlrmflow.engine.training.job import prepare_run, train
-from dlrmflow.engine.training.stores.base import ServersCurrentRows, ShardRows
+from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE
+from dlrmflow.engine.training.stores.base import RowStore
 
 CARDS = (400, 5, 1201, 90)  # 1,696 rows: odd, and three chunks of 1 << 9
 
@@ -265,8 +264,8 @@ def _no_whole_table(monkeypatch) -> None:
     def refuse(*args, **kw):
         raise AssertionError("every embedding row gathered into one process")
 
-    for owner, name in ((ShardGroup, "all_rows"), (CodedShardGroup, "all_rows"), (ShardRows, "logical_rows"),
-                        (ServersCurrentRows, "all_rows"), (ServersCurrentRows, "logical_rows"),
+    for owner, name in ((ShardGroup, "all_rows"), (CodedShardGroup, "all_rows"), (RowStore, "logical_rows"),
+                        (RowStore, "all_rows"),
                         (rank_module, "collect_state")):
         monkeypatch.setattr(owner, name, refuse)
 
@@ -310,33 +309,6 @@ def test_no_process_gathers_the_table_during_a_run(dataset, plan, tmp_path, monk
     assert load_state(tmp_path / "lru")["embedding"]["rows"].shape == (200_010, 32)
 
 
-# ---- the older formats ------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_a_checkpoint_of_the_older_format_resumes(client, dataset, plan, tmp_path, monkeypatch):
-    """checkpoint.pt as runs wrote it before the shards wrote their own files (every row in it): a resume
-    starts the shards from it and ends in the uninterrupted run's bits."""
-    config = _config(dataset, plan, tmp_path / "full", "oracle", checkpoint_every=4)
-    full = train(config, client=client)
-    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
-    with monkeypatch.context() as patch:
-        crash_at(patch, 9)
-        with pytest.raises(Crash):
-            train(crashed, client=client)
-    run_dir = tmp_path / "crashed"
-    saved = load_checkpoint(run_dir / CHECKPOINT_FILE)
-    info = saved.pop("rows_files")
-    rows = ShardedRows.from_files(run_dir / info["dir"], info["files"], info["total_rows"], info["width"])
-    saved.update(format_version=1, rows=torch.from_numpy(rows.assemble()))
-    torch.save(saved, run_dir / CHECKPOINT_FILE)
-    shutil.rmtree(run_dir / CHECKPOINT_ROWS_DIR)
-    resumed = train(replace(crashed, resume=True), client=client)
-    assert resumed["state_sha256"] == full["state_sha256"]
-    assert resumed["checkpoint"]["resumed_from"] == 8
-    assert_bit_identical(load_state(tmp_path / "full"), load_state(run_dir), "older checkpoint")
-
-
 @pytest.mark.slow
 def test_start_coded_shards_streams_parity_from_the_members(client, tmp_path, monkeypatch):
     """At the start (initial rows) and from a checkpoint's shard files (each data shard reads its own),
@@ -360,7 +332,7 @@ def test_start_coded_shards_streams_parity_from_the_members(client, tmp_path, mo
         code = ErasureCode(2, 2)
         expected = code.encode([whole.local_rows(i, 2) for i in range(2)])
         for p in range(2):
-            got = group.members[2 + p].all_local_rows().result()
+            got = group.state.members[2 + p].all_local_rows().result()
             assert np.array_equal(got.view(np.uint8), expected[p].view(np.uint8))
     finally:
         group.close()

@@ -14,9 +14,9 @@ from dlrmflow.cli import build_parser, main
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.serving.embedding_rows import EMBEDDING_OPTIMIZERS
 from dlrmflow.engine.training import job as trainer_module
-from dlrmflow.engine.training.checkpoint import config_sha256, start_run_dir
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError, cli_option, replace
 from dlrmflow.engine.training.faults import FaultSpecError, check_kills
+from dlrmflow.engine.training.run_directory import config_sha256, start_run_dir
 
 REQUIRED = {"dataset_dir": "data", "mode": "remote", "output_dir": "run"}
 
@@ -220,24 +220,6 @@ def test_run_config_round_trip(tmp_path):
     assert config_sha256(resumed.model_dump()) == config_sha256(config.model_dump())
 
 
-def test_a_run_config_from_before_model_existed_resumes_as_dlrm(tmp_path):
-    """A DLRM run records what it recorded before --model, --dnn and --cross-layers existed (the keys are
-    left out at their defaults), so its checkpoint fingerprint is unchanged and it resumes as DLRM."""
-    from dlrmflow.commands.resume import resumed_config
-
-    config = TrainConfig(dataset_dir="data", mode="remote", output_dir=str(tmp_path / "run"), checkpoint_every=5)
-    assert not {"model", "dnn", "cross_layers"} & set(config.model_dump())
-    (tmp_path / "run").mkdir()
-    start_run_dir(tmp_path / "run", config.model_dump(), dataset_fingerprint="f", plan_fingerprint=None,
-                  iterations=40)
-    (tmp_path / "run" / "checkpoint.pt").touch()  # resume refuses a run without one
-
-    saved = json.loads((tmp_path / "run" / "run_config.json").read_text())["config"]
-    assert "model" not in saved
-    resumed = resumed_config(str(tmp_path / "run"))
-    assert resumed.model == "dlrm" and config_sha256(resumed.model_dump()) == config_sha256(config.model_dump())
-
-
 def test_another_models_run_config_round_trip(tmp_path):
     from dlrmflow.commands.resume import resumed_config
 
@@ -285,16 +267,6 @@ def test_schedule_and_evaluation_settings_in_words():
     assert error(mode="remote", trainers=2, eval_every=5) == (
         "eval_every: --eval-every is for one trainer, not --trainers 2 (the held-out rows are evaluated once, at "
         "the end)")
-    # Left out of run_config.json at their defaults: checkpoints made before they existed still resume.
-    assert not {"lr_num_warmup_steps", "lr_decay_start_step", "lr_num_decay_steps", "eval_every"} & set(
-        TrainConfig(**REQUIRED).model_dump())
-
-
-def test_config_sha256_is_the_one_of_the_dataclass_it_replaced():
-    """What resume compares keeps its value: a checkpoint made before TrainConfig was a model resumes."""
-    config = TrainConfig(dataset_dir="d", mode="oracle", output_dir="o", plan_dir="p", batch_size=512, iterations=40,
-                         checkpoint_every=10, kills=("shard:0@25",), bottom_mlp=(8, 4))
-    assert config_sha256(config.model_dump()) == "048bb0565805d91cfc9bdd459a7f1ceb20abbdce4983f7dfaa4f3679e1a6791e"
 
 
 # ---- prepare_run once per run ------------------------------------------------------------------------

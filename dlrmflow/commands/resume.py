@@ -27,15 +27,15 @@ def resumed_config(run_dir: str):
     """The TrainConfig of the unfinished run in ``run_dir`` (its run_config.json), with ``resume=True``;
     ResumeError when the directory holds no unfinished run with a checkpoint."""
     from dlrmflow.engine.training.config import TrainConfig
-    from dlrmflow.engine.training.run_dir import check_unfinished
+    from dlrmflow.engine.training.run_directory import check_unfinished
 
     saved = check_unfinished(run_dir)["config"]
     return TrainConfig(**{**saved, "output_dir": str(run_dir), "resume": True})
 
 
 def check(args: argparse.Namespace) -> None:
-    """The run directory's checks, before Prefect, torch or Dask load (run_dir and TrainConfig are light
-    modules): a directory that cannot be resumed is refused in a fraction of a second."""
+    """The run directory's checks, before Prefect, torch or Dask load (run_directory and TrainConfig are
+    light modules): a directory that cannot be resumed is refused in a fraction of a second."""
     args.config = resumed_config(args.run_dir)
 
 

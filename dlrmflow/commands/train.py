@@ -64,7 +64,8 @@ def run_training(config, dask_address: str | None) -> dict[str, Any]:
     prints one line (the flow's console lines are held until the check passed: :class:`HeldConsole`); a
     failure after the check that leaves a resumable run names `dlrmflow resume RUN_DIR`."""
     from dlrmflow.commands.console import HeldConsole
-    from dlrmflow.engine.training.checkpoint import ResumeError, refuse_to_overwrite, unfinished_run_message
+    from dlrmflow.engine.training.run_directory import ResumeError
+    from dlrmflow.engine.training.run_directory_checks import refuse_to_overwrite, unfinished_run_message
     from dlrmflow.flows.train import INPUT_CHECKED, train_flow
 
     if not config.resume:

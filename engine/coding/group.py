@@ -103,34 +103,10 @@ class CodedShardGroup(ShardGroup):
         self.started_at = time.perf_counter()
 
     @property
-    def members(self) -> list:
-        """Member ``s``'s actor (a lost member's until its replacement takes its place)."""
-        return self.state.members
-
-    # The write path's state, where callers have always read it (ParityBatching owns it).
-    @property
-    def seq(self) -> int:
-        """The last write-back batch's number."""
-        return self.batching.seq
-
-    @property
-    def pending(self) -> list[tuple[int, Any]]:
-        """Batches whose parity deltas are not sent yet."""
-        return self.batching.pending
-
-    @property
     def written(self) -> np.ndarray:
-        """One flag per table row: written back (a group started from checkpoint rows sets them all)."""
+        """One flag per table row: written back (a group started from checkpoint rows sets them all;
+        :class:`ParityBatching` owns the flags)."""
         return self.batching.written
-
-    @property
-    def parity_batches(self) -> int:
-        """Write-back batches whose parity deltas travel in one message per parity shard."""
-        return self.batching.parity_batches
-
-    @parity_batches.setter
-    def parity_batches(self, batches: int) -> None:
-        self.batching.parity_batches = batches
 
     def _member_table_changed(self) -> None:
         self.actors = self.state.members[: self.code.k]

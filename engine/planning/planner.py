@@ -705,18 +705,264 @@ class _DirectorySink(PlanSink):
 
 @dataclass
 class _Stats:
+    """What the streamed assembly tells ``plan.json`` besides the stream's own numbers."""
+
     num_slots: int
     peak_occupancy: int
     prefetched_rows: int
     evicted_rows: int
 
 
+def _no_ids() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
+@dataclass
+class _Intervals:
+    """Candidate intervals of the capacity bound: row ``ids[i]`` kept cached over times ``start[i] ..
+    end[i]`` between two of its uses, unless the bound gives that up (see
+    :mod:`~dlrmflow.engine.planning.lookahead`). Three int64 arrays of one length, in the order they came."""
+
+    ids: np.ndarray = field(default_factory=_no_ids)
+    start: np.ndarray = field(default_factory=_no_ids)
+    end: np.ndarray = field(default_factory=_no_ids)
+
+    @classmethod
+    def of(cls, d: RangeDecisions) -> _Intervals:
+        """The candidate intervals a piece's uses close."""
+        return cls(*(a.astype(np.int64, copy=False) for a in (d.cand_ids, d.cand_start, d.cand_end)))
+
+    def where(self, mask: np.ndarray) -> _Intervals:
+        return _Intervals(self.ids[mask], self.start[mask], self.end[mask])
+
+    def joined(self, other: _Intervals) -> _Intervals:
+        """These intervals, then ``other``'s."""
+        return _Intervals(np.concatenate([self.ids, other.ids]), np.concatenate([self.start, other.start]),
+                          np.concatenate([self.end, other.end]))
+
+
+class _BlockBound:
+    """The capacity bound (:func:`farthest_first_drops`) one block of time at a time, making the drops that one
+    pass over the whole stream makes.
+
+    Its choice at time ``u`` depends only on the kept intervals that contain ``u`` and on the dropped ones
+    still running at ``u``. So a block ``[a, b)`` needs the intervals starting in it, those kept across ``a``
+    and the over-capacity counts less the dropped intervals still running; it hands on to the next block
+    those kept or dropped across ``b``. Blocks come in time order, each once."""
+
+    def __init__(self, over: np.ndarray) -> None:
+        self.over = over  # per time: occupancy less the capacity, every candidate kept (counted before any drop)
+        self.pool = _Intervals()  # loaded, starting at or after the next block's start: not reached yet
+        self.kept = _Intervals()  # kept across the next block's start
+        # Dropped and still running at the next block's start (a drop's id is no longer needed).
+        self.dropped_start, self.dropped_end = _no_ids(), _no_ids()
+
+    def add(self, d: RangeDecisions) -> None:
+        """A piece's candidate intervals join the pool, to be bounded with the block where they start."""
+        self.pool = self.pool.joined(_Intervals.of(d))
+
+    def drops(self, a: int, b: int) -> _Intervals:
+        """The intervals to give up so that no time in ``a .. b-1`` is over capacity. Every interval starting
+        before ``b`` must be in the pool by now: the block takes them, with those kept across ``a``."""
+        starting = self.pool.start < b
+        block = self.kept.joined(self.pool.where(starting))
+        self.pool = self.pool.where(~starting)
+        drop = self._choose(a, b, block)
+        self._hand_on(b, block, drop)
+        return block.where(drop)
+
+    def _excess(self, a: int, b: int) -> np.ndarray:
+        """Rows over capacity at times ``a .. b-1`` after the drops of earlier blocks: ``over`` was counted
+        with every candidate kept, and a dropped interval frees its row at each of its times."""
+        live = self.dropped_end >= a
+        start, end = self.dropped_start[live], self.dropped_end[live]
+        return self.over[a:b] - coverage(np.maximum(start, a) - a, np.minimum(end, b - 1) - a, b - a)
+
+    def _choose(self, a: int, b: int, block: _Intervals) -> np.ndarray:
+        """Which of ``block``'s intervals to drop (a bool mask): :func:`farthest_first_drops` over the times
+        the block's intervals span, shifted to start at 0, with no excess outside ``a .. b-1`` so that only
+        this block's times make it drop (the times before ``a`` are settled, those from ``b`` on are the next
+        blocks')."""
+        excess = self._excess(a, b)
+        if not (excess > 0).any():
+            return np.zeros(len(block.ids), dtype=bool)
+        origin = min(a, int(block.start.min())) if len(block.start) else a
+        span = max(b, int(block.end.max()) + 1 if len(block.end) else b) - origin
+        over = np.zeros(span, dtype=np.int64)
+        over[a - origin : b - origin] = excess
+        return farthest_first_drops(over, block.start - origin, block.end - origin, block.ids)
+
+    def _hand_on(self, b: int, block: _Intervals, drop: np.ndarray) -> None:
+        """Keep what the next block needs: the intervals kept across ``b`` and the dropped ones still running
+        there; an interval ending before ``b`` can no longer change any block's choice."""
+        running = block.end >= b
+        self.kept = block.where(~drop & running)
+        still = self.dropped_end >= b
+        gone = drop & running
+        self.dropped_start = np.concatenate([self.dropped_start[still], block.start[gone]])
+        self.dropped_end = np.concatenate([self.dropped_end[still], block.end[gone]])
+
+
+def _slots_from_counts(
+    config: PlanConfig, n: int, counts: _Counts, capacity_error: Callable[[np.ndarray], Exception]
+) -> tuple[int, np.ndarray | None]:
+    """What the whole stream's counts decide before any piece is read: the plan's slot count (the capacity,
+    else the peak occupancy: the FIFO of free slots starts as ``0 .. num_slots-1``, so the count comes before
+    the first slot) and, with a capacity, the rows over it at each time with every candidate kept (None
+    without one). A capacity that no choice of evictions can meet raises ``capacity_error(base)`` here,
+    before anything is assigned, so that the error is the one :func:`assemble_plan` raises."""
+    capacity = config.capacity
+    if not n:
+        return (capacity if capacity is not None else 0), None
+    occ = occupancy(counts.prefetch, counts.evict, config.prefetch_distance)
+    if capacity is None:
+        return int(occ.max()), None
+    base = occ - np.cumsum(counts.cover[:n])  # what no choice of evictions can lower
+    if base.max() > capacity:
+        raise capacity_error(base)
+    return capacity, occ - capacity
+
+
+class _StreamAssembly:
+    """The driver passes of :func:`assemble_stream` as state, and the steps that change it.
+
+    The spooled pieces come in (:meth:`load_before`) to per-iteration lists of fetches and write-backs, and
+    their candidate intervals to the capacity bound (``bound``; None without a capacity); the bound's drops
+    add a write-back and a fetch to those lists (:meth:`bound_block`); an iteration whose lists can no longer
+    change is final, gets its slots from the slot replay and goes out with its row group
+    (:meth:`finish_before`). Attributes are read-only outside this class."""
+
+    def __init__(
+        self,
+        config: PlanConfig,
+        n: int,
+        num_rows: int,
+        pieces: list[tuple[int, int]],
+        take_piece: Callable[[int], RangeDecisions],
+        counts: _Counts,
+        sink: PlanSink,
+        *,
+        iterations_per_file: int,
+        capacity_error: Callable[[np.ndarray], Exception],
+        progress: Callable[[int], None] | None,
+        pieces_of_chunk: list[range] | None,
+    ) -> None:
+        self.n, self.window, self.distance = n, config.lookahead, config.prefetch_distance
+        # Per-iteration counts of the whole stream; the bound's drops are added to them, so that the final
+        # occupancy check counts the plan as written.
+        self.counts = counts
+        num_slots, over = _slots_from_counts(config, n, counts, capacity_error)
+        self.bound = _BlockBound(over) if over is not None else None
+        self.replay = _SlotReplay(n, self.distance, num_slots, num_rows)
+        self.pieces, self.take_piece = pieces, take_piece
+        self.next_piece = 0  # the first piece not taken yet
+        self.progress = progress
+        # The last piece of each chunk -> how many chunks are taken whole once it is.
+        self.chunks_taken = {r[-1]: k + 1 for k, r in enumerate(pieces_of_chunk or []) if len(r)}
+        # Iteration -> its sorted ids from the pieces, then the ids the bound's drops add: loaded, not final.
+        self.prefetch: dict[int, list[np.ndarray]] = {}
+        self.evict: dict[int, list[np.ndarray]] = {}
+        self.finished = 0  # iterations 0 .. finished-1 have their slots
+        self.unwritten: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, slots, write-backs) of each
+        self.sink, self.iterations_per_file = sink, iterations_per_file
+        self.stats = _Stats(num_slots, 0, 0, 0)
+
+    # ---- pieces in ----------------------------------------------------------------------------------
+    def load_before(self, stop: int) -> None:
+        """Take, in order, every piece that starts before ``stop`` and is not taken yet. The spool gives a
+        piece up when it is taken, so each is read once and only when the passes reach it."""
+        while self.next_piece < len(self.pieces) and self.pieces[self.next_piece][0] < stop:
+            piece = self.next_piece
+            self._add_piece(self.take_piece(piece))
+            self.next_piece += 1
+            if self.progress and piece in self.chunks_taken:
+                self.progress(self.chunks_taken[piece])
+
+    def _add_piece(self, d: RangeDecisions) -> None:
+        """A piece's fetches and write-backs join its iterations' lists (views of its arrays, which live until
+        its last iteration is final); its candidate intervals go to the bound."""
+        pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
+        for i, t in enumerate(range(d.first, d.stop)):
+            self.prefetch.setdefault(t, []).append(d.prefetch_ids[pf_off[i] : pf_off[i + 1]])
+            self.evict.setdefault(t, []).append(d.evict_ids[ev_off[i] : ev_off[i + 1]])
+        if self.bound is not None:
+            self.bound.add(d)
+
+    # ---- the capacity bound -------------------------------------------------------------------------
+    def bound_block(self, a: int, b: int) -> None:
+        """Bound times ``a .. b-1`` (with a capacity only, once every piece within ``L`` iterations past ``b`` is
+        loaded). Each interval ``[s, e]`` dropped gives up a kept gap: its row is written back after ``s-1``
+        and fetched again for the use that closes the interval, ``e+P+1``."""
+        dropped = self.bound.drops(a, b)
+        fetch_for = dropped.end + self.distance + 1
+        np.add.at(self.counts.evict, dropped.start - 1, 1)
+        np.add.at(self.counts.prefetch, fetch_for, 1)
+        for x, v, t in zip(dropped.ids.tolist(), (dropped.start - 1).tolist(), fetch_for.tolist(), strict=True):
+            self.evict[v].append(np.array([x], np.int64))
+            self.prefetch.setdefault(t, []).append(np.array([x], np.int64))
+
+    def final_after(self, b: int) -> int:
+        """How many iterations are final (their lists can no longer change) once the block ending at ``b`` is
+        bounded. A drop of ``[s, e]`` adds to iterations ``s-1`` and ``e+P+1``, and an interval can be dropped by
+        any block it reaches (the kept ones are handed on), so it is decided once a block ends past ``e``. An
+        interval starting at ``v+1`` ends by ``v+L-P-1``, so iteration ``v`` is final once ``b > v+L-P-1``; an
+        interval fetching for ``v`` ends at ``v-P-1``, before that. At the stream's end every interval is
+        decided."""
+        return self.n if b == self.n else max(0, b - self.window + self.distance + 1)
+
+    # ---- iterations out -----------------------------------------------------------------------------
+    def finish_before(self, stop: int) -> None:
+        """Give the iterations before ``stop`` their slots, in order, and write them out a row group at a time."""
+        while self.finished < stop:
+            self._finish(self.finished)
+            if self._row_group_ends():
+                self._write_row_group()
+
+    def _finish(self, t: int) -> None:
+        """Iteration ``t`` is final: merge its lists and replay :func:`assign_slots`' step for it."""
+        prefetch_ids = _merged(self.prefetch.pop(t))
+        evict_ids = _merged(self.evict.pop(t))
+        slots = self.replay.issue(t, prefetch_ids, evict_ids)
+        self.unwritten.append((prefetch_ids, slots, evict_ids))
+        self.stats.prefetched_rows += len(prefetch_ids)
+        self.stats.evicted_rows += len(evict_ids)
+        self.finished += 1
+
+    def _row_group_ends(self) -> bool:
+        """A row group ends at a plan file's end (the sink writes no row group across two files), after
+        ``SPOOL_ITERATIONS`` iterations (what the driver holds does not grow with the file size) and at the
+        stream's end."""
+        done = self.finished
+        return done % self.iterations_per_file == 0 or done % SPOOL_ITERATIONS == 0 or done == self.n
+
+    def _write_row_group(self) -> None:
+        """The finished iterations not yet written go to the sink as one row group."""
+        rows = self.unwritten
+        pf_off = _offsets(np.array([len(ids) for ids, _, _ in rows], np.int64))
+        ev_off = _offsets(np.array([len(ids) for _, _, ids in rows], np.int64))
+        self.sink.write(self.finished - len(rows), self.finished, pf_off, _cat([ids for ids, _, _ in rows]),
+                        _cat([slots for _, slots, _ in rows]), ev_off, _cat([ids for _, _, ids in rows]))
+        self.unwritten = []
+
+    def close(self) -> _Stats:
+        """After the last piece: the iterations left, the sink closed, and the checks that every row is written
+        back at the end and that the replay peaked where the counts (the drops added) say."""
+        self.finish_before(self.n)
+        self.sink.close()
+        self.replay.finish()
+        peak = int(occupancy(self.counts.prefetch, self.counts.evict, self.distance).max()) if self.n else 0
+        if self.replay.peak != peak:
+            raise RuntimeError(f"slot replay peaks at {self.replay.peak} rows, the occupancy count at {peak}")
+        self.stats.peak_occupancy = peak
+        return self.stats
+
+
 def assemble_stream(
     config: PlanConfig,
     n: int,
     num_rows: int,
-    chunk_ranges: list[tuple[int, int]],
-    take_chunk: Callable[[int], RangeDecisions],
+    pieces: list[tuple[int, int]],
+    take_piece: Callable[[int], RangeDecisions],
     counts: _Counts,
     sink: PlanSink,
     *,
@@ -725,123 +971,34 @@ def assemble_stream(
     progress: Callable[[int], None] | None = None,
     pieces_of_chunk: list[range] | None = None,
 ) -> _Stats:
-    """The driver passes of :func:`assemble_plan`, chunk by chunk in iteration order, with the same result.
+    """The driver passes of :func:`assemble_plan`, piece by piece in iteration order, with the same result.
 
-    ``chunk_ranges`` are consecutive iteration ranges (the spool's pieces; ``take_chunk(i)`` gives piece
-    ``i``'s decisions); ``progress(k)`` is called when the ``k``-th chunk (``pieces_of_chunk``) is taken whole.
-    ``counts`` holds every chunk's per-iteration counts, so the capacity check and the unbounded plan's slot
-    count come first, as in :func:`assemble_plan`.
-    The driver holds the pieces that reach ``L`` iterations past the time it bounds (the candidate
-    intervals starting there end within ``L``), the intervals kept across that time, the slot state and one
-    row group of finished iterations.
+    ``pieces`` are consecutive iteration ranges (the spool's; ``take_piece(i)`` gives piece ``i``'s decisions,
+    once); ``progress(k)`` is called when the ``k``-th chunk (``pieces_of_chunk``) is taken whole. ``counts``
+    holds every piece's per-iteration counts, so the capacity check and the unbounded plan's slot count come
+    first, as in :func:`assemble_plan`. The driver holds the pieces that reach ``L`` iterations past the block
+    it bounds, the intervals kept across that block, the slot state and one row group of finished iterations:
+    nothing that grows with the stream but the counts.
 
-    The capacity bound runs :func:`farthest_first_drops` on one block of time at a time: its choice at time
-    ``u`` depends only on the kept intervals that contain ``u`` and the dropped ones still running, so a block
-    gets the intervals kept across its start and the over-capacity counts less the dropped intervals that
-    still run. Iteration ``v``'s write-backs are final once every interval starting at ``v+1`` is decided
-    (by ``v+L-P-1``); then slots are assigned as :func:`assign_slots` does, step by step.
+    Without a capacity nothing is dropped, so an iteration is final as soon as its piece is in. With one, each
+    piece is a block of time for the bound (:class:`_BlockBound`), and the iterations it makes final follow.
     """
-    distance, window, capacity = config.prefetch_distance, config.lookahead, config.capacity
-    over = None
-    if n:
-        occ = occupancy(counts.prefetch, counts.evict, distance)
-        if capacity is not None:
-            base = occ - np.cumsum(counts.cover[:n])
-            if base.max() > capacity:
-                raise capacity_error(base)
-            over = occ - capacity
-    num_slots = capacity if capacity is not None else (int(occ.max()) if n else 0)
-    occ = None
-    replay = _SlotReplay(n, distance, num_slots, num_rows)
-    next_chunk = 0
-    prefetch: dict[int, list[np.ndarray]] = {}  # iteration -> sorted ids + ids added by the capacity bound
-    evict: dict[int, list[np.ndarray]] = {}
-    pool = [np.zeros(0, np.int64)] * 3  # candidate intervals not yet reached: ids, start, end
-    kept = [np.zeros(0, np.int64)] * 3  # intervals kept across the time reached
-    dropped_ends = [np.zeros(0, np.int64)] * 2  # dropped intervals still running: start, end
-    finished, out = 0, []  # iterations assigned slots; those not yet written
-    stats = _Stats(num_slots, 0, 0, 0)
-    chunk_done = {r[-1]: k + 1 for k, r in enumerate(pieces_of_chunk or []) if len(r)}
-
-    def load(through: int) -> None:
-        nonlocal next_chunk
-        while next_chunk < len(chunk_ranges) and chunk_ranges[next_chunk][0] < through:
-            d = take_chunk(next_chunk)
-            next_chunk += 1
-            pf_off, ev_off = _offsets(d.prefetch_counts), _offsets(d.evict_counts)
-            for i, t in enumerate(range(d.first, d.stop)):
-                prefetch.setdefault(t, []).append(d.prefetch_ids[pf_off[i] : pf_off[i + 1]])
-                evict.setdefault(t, []).append(d.evict_ids[ev_off[i] : ev_off[i + 1]])
-            if capacity is not None:
-                for k, f in enumerate(("cand_ids", "cand_start", "cand_end")):
-                    pool[k] = np.concatenate([pool[k], getattr(d, f).astype(np.int64, copy=False)])
-            if progress and next_chunk - 1 in chunk_done:
-                progress(chunk_done[next_chunk - 1])
-
-    def bound(a: int, b: int) -> None:
-        """Capacity drops for times ``a .. b-1`` (every interval starting before b is in the pool)."""
-        nonlocal kept, dropped_ends
-        new = pool[1] < b
-        ids, start, end = (np.concatenate([kept[k], pool[k][new]]) for k in range(3))
-        for k in range(3):
-            pool[k] = pool[k][~new]
-        live = dropped_ends[1] >= a
-        ds, de = dropped_ends[0][live], dropped_ends[1][live]
-        hot = over[a:b] - coverage(np.maximum(ds, a) - a, np.minimum(de, b - 1) - a, b - a)
-        drop = np.zeros(len(ids), dtype=bool)
-        if (hot > 0).any():
-            origin = min(a, int(start.min())) if len(start) else a
-            span = max(b, int(end.max()) + 1 if len(end) else b) - origin
-            block = np.zeros(span, dtype=np.int64)
-            block[a - origin : b - origin] = hot
-            drop = farthest_first_drops(block, start - origin, end - origin, ids)
-        np.add.at(counts.evict, start[drop] - 1, 1)
-        np.add.at(counts.prefetch, end[drop] + distance + 1, 1)
-        for x, s, e in zip(ids[drop].tolist(), start[drop].tolist(), end[drop].tolist(), strict=True):
-            evict[s - 1].append(np.array([x], np.int64))  # give up the kept gap: evict after s-1 ...
-            prefetch.setdefault(e + distance + 1, []).append(np.array([x], np.int64))  # ... fetch again
-        stays = ~drop & (end >= b)
-        kept = [ids[stays], start[stays], end[stays]]
-        gone = drop & (end >= b)
-        dropped_ends = [np.concatenate([ds[de >= b], start[gone]]), np.concatenate([de[de >= b], end[gone]])]
-
-    def finish_through(stop: int) -> None:
-        nonlocal finished, out
-        while finished < stop:
-            t = finished
-            pf = _merged(prefetch.pop(t))
-            ev = _merged(evict.pop(t))
-            slots = replay.issue(t, pf, ev)
-            out.append((pf, slots, ev))
-            stats.prefetched_rows += len(pf)
-            stats.evicted_rows += len(ev)
-            finished += 1
-            if finished % iterations_per_file == 0 or finished % SPOOL_ITERATIONS == 0 or finished == n:
-                first = finished - len(out)
-                pf_off = _offsets(np.array([len(o[0]) for o in out], np.int64))
-                ev_off = _offsets(np.array([len(o[2]) for o in out], np.int64))
-                sink.write(first, finished, pf_off, _cat([o[0] for o in out]), _cat([o[1] for o in out]),
-                           ev_off, _cat([o[2] for o in out]))
-                out = []
-
-    for a, b in chunk_ranges:
-        if a >= b:
+    assembly = _StreamAssembly(config, n, num_rows, pieces, take_piece, counts, sink,
+                               iterations_per_file=iterations_per_file, capacity_error=capacity_error,
+                               progress=progress, pieces_of_chunk=pieces_of_chunk)
+    for a, b in pieces:
+        if a >= b:  # an empty stream's one piece
             continue
-        if capacity is None:
-            load(b)
-            finish_through(b)
-            continue
-        load(min(n, b + window))  # decisions of every use within L of the block: its intervals' ends
-        bound(a, b)
-        finish_through(n if b == n else max(0, b - window + distance + 1))
-    finish_through(n)
-    sink.close()
-    replay.finish()
-    peak = int(occupancy(counts.prefetch, counts.evict, distance).max()) if n else 0
-    if replay.peak != peak:
-        raise RuntimeError(f"slot replay peaks at {replay.peak} rows, the occupancy count at {peak}")
-    stats.peak_occupancy = peak
-    return stats
+        if assembly.bound is None:
+            assembly.load_before(b)
+            assembly.finish_before(b)
+        else:
+            # An interval starting in the block is closed by a use before b+L, and a piece carries the
+            # intervals its uses close: load every piece up to there.
+            assembly.load_before(min(n, b + config.lookahead))
+            assembly.bound_block(a, b)
+            assembly.finish_before(assembly.final_after(b))
+    return assembly.close()
 
 
 def _merged(parts: list[np.ndarray]) -> np.ndarray:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
 from dlrmflow.engine.config_model import ConfigModel
@@ -29,10 +29,6 @@ EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.en
 DENSE_OPTIMIZERS = ("sgd", "adam")
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
 DEFAULT_TOP_MLP = (512, 256, 1)
-# Settings left out of a dump while at their defaults: a DLRM run's run_config.json and checkpoint
-# fingerprint stay what they were before these settings existed, so such runs still resume.
-OMITTED_AT_DEFAULT = ("model", "dnn", "cross_layers", "trainers", "lr_num_warmup_steps", "lr_decay_start_step",
-                      "lr_num_decay_steps", "eval_every", "init_from")
 
 # Fields whose `dlrmflow train` option is not --field-name; fields in NO_OPTION have none.
 OPTION_NAMES = {"dataset_dir": "DATASET_DIR", "output_dir": "--output", "plan_dir": "--plan",
@@ -67,7 +63,7 @@ class TrainConfig(ConfigModel):
     dataset_dir: str = Field(description="a preprocessed dataset directory")
     mode: Literal[MODE_NAMES] = Field(
         description="where embedding rows live: " + ", ".join(mode.help for mode in MODES.values()))
-    output_dir: str = Field(description="where final_state.pt, summary.json and iterations.csv go")
+    output_dir: str = Field(description="where final_state/, summary.json and iterations.csv go")
     batch_size: int = Field(128, ge=1, description="training batch size")
     iterations: int | None = Field(
         None, ge=1, description="batches to train (default: every batch before the held-out rows)")
@@ -137,9 +133,9 @@ class TrainConfig(ConfigModel):
                     "shares with the servers, a cap leaves training more of the cores while a lost shard is "
                     "rebuilt, and the rebuild takes longer")
     checkpoint_every: int | None = Field(
-        None, ge=1, description="checkpoint all shards + dense state every N iterations (modes remote, lru, "
-                                "oracle): without --parity a lost shard is reloaded and replayed; a crashed run "
-                                "continues with `dlrmflow resume RUN_DIR`")
+        None, ge=1, description=f"checkpoint all shards + dense state every N iterations (modes "
+                                f"{_modes('checkpoints')}): without --parity a lost shard is reloaded and "
+                                "replayed; a crashed run continues with `dlrmflow resume RUN_DIR`")
     resume: bool = Field(
         False, description="continue the unfinished run in output_dir from its checkpoint (same configuration)")
     init_from: str | None = Field(
@@ -155,12 +151,12 @@ class TrainConfig(ConfigModel):
     @model_validator(mode="after")
     def _fields_agree(self) -> TrainConfig:
         """The rules between fields; each error names the field it is about."""
-        mode, servers = MODES[self.mode], _one_of(SERVER_MODES)
-        if not mode.servers:
-            if self.parity:
-                raise TrainConfigError(f"parity: --parity needs embedding servers; use --mode {servers}")
-            if self.checkpoint_every is not None:
-                raise TrainConfigError(f"checkpoint_every: --checkpoint-every works with --mode {servers}")
+        mode = MODES[self.mode]
+        if self.parity and not mode.servers:
+            raise TrainConfigError(f"parity: --parity needs embedding servers; use --mode {_one_of(SERVER_MODES)}")
+        if self.checkpoint_every is not None and not mode.checkpoints:
+            able = [m.name for m in MODES.values() if m.checkpoints]
+            raise TrainConfigError(f"checkpoint_every: --checkpoint-every works with --mode {_one_of(able)}")
         if self.capacity is not None and not mode.capacity:
             users = _all_of(m.name for m in MODES.values() if m.capacity)
             raise TrainConfigError(f"capacity: --capacity is used by --mode {users}, not --mode {self.mode}")
@@ -222,16 +218,6 @@ class TrainConfig(ConfigModel):
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise TrainConfigError(f"{name}: {cli_option(name)} layer sizes must be positive, at least one; "
                                        f"got {list(sizes)}")
-
-    @model_serializer(mode="wrap")
-    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Every field, less those of OMITTED_AT_DEFAULT that hold their defaults (a missing key reads
-        back as its default, so ``TrainConfig(**config.model_dump()) == config`` still holds)."""
-        values = handler(self)
-        for name in OMITTED_AT_DEFAULT:
-            if getattr(self, name) == type(self).model_fields[name].default:
-                values.pop(name, None)
-        return values
 
     @property
     def bottom_layers(self) -> tuple[int, ...]:

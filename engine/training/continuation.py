@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.training.run_dir import SUMMARY_FILE, UNFINISHED_FILE
+from dlrmflow.engine.training.run_directory import SUMMARY_FILE, UNFINISHED_FILE
 
 STATE_DIR = "final_state"  # run_state.STATE_DIR (that module loads torch)
 MANIFEST_FILE = "manifest.json"

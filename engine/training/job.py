@@ -15,37 +15,39 @@ from __future__ import annotations
 import contextlib
 import csv
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dlrmflow.engine.coding.group import RecoveryRunner
 from dlrmflow.engine.models import architecture
 from dlrmflow.engine.run_lock import output_lock
 from dlrmflow.engine.run_state import ITERATIONS_FILE, commit_state_dir, write_summary
-from dlrmflow.engine.training.checkpoint import finish_run_dir, start_run_dir, unfinished_run_message
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.continuation import init_from_record
 from dlrmflow.engine.training.evaluation import best_evaluation, evaluation_row
 from dlrmflow.engine.training.launch import run_trainers
 from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.run_context import MetricsCallback, Progress, RunContext
+from dlrmflow.engine.training.run_directory import finish_run_dir, start_run_dir
+from dlrmflow.engine.training.run_directory_checks import unfinished_run_message
 from dlrmflow.engine.training.run_setup import RunSetup, prepare_run
 from dlrmflow.engine.training.stores.oracle import spare_slots
 from dlrmflow.engine.training.timing import run_timing
 
-Progress = Callable[[int, int], None]
-MetricsCallback = Callable[[dict[str, Any]], None]
+if TYPE_CHECKING:
+    from distributed import Client
 
 
 def train(
     config: TrainConfig,
     *,
-    client=None,
+    client: Client | None = None,
     progress: Progress | None = None,
     on_metrics: MetricsCallback | None = None,
     setup: RunSetup | None = None,
-    recovery_runner: Callable | None = None,
+    recovery_runner: RecoveryRunner | None = None,
 ) -> dict[str, Any]:
     """Run one training job; write final_state/, summary.json and iterations.csv; return the summary.
 
@@ -53,7 +55,11 @@ def train(
     process (the flow wraps it in a Prefect subflow); losing more shards than the parity covers raises
     TooManyErasuresError and writes nothing. With ``checkpoint_every``: the run directory records the
     configuration and that the run is unfinished before any work, and ``resume`` continues such a run
-    from its checkpoint (see :mod:`dlrmflow.engine.training.checkpoint`)."""
+    from its checkpoint (see :mod:`dlrmflow.engine.training.checkpoint`).
+
+    ``client``, ``progress``, ``on_metrics`` and ``recovery_runner`` become the run's
+    :class:`~.run_context.RunContext`, made here once for the layers below."""
+    context = RunContext(client=client, progress=progress, on_metrics=on_metrics, recovery_runner=recovery_runner)
     setup = setup or prepare_run(config)
     config = setup.config
     output = Path(config.output_dir)
@@ -61,8 +67,7 @@ def train(
         if config.checkpoint_every and not config.resume:
             start_run_dir(output, config.model_dump(), dataset_fingerprint=setup.meta.fingerprint,
                           plan_fingerprint=setup.plan_fingerprint, iterations=setup.iterations)
-        results = run_trainers(setup, client, progress=progress, on_metrics=on_metrics,
-                               recovery_runner=recovery_runner)
+        results = run_trainers(setup, context)
         return _record(setup, output, results)
 
 

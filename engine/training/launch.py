@@ -23,7 +23,6 @@ import queue
 import socket
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,9 @@ from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers
-from dlrmflow.engine.training.checkpoint import (
-    CHECKPOINT_FILE,
-    resume_command,
-)
 from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.run_context import RunContext
+from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE, resume_command
 from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.trainer import train_rank
 from dlrmflow.engine.training.trainer_slices import prepare_trainers
@@ -98,15 +95,17 @@ def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, pro
             worker.log_event(progress_topic, {"done": done, "metrics": row})
             last_report[0] = time.perf_counter()
 
-    return train_rank(setup, TrainerGroup(rank, size, init_method), client=get_client(), report=report,
-                      worker=worker.address, device=device)
+    return train_rank(setup, TrainerGroup(rank, size, init_method), RunContext.on_worker(get_client()),
+                      report=report, worker=worker.address, device=device)
 
 
-def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None] | None = None,
-                 on_metrics: Callable[[dict[str, Any]], None] | None = None,
-                 recovery_runner: Callable | None = None) -> list[dict[str, Any]]:
+def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
     """Run ``setup.config.trainers`` trainers; every trainer's result, in rank order (module docstring).
-    ``recovery_runner``: how a trainer in this process runs a shard rebuild (one trainer only)."""
+
+    ``context``: the caller's. One trainer runs in this process with it; W trainers run on the workers
+    of ``context.client``, each with a context of its own (no callbacks: trainer 0's progress comes back
+    as events, relayed here to ``context.progress`` and ``context.on_metrics``)."""
+    progress, on_metrics, client = context.progress, context.on_metrics, context.client
     if setup.config.trainers == 1:
         def report(done: int, row: dict[str, Any] | None) -> None:
             if progress is not None:
@@ -114,8 +113,7 @@ def run_trainers(setup: RunSetup, client, *, progress: Callable[[int, int], None
             if row is not None and on_metrics is not None:
                 on_metrics(row)
 
-        return [train_rank(setup, TrainerGroup.alone(), client=client, report=report,
-                           recovery_runner=recovery_runner)]
+        return [train_rank(setup, TrainerGroup.alone(), context, report=report)]
     if client is None:
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers

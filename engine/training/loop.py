@@ -5,12 +5,12 @@ ids, :class:`~dlrmflow.engine.training.batch_split.BatchSplit`)::
 
     hooks        checkpoint before every N-th iteration; failure injection (trainer 0)
     rates      = the schedule's learning rates of t (dense optimizer here, row updates in the store)
-    block      = store.gather(t, split)                      [U, width] rows: weights + optimizer state
-    weights    = block[:, :dim] (a leaf);  embeddings = weights[split.inverse]
+    step       = store.gather(t, split, next ids)            step.rows [U, width]: weights + optimizer state
+    weights    = step.rows[:, :dim] (a leaf);  embeddings = weights[split.inverse]
     loss       = BCE(model(dense slice, embeddings)); backward
     dense grads: the trainers' mean, summed in rank order (one trainer: its own)
     dense optimizer step
-    store.update(t, split, next ids, block, grad of weights)   the row update: the mode's store
+    store.update(step, grad of weights, row lr of t)          the row update: the mode's store
 
 ``dim`` is the model's row width (``models.row_width``): every per-id parameter of the model is a
 weight of the id's row, so the model is the only part of a run that knows which model it is. The
@@ -68,18 +68,20 @@ class LoopHooks:
 
 def train_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: torch.nn.Module,
                params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, setup: RunSetup,
-               store: RowStore, group: TrainerGroup, device: torch.device, clock: dict[str, float]) -> torch.Tensor:
-    """One iteration of one trainer (module docstring); returns the trainers' mean loss. Adds to ``clock`` the
-    seconds of forward and backward (``compute``) and of the dense gradients' gather (``dense_sync``)."""
+               store: RowStore, group: TrainerGroup, device: torch.device, clock: dict[str, float],
+               row_lr: float) -> torch.Tensor:
+    """One iteration of one trainer (module docstring); returns the trainers' mean loss. ``row_lr``: the
+    embedding rows' learning rate at ``t``. Adds to ``clock`` the seconds of forward and backward
+    (``compute``) and of the dense gradients' gather (``dense_sync``)."""
     dim = setup.spec.dim
     rows = batch.labels.shape[0]  # this trainer's slice of the global batch
     # torch.tensor copies into torch-allocated (aligned) memory: kernels then take the same code path
     # whatever NumPy's buffer alignment was.
     dense = torch.tensor(batch.dense, device=device)
     labels = torch.tensor(batch.labels, device=device)
-    block = store.gather(t, split)
+    step = store.gather(t, split, next_union)
     start = time.perf_counter()
-    weights = block[:, :dim].clone().requires_grad_(True)
+    weights = step.rows[:, :dim].clone().requires_grad_(True)
     embeddings = weights.index_select(0, torch.from_numpy(split.inverse).to(device))
     loss = bce_loss(model(dense, embeddings.view(rows, -1, dim)), labels)
     optimizer.zero_grad(set_to_none=True)
@@ -89,7 +91,7 @@ def train_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: 
     clock["compute"] += gathered - start
     clock["dense_sync"] += time.perf_counter() - gathered
     optimizer.step()
-    store.update(t, split, next_union, block, weights.grad)
+    store.update(step, weights.grad, row_lr)
     return loss
 
 
@@ -100,8 +102,8 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
     ``compute`` (forward, backward), ``dense_sync`` (the dense gradients' gather, waiting for the slowest
     trainer included) and ``batches`` (reading the global batch and splitting it)."""
     n, offsets, every = setup.iterations, setup.stream.offsets, setup.config.metrics_every
-    eval_every, base_lr = setup.config.eval_every, setup.config.lr
-    schedule = LrSchedule.of(setup.config, setup.steps_before)
+    eval_every, base_lr, base_row_lr = setup.config.eval_every, setup.config.lr, setup.spec.lr
+    schedule = LrSchedule.of(setup.config, setup.steps_before)  # a pure function of t: the same on every trainer
     checkpoints = hooks.checkpoints
     params = list(model.parameters())
     sync_seconds = np.zeros(n)
@@ -135,12 +137,14 @@ def train_iterations(setup: RunSetup, group: TrainerGroup, model: torch.nn.Modul
             following = next(batches) if t + 1 < n else None
             next_split = None if following is None else split_of(t + 1, following)
             clock["batches"] += time.perf_counter() - reading
-            if not schedule.constant:  # a pure function of t: every mode and trainer sets the same rate
+            row_lr = base_row_lr
+            if not schedule.constant:
+                row_lr = schedule.lr(base_row_lr, t)
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = schedule.lr(base_lr, t)
             start, stall, sync = time.perf_counter(), store.stall_seconds, store.sync_seconds
             loss = train_step(t, batch, split, EMPTY_IDS if next_split is None else next_split.union, model, params,
-                              optimizer, setup, store, group, device, clock)
+                              optimizer, setup, store, group, device, clock, row_lr)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # honest per-iteration times
             log.record(t, loss, time.perf_counter() - start, store.stall_seconds - stall)

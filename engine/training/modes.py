@@ -23,6 +23,7 @@ class Mode:
     help: str
     store: str  # the module whose make_store(setup, device, shards, group, start=, rows=) builds the store
     servers: bool = True  # rows on embedding servers (what parity and checkpoints protect)
+    checkpoints: bool = True  # supports --checkpoint-every (its servers write the checkpoint's rows files)
     capacity: bool = False  # reads --capacity (a cache's rows)
     capacity_required: bool = False  # needs --capacity, at least the most distinct rows of any batch
     plan: bool = False  # reads --plan (a lookahead plan made for its dataset and batch size)
@@ -36,7 +37,7 @@ class Mode:
 
 _STORES = "dlrmflow.engine.training.stores"
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode("local", "local tables", f"{_STORES}.local", servers=False, several_trainers=False),
+    Mode("local", "local tables", f"{_STORES}.local", servers=False, checkpoints=False, several_trainers=False),
     Mode("remote", "remote shards (no cache)", f"{_STORES}.remote"),
     Mode("lru", "remote + LRU cache", f"{_STORES}.lru", capacity=True, capacity_required=True,
          parity_with_trainers=False),

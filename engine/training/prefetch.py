@@ -42,7 +42,6 @@ and reports what it did.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.prefetch_state import (
     EMPTY_IDS,
@@ -94,31 +92,27 @@ class PrefetchWorker:
         iterations: int,
         distance: int,
         cache: torch.Tensor,
-        shards: ShardGroup,
+        home: Any,
         total_rows: int,
         *,
         start: int = 0,
         cached: tuple[np.ndarray, np.ndarray] | None = None,
         spare_slots: int = 0,
     ) -> None:
-        """``start``: the first iteration to prepare (``plan_iterations`` begins there); ``cached``: the
-        (ids, slots) already in the cache at ``start``, whose write-backs are all applied; ``spare_slots``: the
-        last rows of ``cache``, beyond the plan's slots, for rows fetched early (the state's)."""
+        """``home``: where rows go and come from, ``home.exchange(write_ids, write_rows, fetch_ids, out=)`` (the
+        store's :class:`~.stores.homes.ShardHome`, which counts the traffic); ``start``: the first iteration to
+        prepare (``plan_iterations`` begins there); ``cached``: the (ids, slots) already in the cache at
+        ``start``, whose write-backs are all applied; ``spare_slots``: the last rows of ``cache``, beyond the
+        plan's slots, for rows fetched early (the state's)."""
         self.spare_slots = spare_slots
         self.state = self._new_state(iterations, distance, total_rows, cache.shape[0] - spare_slots, start, cached)
         self.plans = plan_iterations
-        self.iterations = iterations
-        self.distance = distance
         self.cache = cache
-        self.shards = shards
+        self.home = home
         self.row_bytes = 4 * cache.shape[1]
         self.cuda = cache.device.type == "cuda"
         self.stream = torch.cuda.Stream(cache.device) if self.cuda else None
         self.cache_np = None if self.cuda else cache.numpy()
-        self.start_at = start
-        self.bytes_fetched = 0
-        self.bytes_written = 0
-        self.busy_seconds = 0.0  # time spent in shard round trips and cache copies
         self._no_rows = np.zeros((0, cache.shape[1]), dtype=np.float32)
         self._cond = threading.Condition()  # held around every call into the state
         self._ready: dict[int, Ready] = {}
@@ -133,16 +127,22 @@ class PrefetchWorker:
         return PrefetchState(iterations, distance, total_rows, num_slots, start=start, cached=cached,
                              spare_slots=self.spare_slots)
 
-    @property
-    def slot_of(self) -> np.ndarray:
-        """The worker's view, id -> slot (-1: not cached): a row occupies its slot from prefetch until its
-        eviction is taken for write-back. Read it while the worker is idle (:meth:`wait_idle`)."""
-        return self.state.slot_of
+    def cached(self) -> tuple[np.ndarray, np.ndarray]:
+        """The worker's view of the cache: every id in it (sorted) and its slot. A row occupies its slot from
+        prefetch until its eviction is taken for write-back. Call it while the worker is idle
+        (:meth:`wait_idle`)."""
+        ids = np.flatnonzero(self.state.slot_of >= 0)
+        return ids, self.state.slot_of[ids]
 
     @property
-    def owner(self) -> np.ndarray:
-        """The worker's view, slot -> id (-1: free)."""
-        return self.state.owner
+    def peak_held(self) -> int:
+        """The most rows the worker's view held at once, rows fetched early into spare slots not counted."""
+        return self.state.peak_held
+
+    @property
+    def doing(self) -> str:
+        """What the worker is doing (empty: waiting), for a message about it."""
+        return self.state.doing
 
     # ---- main-thread side -------------------------------------------------------------
     def start(self) -> None:
@@ -292,14 +292,9 @@ class PrefetchWorker:
         write_ids, ids, slots = exchange.write_ids, exchange.fetch_ids, exchange.fetch_slots
         if not len(ids) and not len(write_ids):
             return None
-        start = time.perf_counter()
         rows = torch.empty((len(ids), self.cache.shape[1]), dtype=torch.float32, pin_memory=self.cuda)
-        self.shards.exchange(write_ids, write_rows, ids, out=rows.numpy())
-        event = self._into_cache(slots, rows) if len(ids) else None
-        self.bytes_fetched += len(ids) * self.row_bytes
-        self.bytes_written += len(write_ids) * self.row_bytes
-        self.busy_seconds += time.perf_counter() - start
-        return event
+        self.home.exchange(write_ids, write_rows, ids, out=rows.numpy())
+        return self._into_cache(slots, rows) if len(ids) else None
 
     def _into_cache(self, slots: np.ndarray, rows: torch.Tensor) -> torch.cuda.Event | None:
         """``rows`` (host memory, pinned on a GPU) into the cache's ``slots``; on a GPU through the side stream,
@@ -333,25 +328,14 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         return PartitionedPrefetchState(iterations, distance, total_rows, num_slots, size=self.group.size,
                                         rank=self.group.rank, gateway=self.gateway, start=start, cached=cached)
 
-    @property
-    def last_writer(self) -> np.ndarray:
-        """Per id: the trainer that last wrote it home (-1: none yet)."""
-        return self.state.last_writer
-
-    def fetchers(self, ids: np.ndarray) -> np.ndarray:
-        """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
-        (``gateway``: trainer 0, always)."""
-        return self.state.fetchers(ids)
-
     def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> torch.cuda.Event | None:
         """One round trip to the shards for this trainer's share, then the rows it fetched go to their
         other holders and the rows it holds come from their fetchers."""
-        start = time.perf_counter()
         rank, width = self.group.rank, self.cache.shape[1]
         here = exchange.fetched_here
         fetched = np.empty((len(here), width), dtype=np.float32)
         if len(here) or len(exchange.write_ids):
-            self.shards.exchange(exchange.write_ids, write_rows, here, out=fetched)
+            self.home.exchange(exchange.write_ids, write_rows, here, out=fetched)
         event = None
         if exchange.prefetch_ids is not None and len(exchange.prefetch_ids):
             fetcher, holders = exchange.fetcher, exchange.holders
@@ -367,7 +351,4 @@ class PartitionedPrefetchWorker(PrefetchWorker):
             for u, part in parts.items():
                 values[held_fetcher == u] = part.numpy()
             event = self._into_cache(exchange.fetch_slots, held) if len(values) else None
-        self.bytes_fetched += len(here) * self.row_bytes
-        self.bytes_written += len(exchange.write_ids) * self.row_bytes
-        self.busy_seconds += time.perf_counter() - start
         return event

@@ -16,11 +16,11 @@ from dlrmflow.engine.batch_stream import BatchStream, batches_ending_by, global_
 from dlrmflow.engine.models import architecture, model_config, row_init_std, row_width
 from dlrmflow.engine.planning.planner import CapacityError, Plan, load_plan
 from dlrmflow.engine.serving.embedding_rows import RowSpec
-from dlrmflow.engine.training.checkpoint import check_resumable, refuse_unfinished_run
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.continuation import FinishedRun, check_init_from
 from dlrmflow.engine.training.faults import Kill, check_kills
 from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.run_directory_checks import check_resumable, refuse_unfinished_run
 
 
 @dataclass

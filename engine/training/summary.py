@@ -1,8 +1,9 @@
 """A typed view of a training run's summary, for the code that reads it (the pipeline, the train report).
 
 :func:`~dlrmflow.engine.training.job.train` returns its summary as a dict, the object ``summary.json``
-records and ``dlrmflow train --json`` prints. :func:`train_summary` is the one place that reads that
-dict by key; everything else reads the attributes of the :class:`TrainSummary` it makes.
+records and ``dlrmflow train --json`` prints. :func:`train_summary` makes the :class:`TrainSummary` of the
+fields the pipeline and the train flow read; the train report's summary table, the daily flow,
+``--init-from`` and ``dlrmflow train``'s own report read the dict's keys themselves.
 :func:`saved_run` is the training run's "up to date" rule (:mod:`dlrmflow.engine.up_to_date`).
 """
 
@@ -60,7 +61,7 @@ class TrainSummary:
 
 
 def train_summary(summary: Mapping[str, Any], *, skipped: bool = False) -> TrainSummary:
-    """The typed view of the engine's summary dict (also of a summary.json written by an earlier version)."""
+    """The typed view of the engine's summary dict, or of a summary.json; a key it lacks reads as its default."""
     return TrainSummary(
         mode=summary["mode"], dataset=str(summary["dataset"]), output_dir=str(summary["output_dir"]),
         iterations=summary["iterations"], batch_size=summary["batch_size"], num_shards=summary.get("num_shards", 0),

@@ -49,7 +49,7 @@ class TrainLog:
         log.iteration_seconds[:t] = snap["iteration_seconds"].numpy()
         log.stall_seconds[:t] = snap["stall_seconds"].numpy()
         log.metrics = [dict(m) for m in snap["metrics"]]
-        log.evaluations = [dict(e) for e in snap.get("evaluations", [])]  # none in an older checkpoint
+        log.evaluations = [dict(e) for e in snap["evaluations"]]
         log.start = log.done = t
         log.seconds_before = float(snap["seconds"])
         return log

@@ -1,6 +1,6 @@
 """One trainer's whole run, rank ``r`` of a group of W (W = 1: the only trainer, in the caller's process).
 
-Trainer 0 also owns what one trainer owns: the embedding servers (started through ``client``: plain,
+Trainer 0 also owns what one trainer owns: the embedding servers (started through the run's client: plain,
 placed for checkpoints, or coded with parity), the kills, the checkpoints, the evaluation and the final
 state, which the servers write to the run directory, each its own rows (:mod:`.final_state`); its result
 carries the state SHA-256. The other trainers get a handle on trainer 0's servers.
@@ -27,14 +27,8 @@ from dlrmflow.engine.row_files import ShardedRows
 from dlrmflow.engine.serving.dask_internals import bind_actor
 from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
-from dlrmflow.engine.training.checkpoint import (
-    Checkpointer,
-    cache_of,
-    config_sha256,
-    load_resume_point,
-    restore_dense,
-    start_placed_shards,
-)
+from dlrmflow.engine.training.checkpoint import Checkpointer
+from dlrmflow.engine.training.checkpoint_format import cache_of, load_resume_point, restore_dense
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.dense import collect_state, deterministic_torch, make_dense_optimizer, start_from_run
 from dlrmflow.engine.training.evaluation import evaluate
@@ -43,32 +37,34 @@ from dlrmflow.engine.training.final_state import seal_final_state, write_final_s
 from dlrmflow.engine.training.loop import LoopHooks, Report
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.prefetch import PrefetchError
+from dlrmflow.engine.training.run_context import RunContext
+from dlrmflow.engine.training.run_directory import config_sha256
 from dlrmflow.engine.training.run_setup import RunSetup
-from dlrmflow.engine.training.schedule import LrSchedule
+from dlrmflow.engine.training.shard_restore import start_placed_shards
 from dlrmflow.engine.training.timing import timed
 from dlrmflow.engine.training.train_log import TrainLog
 
 
-def start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_runner=None) -> ShardGroup | None:
-    """Trainer 0's embedding servers (None for a mode without servers): coded with parity, placed for
-    checkpoints, plain otherwise; from ``rows`` (a checkpoint's: each shard reads its own file) when
-    resuming."""
+def start_servers(setup: RunSetup, context: RunContext, rows: ShardedRows | None) -> ShardGroup | None:
+    """Trainer 0's embedding servers (None for a mode without servers), started through ``context.client``:
+    coded with parity (its rebuilds run by ``context.recovery_runner``), placed for checkpoints, plain
+    otherwise; from ``rows`` (a checkpoint's: each shard reads its own file) when resuming."""
     config = setup.config
     if not MODES[config.mode].servers:
         return None
-    if client is None:
+    if context.client is None:
         raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
     with phase_reported(f"embedding servers: initialising {config.num_shards} shards"
                         f"{f' and {config.parity} parity shards' if config.parity else ''}"):
-        return _start_servers(setup, client, rows, recovery_runner)
+        return _start_servers(setup, context, rows)
 
 
-def _start_servers(setup: RunSetup, client, rows: ShardedRows | None, recovery_runner) -> ShardGroup:
-    config = setup.config
+def _start_servers(setup: RunSetup, context: RunContext, rows: ShardedRows | None) -> ShardGroup:
+    config, client = setup.config, context.client
     if config.parity:
         return start_coded_shards(client, setup.spec, config.num_shards, config.parity, rows=rows,
                                   rebuild_chunk=config.rebuild_chunk, parity_batches=config.parity_batches,
-                                  rebuild_rate=config.rebuild_rate * 1e6, recovery_runner=recovery_runner)
+                                  rebuild_rate=config.rebuild_rate * 1e6, recovery_runner=context.recovery_runner)
     if config.checkpoint_every:
         return start_placed_shards(client, setup.spec, config.num_shards, rows)
     return start_shards(client, setup.spec, config.num_shards)
@@ -100,11 +96,11 @@ def share_servers(group: TrainerGroup, shards: ShardGroup | None, spec) -> Shard
     return handle[0]
 
 
-def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report | None = None,
-               recovery_runner=None, worker: str | None = None, device: torch.device | None = None
-               ) -> dict[str, Any]:
-    """This trainer's run: the loop (:mod:`.loop`) between setting up and recording. ``client``: the Dask
-    client trainer 0 starts the servers and injects kills through; ``report``: trainer 0's progress;
+def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, report: Report | None = None,
+               worker: str | None = None, device: torch.device | None = None) -> dict[str, Any]:
+    """This trainer's run: the loop (:mod:`.loop`) between setting up and recording. ``context.client``: the
+    Dask client trainer 0 starts the servers (:func:`start_servers`, which reads ``context``) and injects
+    kills through, and every trainer takes checkpoints through; ``report``: trainer 0's progress;
     ``device``: this trainer's (default: the configured one)."""
     config, n, lead = setup.config, setup.iterations, group.rank == 0
     device = torch.device(config.device) if device is None else device
@@ -114,7 +110,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
         resumed = load_resume_point(output, config.model_dump(), setup.spec, n) if config.resume else None
         rows = None if resumed is None else resumed.pop("rows")  # a view of the checkpoint's shard files
         start_at = 0 if resumed is None else int(resumed["iteration"])
-        shards = share_servers(group, start_servers(setup, client, rows, recovery_runner) if lead else None,
+        shards = share_servers(group, start_servers(setup, context, rows) if lead else None,
                                setup.spec)
         if DETERMINISTIC_IMPORT not in sys.modules:  # the first run in this process: seconds, said
             with phase_reported("trainer: importing torch's compiler settings (deterministic algorithms)"):
@@ -132,16 +128,14 @@ def train_rank(setup: RunSetup, group: TrainerGroup, *, client, report: Report |
             if resumed is not None:
                 store.resume_from(resumed["traffic"], cache_of(resumed), rows)
             del rows
-            # The row updates' learning rates (the loop sets the dense ones).
-            store.schedule = LrSchedule.of(config, setup.steps_before)
             hooks = LoopHooks(report=report if lead else None)
             if config.eval_every and lead:
                 hooks.evaluate = lambda t: evaluate(setup, model, store, device, during_training=True)
             if setup.kills and lead:
-                hooks.injector = FaultInjector(setup.kills, client, lambda s: store.shards.worker_of[s],
+                hooks.injector = FaultInjector(setup.kills, context.client, lambda s: store.shards.worker_of[s],
                                                config.num_shards)
             if config.checkpoint_every:
-                hooks.checkpoints = Checkpointer(output, config.checkpoint_every, client,
+                hooks.checkpoints = Checkpointer(output, config.checkpoint_every, context.client,
                                                  config_sha256=config_sha256(config.model_dump()),
                                                  reload_on_loss=not config.parity and group.size == 1,
                                                  resumed_at=None if resumed is None else start_at)

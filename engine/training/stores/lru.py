@@ -8,29 +8,33 @@ import numpy as np
 import torch
 
 from dlrmflow.engine.planning.planner import CapacityError
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import TrainerGroup, sum_over_users
 from dlrmflow.engine.training.run_setup import RunSetup
-from dlrmflow.engine.training.stores.base import CachedRows, ServersCurrentRows
+from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at
+from dlrmflow.engine.training.stores.homes import ShardHome
+from dlrmflow.engine.training.stores.slot_cache import SlotCache
+from dlrmflow.engine.training.stores.sync import WriteThrough, gather_gradients
 
 
-class LruRows(CachedRows):
-    """On-demand cache: misses are fetched when the iteration needs them, LRU rows evicted."""
+class LruCache:
+    """The LRU policy over a :class:`~.slot_cache.SlotCache`: misses are fetched when the iteration needs
+    them, the least recently used rows evicted. ``write_back``: an evicted row goes home (False: its
+    servers already hold its value, write-through, and it is dropped)."""
 
-    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, capacity: int) -> None:
+    def __init__(self, cache: SlotCache, capacity: int, *, write_back: bool = True) -> None:
         if capacity < 1:
             raise CapacityError(f"the LRU cache needs a capacity of at least 1 row, got {capacity}")
-        super().__init__(spec, device, shards, capacity)
-        self.capacity = capacity
+        self.cache, self.capacity, self.write_back = cache, capacity, write_back
         self.last_used = np.full(capacity, -1, dtype=np.int64)
 
     def _victims(self, t: int, count: int) -> np.ndarray:
         """The ``count`` least recently used occupied slots that iteration ``t`` does not use.
 
         Ties (same last use) go to the lowest slot, so the choice is deterministic."""
-        candidate = (self.directory.owner >= 0) & (self.last_used < t)
+        candidate = (self.cache.directory.owner >= 0) & (self.last_used < t)
         # One key per slot: (last use, slot); non-candidates sort last.
         order_key = (self.last_used + 1) * self.capacity + np.arange(self.capacity)
         key = np.where(candidate, order_key, np.iinfo(np.int64).max)
@@ -40,47 +44,47 @@ class LruRows(CachedRows):
             chosen = np.arange(self.capacity)
         return chosen[np.argsort(key[chosen])]
 
-    def gather_ids(self, t: int, ids: np.ndarray) -> torch.Tensor:
+    def slots_for(self, t: int, ids: np.ndarray) -> np.ndarray:
+        """The slots of ``ids`` (sorted) for iteration ``t``, the misses fetched first."""
         if len(ids) > self.capacity:
             raise CapacityError(
                 f"iteration {t} uses {len(ids)} distinct rows but the LRU cache holds only {self.capacity}"
             )
-        start = time.perf_counter()
-        slots = self.directory.slot_of[ids]
+        directory = self.cache.directory
+        slots = directory.slot_of[ids]
         hit = slots >= 0
         self.last_used[slots[hit]] = t
         miss_ids = ids[~hit]
         if len(miss_ids):
-            free = np.flatnonzero(self.directory.owner < 0)
+            free = np.flatnonzero(directory.owner < 0)
             victim_ids = victims = ids[:0]
             if len(free) < len(miss_ids):
                 victims = self._victims(t, len(miss_ids) - len(free))  # in LRU order
-                victim_ids = self.directory.owner[victims]
+                victim_ids = directory.owner[victims]
                 free = np.concatenate([free, victims])
             new_slots = free[: len(miss_ids)]
             # Evicted rows go home and misses come in, in one round trip (they are distinct rows).
-            self._exchange_slots(victim_ids, victims, miss_ids, new_slots)
-            self.directory.remove(victim_ids)
-            self.directory.place(miss_ids, new_slots)
+            if self.write_back:
+                self.cache.exchange(victim_ids, victims, miss_ids, new_slots)
+            else:
+                self.cache.exchange(victim_ids[:0], victims[:0], miss_ids, new_slots)
+            directory.remove(victim_ids)
+            directory.place(miss_ids, new_slots)
             self.last_used[new_slots] = t
-            slots = self.directory.slot_of[ids]
-        self.stall_seconds += time.perf_counter() - start
-        self._slots = torch.from_numpy(slots).to(self.device)
-        return self.cache.index_select(0, self._slots)
+            slots = directory.slot_of[ids]
+        return slots
 
-    def finish(self) -> None:
-        self._write_back_all()
-
-    def drop_pending(self) -> None:
-        self._empty_cache()
+    def clear(self) -> None:
+        self.cache.empty()
         self.last_used[:] = -1
 
-    def cache_state(self) -> dict[str, np.ndarray]:
+    def state(self) -> dict[str, np.ndarray]:
         """The id in every slot (-1: free) and every slot's last use: with them a resumed run makes the
         uninterrupted run's hits, misses and evictions, so its traffic totals are the same."""
-        return {"owner": self.directory.owner.copy(), "last_used": self.last_used.copy()}
+        return {"owner": self.cache.directory.owner.copy(), "last_used": self.last_used.copy()}
 
-    def restore_cache(self, state: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+    def restore(self, state: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        """Cache again the rows of ``state`` (:meth:`state`), their values from ``rows``."""
         if state is None:
             return
         owner, last_used = np.asarray(state["owner"], dtype=np.int64), np.asarray(state["last_used"], np.int64)
@@ -88,73 +92,104 @@ class LruRows(CachedRows):
             raise ValueError(f"the checkpoint's cache has {len(owner)} slots, this LRU cache {self.capacity}")
         slots = np.flatnonzero(owner >= 0)
         ids = owner[slots]
-        self.directory.place(ids, slots)
+        self.cache.directory.place(ids, slots)
         held = np.ascontiguousarray(rows[ids])
-        self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device), torch.from_numpy(held).to(self.device))
-        self.shards.held_by_trainer(ids, held)  # with parity: the old rows of their first write-backs
+        self.cache.load(slots, held)
+        self.cache.home.held_by_trainer(ids, held)  # with parity: the old rows of their first write-backs
         self.last_used[:] = last_used
 
 
-class _CleanLruRows(LruRows):
-    """An LRU cache whose rows are never newer than their servers' (write-through): an evicted row is
-    dropped, not written back."""
+class LruRows(RowStore):
+    """One trainer's on-demand LRU cache in front of the shards."""
 
-    def _exchange_slots(self, write_ids, write_slots, fetch_ids, fetch_slots) -> None:
-        super()._exchange_slots(write_ids[:0], write_slots[:0], fetch_ids, fetch_slots)
-
-    def finish(self) -> None:
-        """Nothing cached is newer than its server."""
-
-
-class LruRowsW(ServersCurrentRows):
-    """Independent per-trainer LRU caches kept coherent by update and write-through (module docstring)."""
-
-    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup,
-                 capacity: int) -> None:
-        super().__init__(spec, device, group)
-        self.lru = _CleanLruRows(spec, device, shards, capacity)
-        self.shards = shards
-        self._written = 0
-        self._write_stall = 0.0
-
-    @property
-    def bytes_fetched(self) -> int:
-        return self.lru.bytes_fetched
-
-    @property
-    def bytes_written(self) -> int:
-        return self._written
-
-    @property
-    def stall_seconds(self) -> float:
-        return self.lru.stall_seconds + self._write_stall
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, capacity: int) -> None:
+        self.spec, self.device = spec, device
+        self.home = ShardHome(spec, shards)
+        self.cache = SlotCache(spec, device, self.home, capacity)
+        self.lru = LruCache(self.cache, capacity)
+        self.stall_seconds = 0.0
 
     @property
     def peak_cached_rows(self) -> int:
-        return self.lru.peak_cached_rows
+        return self.cache.peak
 
-    def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
-        return self.lru.gather_ids(t, split.mine)
-
-    def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
-               grad: torch.Tensor) -> None:
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         start = time.perf_counter()
-        ids, parts = self._gather_gradients(split, np.ones(len(split.union), dtype=bool), grad, "row gradients")
-        self.sync_seconds += time.perf_counter() - start
-        directory = self.lru.directory
-        held = split.union[directory.slot_of[split.union] >= 0]  # every row here that some trainer used at t
-        slots = torch.from_numpy(directory.slot_of[held]).to(self.device)
-        rows = self.lru.cache.index_select(0, slots)
-        apply_update_rowwise(self.spec_at(t), rows,
-                             sum_over_users(held, list(zip(ids, parts, strict=True)), split.size))
-        self.lru.cache.index_copy_(0, slots, rows)
-        write = split.union[split.first_user() == split.rank]
-        self._written += len(write) * self.spec.row_bytes
-        # Home before any trainer misses on the row at t + 1.
-        self._write_stall += self._write_through(write, rows[torch.from_numpy(np.searchsorted(held, write))])
+        slots = self.lru.slots_for(t, split.mine)
+        self.stall_seconds += time.perf_counter() - start
+        index = self.cache.index(slots)
+        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, index), slots=index)
 
-    def close(self) -> None:
-        self.lru.close()
+    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), step.rows, grad)
+        self.cache.rows.index_copy_(0, step.slots, step.rows)
+
+    def finish(self) -> None:
+        self.cache.write_back(self.cache.directory.cached_ids())
+
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.cache.held()
+
+    def drop_pending(self) -> None:
+        self.lru.clear()
+
+    def cache_state(self) -> dict[str, np.ndarray]:
+        return self.lru.state()
+
+    def restore_cache(self, state: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        self.lru.restore(state, rows)
+
+
+class LruRowsW(RowStore):
+    """Independent per-trainer LRU caches kept coherent by update and write-through: every trainer applies
+    every gradient of the rows it caches, and each row's lowest user writes it home in its iteration, so an
+    evicted row is dropped, never written back (its servers are current)."""
+
+    def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup, group: TrainerGroup,
+                 capacity: int) -> None:
+        self.spec, self.device, self.group = spec, device, group
+        self.home = ShardHome(spec, shards)
+        self.cache = SlotCache(spec, device, self.home, capacity)
+        self.lru = LruCache(self.cache, capacity, write_back=False)
+        self.through = WriteThrough(group, self.home)
+        self.stall_seconds = 0.0
+        self._gradient_sync = 0.0
+
+    @property
+    def sync_seconds(self) -> float:
+        return self._gradient_sync + self.through.sync_seconds
+
+    @property
+    def peak_cached_rows(self) -> int:
+        return self.cache.peak
+
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
+        start = time.perf_counter()
+        slots = self.lru.slots_for(t, split.mine)
+        self.stall_seconds += time.perf_counter() - start
+        index = self.cache.index(slots)
+        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, index), slots=index)
+
+    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        split = step.split
+        start = time.perf_counter()
+        ids, parts = gather_gradients(self.group, split, np.ones(len(split.union), dtype=bool), grad,
+                                      "row gradients")
+        self._gradient_sync += time.perf_counter() - start
+        directory = self.cache.directory
+        held = split.union[directory.slot_of[split.union] >= 0]  # every row here that some trainer used at t
+        slots = self.cache.index(directory.slot_of[held])
+        rows = self.cache.rows.index_select(0, slots)
+        apply_update_rowwise(rule_at(self.spec, lr), rows,
+                             sum_over_users(held, list(zip(ids, parts, strict=True)), split.size))
+        self.cache.rows.index_copy_(0, slots, rows)
+        write = split.union[split.first_user() == split.rank]
+        # Home before any trainer misses on the row at t + 1.
+        self.stall_seconds += self.through.write(write, rows[torch.from_numpy(np.searchsorted(held, write))])
+
+    def resume_from(self, traffic: dict[str, int], cache: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        """Nothing: this trainer counts from the resume and starts with nothing cached (a cached copy equals
+        its server's, so the bits do not change; the misses do)."""
 
 
 def make_store(setup: RunSetup, device: torch.device, shards: ShardGroup, group: TrainerGroup, *, start: int = 0,

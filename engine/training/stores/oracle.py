@@ -26,22 +26,30 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
 from dlrmflow.engine.planning.holders import LifetimeHolders, load_lifetime_holders
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import PendingExchange, TrainerGroup, sum_over_users
 from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
 from dlrmflow.engine.training.prefetch_state import HeldStep
 from dlrmflow.engine.training.run_setup import RunSetup
-from dlrmflow.engine.training.stores.base import CachedRows, RowsForTrainers
+from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at
+from dlrmflow.engine.training.stores.homes import ShardHome
+from dlrmflow.engine.training.stores.slot_cache import SlotCache, SlotDirectory
 
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
 CLOSE_WAIT_S = 5.0  # how long closing the store waits for its prefetch worker to stop
+
+# (t, ids, slots) -> the prefetch worker that starts at iteration t with ids cached in slots
+WorkerFactory = Callable[[int, np.ndarray, np.ndarray], PrefetchWorker]
+# (t, directory) -> the rows cached before iteration t and their slots, placed in compute's directory
+CachedAt = Callable[[int, SlotDirectory], tuple[np.ndarray, np.ndarray]]
 
 
 def spare_slots(plan, capacity: int | None) -> int:
@@ -54,7 +62,118 @@ def spare_slots(plan, capacity: int | None) -> int:
     return spare if capacity is None else max(0, min(spare, capacity - plan.num_slots))
 
 
-class OracleRows(CachedRows):
+def replay_plan(plan, t: int, directory: SlotDirectory) -> tuple[np.ndarray, np.ndarray]:
+    """The rows one trainer caches before iteration ``t`` and their slots, placed in ``directory``: the plan's
+    prefetches and evictions of ``0 .. t-1`` replayed (only their plan files read), no data moved."""
+    for step in plan.iterations(0, t):
+        directory.place(np.asarray(step.prefetch_ids, dtype=np.int64), np.asarray(step.prefetch_slots, dtype=np.int64))
+        directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
+    ids = directory.cached_ids()
+    return ids, directory.slot_of[ids]
+
+
+class PlanCache:
+    """A :class:`~.slot_cache.SlotCache` whose rows a prefetch worker places ahead of compute, by a plan: owns
+    the cache and the worker's lifecycle (start at an iteration, stop, restart from a checkpoint's rows).
+
+    Compute's directory (the cache's) follows the worker's view as each iteration's rows are handed over
+    (:meth:`take`); the store talks to the worker through its methods, never to its state."""
+
+    def __init__(self, cache: SlotCache, make_worker: WorkerFactory, cached_at: CachedAt) -> None:
+        self.cache, self.make_worker, self.cached_at = cache, make_worker, cached_at
+        self.worker: PrefetchWorker | None = None
+        self._worker_peak = 0  # the most rows the earlier workers' views held at once
+
+    @property
+    def peak(self) -> int:
+        """The most rows cached at once as the worker places them: rows fetched ahead for the next ``P``
+        iterations included (compute's directory is a subset of the worker's view), rows fetched early into
+        spare slots not (they are at most the spare slots)."""
+        return max(self._worker_peak, 0 if self.worker is None else self.worker.peak_held)
+
+    def stop(self) -> None:
+        """Stop the worker (before the shards it talks to go away) and empty the cache."""
+        if self.worker is not None:
+            self.worker.stop()
+            self._worker_peak = max(self._worker_peak, self.worker.peak_held)
+        self._synchronize()  # no copy of the old worker still lands in the cache
+        self.cache.empty()
+
+    def _synchronize(self) -> None:
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+
+    def restart(self, t: int, rows: np.ndarray | None) -> None:
+        """Stop any running worker, rebuild the cache the plan implies before iteration ``t`` (``cached_at``),
+        load those rows from ``rows`` and start a worker at ``t`` that does not fetch them again. ``rows`` may
+        be None only for ``t = 0`` (nothing is cached there)."""
+        self.stop()
+        ids = slots = np.zeros(0, dtype=np.int64)
+        if t > 0:
+            if rows is None:
+                raise ValueError(f"starting the oracle store at iteration {t} needs every row's value there")
+            ids, slots = self.cached_at(t, self.cache.directory)
+            if len(ids):
+                held = np.ascontiguousarray(rows[ids])
+                self.cache.load(slots, held)
+                self.cache.home.held_by_trainer(ids, held)  # with parity: the old rows of their first write-backs
+        self._synchronize()  # the worker's side stream must not race the loads above
+        self.worker = self.make_worker(t, ids, slots)
+        self.worker.start()
+
+    def take(self, t: int, ids: np.ndarray):
+        """Wait for iteration ``t``'s rows; returns the worker's :class:`~..prefetch.Ready` and the slots of
+        ``ids`` (compute's directory now has the rows the worker placed for ``t``)."""
+        ready = self.worker.wait_ready(t)
+        self.cache.directory.place(np.asarray(ready.ids, dtype=np.int64), np.asarray(ready.slots, dtype=np.int64))
+        slots = self.cache.slots_of(t, ids)
+        if ready.event is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(ready.event)
+        return ready, self.cache.index(slots)
+
+    def post_evictions(self, done: Done) -> None:
+        self.worker.post_done(done)
+
+    def held(self) -> tuple[np.ndarray, np.ndarray]:
+        """With the worker idle (no write-back in flight, the shards' rows cannot change while they are
+        read): every row in the cache, as the worker places them. Rows prefetched for iterations not yet
+        computed equal the shards' copies; the others are newer."""
+        self.worker.wait_idle()
+        ids, slots = self.worker.cached()
+        return ids, self.cache.in_slots(slots)
+
+    def fetched_ahead(self) -> int:
+        """With the worker idle: the bytes it fetched for iterations compute has not reached."""
+        self.worker.wait_idle()
+        return self.worker.bytes_fetched_ahead()
+
+    def join(self) -> None:
+        """Wait until the worker has written back every posted eviction."""
+        self.worker.join()
+        self._worker_peak = max(self._worker_peak, self.worker.peak_held)
+
+    def close(self) -> None:
+        # After a run that failed, the worker may wait in a collective for a trainer that will never answer
+        # (W trainers: a peer blocked in its own collective); it is left behind, a daemon thread, rather than
+        # holding this trainer, and with it the run's error, until the collectives' timeout.
+        if not self.worker.stop(timeout=CLOSE_WAIT_S):
+            EVENTS.warning("the prefetch worker did not stop within %.0f s (%s); left behind", CLOSE_WAIT_S,
+                           self.worker.doing or "waiting")
+        else:
+            self._synchronize()
+
+
+def compute_done(device: torch.device) -> torch.cuda.Event | None:
+    """On a GPU, an event on compute's stream after this iteration's updates of the cache: the worker
+    copies evicted rows out once it has passed (None on the CPU, where compute is done already)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class OracleRows(RowStore):
     """Executes a lookahead plan: prefetches ``P`` iterations ahead in a background worker.
 
     ``start``/``rows``: begin at iteration ``start`` (a resume) with the cache the plan implies
@@ -63,148 +182,66 @@ class OracleRows(CachedRows):
 
     def __init__(
         self, spec: RowSpec, device: torch.device, shards: ShardGroup, plan, iterations: int, *,
-        start: int = 0, rows: np.ndarray | None = None, num_slots: int | None = None, spare: int = 0,
+        start: int = 0, rows: np.ndarray | None = None, spare: int = 0,
     ) -> None:
-        self.spare = spare
-        super().__init__(spec, device, shards, (plan.num_slots if num_slots is None else num_slots) + spare)
-        self.plan = plan
-        self.iterations = iterations
-        self.worker: PrefetchWorker | None = None
-        self._step = None
-        self._worker_peak = 0  # the most rows the earlier workers' cache views held at once
-        self.restart_at(start, rows)
+        self.spec, self.device, self.plan, self.iterations, self.spare = spec, device, plan, iterations, spare
+        self.home = ShardHome(spec, shards)
+        self.stall_seconds = 0.0
+        self.cache = SlotCache(spec, device, self.home, plan.num_slots + spare)
+        self.plan_cache = PlanCache(self.cache, self._make_worker, lambda t, d: replay_plan(plan, t, d))
+        self.plan_cache.restart(start, rows)
 
-    @property
-    def peak_cached_rows(self) -> int:
-        """The most rows cached at once as the worker places them: rows fetched ahead for the next ``P``
-        iterations included (compute's directory is a subset of the worker's view), rows fetched early into
-        spare slots not (they are at most ``spare``)."""
-        return max(self._worker_peak, 0 if self.worker is None else self.worker.state.peak_held)
-
-    def drop_pending(self) -> None:
-        """Stop the worker (before the shards it talks to go away) and empty the cache."""
-        if self.worker is not None:
-            self.worker.stop()
-            self._collect_worker_traffic()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # no copy of the old worker still lands in the cache
-        self._empty_cache()
-
-    def restart_at(self, t: int, rows: np.ndarray | None) -> None:
-        """Stop any running worker, rebuild the slot directory the plan implies before iteration ``t``
-        (its prefetches and evictions of ``0 .. t-1`` replayed, no data moved), load those cached rows
-        from ``rows`` and start a worker at ``t`` that does not fetch them again. ``rows`` may be None
-        only for ``t = 0`` (nothing is cached there)."""
-        self.drop_pending()
-        ids = slots = np.zeros(0, dtype=np.int64)
-        if t > 0:
-            if rows is None:
-                raise ValueError(f"starting the oracle store at iteration {t} needs every row's value there")
-            ids, slots = self._cached_at(t)
-            if len(ids):
-                held = np.ascontiguousarray(rows[ids])
-                self.cache.index_copy_(0, torch.from_numpy(slots).to(self.device),
-                                       torch.from_numpy(held).to(self.device))
-                self.shards.held_by_trainer(ids, held)  # with parity: the old rows of their first write-backs
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the worker's side stream must not race the loads above
-        self.worker = self.make_worker(t, ids, slots)
-        self._step = None
-        self.worker.start()
-
-    def _cached_at(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        """The rows cached before iteration ``t`` and their slots, placed in compute's directory: the plan's
-        prefetches and evictions of ``0 .. t-1`` replayed (only their plan files read), no data moved."""
-        for step in self.plan.iterations(0, t):
-            self.directory.place(np.asarray(step.prefetch_ids, dtype=np.int64),
-                                 np.asarray(step.prefetch_slots, dtype=np.int64))
-            self.directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
-        ids = self.directory.cached_ids()
-        return ids, self.directory.slot_of[ids]
-
-    def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
-        """The prefetch worker that starts at iteration ``t`` with ``ids`` cached in ``slots``."""
+    def _make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         return PrefetchWorker(
-            self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
+            self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache.rows, self.home,
             self.spec.total_rows, start=t, cached=(ids, slots), spare_slots=self.spare,
         )
 
-    def _quiesce(self) -> None:
-        """Wait until the worker has written back every posted eviction and has no round trip in flight."""
-        self.worker.wait_idle()
+    @property
+    def peak_cached_rows(self) -> int:
+        return self.plan_cache.peak
 
-    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """With the worker idle (no write-back in flight, the shards' rows cannot change while they are
-        read): every row in the cache, as the worker places them. Rows prefetched for iterations not yet
-        computed equal the shards' copies; the others are newer."""
-        self._quiesce()
-        ids = np.flatnonzero(self.worker.slot_of >= 0)
-        return ids, self._rows_in_slots(self.worker.slot_of[ids])
-
-    def traffic(self) -> dict[str, int]:
-        """With the worker idle: its traffic so far, less what it fetched ahead for later iterations."""
-        self._quiesce()
-        counts = super().traffic()
-        counts["bytes_fetched"] += int(self.worker.bytes_fetched - self.worker.bytes_fetched_ahead())
-        counts["bytes_written"] += int(self.worker.bytes_written)
-        return counts
-
-    def _collect_worker_traffic(self) -> None:
-        self._worker_peak = max(self._worker_peak, self.worker.state.peak_held)
-        self.bytes_fetched += self.worker.bytes_fetched
-        self.bytes_written += self.worker.bytes_written
-        self.worker.bytes_fetched = self.worker.bytes_written = 0
-
-    def gather_ids(self, t: int, ids: np.ndarray) -> torch.Tensor:
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         start = time.perf_counter()
-        ready = self.worker.wait_ready(t)
+        ready, slots = self.plan_cache.take(t, split.mine)
         self.stall_seconds += time.perf_counter() - start
-        self._step = ready.plan
-        self._placed(ready)
-        slots = self._slots_of(t, ids)
-        if ready.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready.event)
-        self._slots = torch.from_numpy(slots).to(self.device)
-        return self.cache.index_select(0, self._slots)
+        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, slots), slots=slots,
+                             plan=ready.plan)
 
-    def _placed(self, ready) -> None:
-        """The worker put ``ready.ids`` in ``ready.slots``: compute's directory follows."""
-        self.directory.place(np.asarray(ready.ids, dtype=np.int64), np.asarray(ready.slots, dtype=np.int64))
-
-    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
-        super().scatter(t, ids, block)
-        evict_ids = np.asarray(self._step.evict_ids, dtype=np.int64)
-        evict_slots = self.directory.slot_of[evict_ids]
+    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), step.rows, grad)
+        self.cache.rows.index_copy_(0, step.slots, step.rows)
+        evict_ids = np.asarray(step.plan.evict_ids, dtype=np.int64)
+        evict_slots = self.cache.directory.slot_of[evict_ids]
         if (evict_slots < 0).any():
-            raise PlanViolation(f"iteration {t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
+            raise PlanViolation(f"iteration {step.t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
                                 "which is not cached")
-        self.directory.remove(evict_ids)
-        self.worker.post_done(Done(t, evict_ids, evict_slots, self._compute_done()))
-
-    def _compute_done(self) -> torch.cuda.Event | None:
-        """On a GPU, an event on compute's stream after this iteration's updates of the cache: the worker
-        copies evicted rows out once it has passed (None on the CPU, where compute is done already)."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        self.cache.directory.remove(evict_ids)
+        self.plan_cache.post_evictions(Done(step.t, evict_ids, evict_slots, compute_done(self.device)))
 
     def finish(self) -> None:
-        self.worker.join()
-        self._write_back_all()  # a run shorter than its plan stops with rows still cached
-        self._collect_worker_traffic()  # once: finish may be called again
+        self.plan_cache.join()
+        self.cache.write_back(self.cache.directory.cached_ids())  # a run shorter than its plan stops with rows cached
+
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.plan_cache.held()
+
+    def traffic(self) -> dict[str, int]:
+        """With the worker idle: what the home moved, less what the worker fetched ahead for later iterations."""
+        ahead = self.plan_cache.fetched_ahead()
+        counts = super().traffic()
+        counts["bytes_fetched"] -= int(ahead)
+        return counts
+
+    def drop_pending(self) -> None:
+        self.plan_cache.stop()
+
+    def restart_at(self, t: int, rows: np.ndarray | None) -> None:
+        self.plan_cache.restart(t, rows)
 
     def close(self) -> None:
-        # After a run that failed, the worker may wait in a collective for a trainer that will never answer
-        # (W trainers: a peer blocked in its own collective); it is left behind, a daemon thread, rather than
-        # holding this trainer, and with it the run's error, until the collectives' timeout.
-        if not self.worker.stop(timeout=CLOSE_WAIT_S):
-            EVENTS.warning("the prefetch worker did not stop within %.0f s (%s); left behind", CLOSE_WAIT_S,
-                           self.worker.state.doing or "waiting")
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        super().close()
+        self.plan_cache.close()
+        self.home.close()
 
 
 def lowest_trainer(masks: np.ndarray) -> np.ndarray:
@@ -212,37 +249,42 @@ def lowest_trainer(masks: np.ndarray) -> np.ndarray:
     return np.log2(masks & -masks).astype(np.int64)
 
 
-class LrppRows(OracleRows, RowsForTrainers):
+class LrppRows(RowStore):
     """Bagpipe's LRPP cache for one of W trainers (module docstring).
 
     ``holders``: every lifetime's holders (:class:`~dlrmflow.engine.planning.holders.LifetimeHolders`): this
     trainer's cache has ``holders.peaks[rank]`` rows. ``gateway`` (a run with parity, whose coded group has one
     client): trainer 0 fetches and writes every row (the holders then include trainer 0 in every lifetime).
-    ``start``/``rows``: a resumed run, as :class:`OracleRows`."""
+    ``start``/``rows``: a resumed run, as :class:`OracleRows`. This trainer's counters count from the resume
+    (the checkpoint holds trainer 0's)."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup | None, group: TrainerGroup, plan,
                  iterations: int, holders: LifetimeHolders, *, gateway: bool = False, start: int = 0,
                  rows: np.ndarray | None = None) -> None:
-        RowsForTrainers.__init__(self, spec, device, group)
         if holders.size != group.size:
             raise ValueError(f"the holders were made for {holders.size} trainers, not {group.size}")
+        self.spec, self.device, self.group, self.plan, self.iterations = spec, device, group, plan, iterations
         self.gateway, self.holders = gateway, holders
+        self.home = ShardHome(spec, shards)
+        self.stall_seconds = self.sync_seconds = 0.0
         num_slots = holders.peaks[group.rank]
+        self.cache = SlotCache(spec, device, self.home, num_slots)
         self.slot_holders = np.zeros(num_slots, dtype=np.int64)  # per slot of this cache: its row's holders
         self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
         self._later: tuple[int, np.ndarray, list, PendingExchange] | None = None
-        OracleRows.__init__(self, spec, device, shards, plan, iterations, start=start, rows=rows, num_slots=num_slots)
+        self.plan_cache = PlanCache(self.cache, self._make_worker, self._cached_at)
+        self.plan_cache.restart(start, rows)
 
-    def _held_steps(self, t: int, stop: int | None = None):
+    def _held_steps(self, t: int, stop: int | None = None) -> Iterator[HeldStep]:
         for step in self.plan.iterations(t, stop):
             yield HeldStep(step, self.holders.of(step.t))
 
-    def make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
+    def _make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         return PartitionedPrefetchWorker(
-            self._held_steps(t), self.iterations, self.plan.config.prefetch_distance, self.cache, self.shards,
+            self._held_steps(t), self.iterations, self.plan.config.prefetch_distance, self.cache.rows, self.home,
             self.spec.total_rows, start=t, cached=(ids, slots), group=self.group, gateway=self.gateway)
 
-    def _cached_at(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+    def _cached_at(self, t: int, directory: SlotDirectory) -> tuple[np.ndarray, np.ndarray]:
         """The rows this trainer holds before iteration ``t`` (the plan and the holders of ``0 .. t-1``
         replayed), in its slots ``0 ..``: the worker's pool starts from there."""
         bit = np.int64(1) << self.group.rank
@@ -255,45 +297,52 @@ class LrppRows(OracleRows, RowsForTrainers):
                 holders_of.pop(x, None)
         ids = np.array(sorted(holders_of), dtype=np.int64)
         slots = np.arange(len(ids), dtype=np.int64)
-        self.directory.place(ids, slots)
+        directory.place(ids, slots)
         self.slot_holders[slots] = [holders_of[x] for x in ids.tolist()]
         return ids, slots
 
-    def _placed(self, ready) -> None:
-        super()._placed(ready)
-        self.slot_holders[np.asarray(ready.slots, dtype=np.int64)] = ready.holders
+    @property
+    def peak_cached_rows(self) -> int:
+        return self.plan_cache.peak
 
     def quiesce(self) -> None:
         """Before a checkpoint (every trainer calls it, then a barrier): the gradients in flight applied,
         every posted eviction home and no round trip in flight."""
         self._apply_later()
-        self.worker.wait_idle()
+        self.plan_cache.worker.wait_idle()
 
-    def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         stale = self.in_flight[split.mine]
         if stale.any():
             raise PlanViolation(f"iteration {t}: id {int(split.mine[stale][0])} is read while its gradient "
                                 "from an earlier iteration is still being synced (a stale read)")
-        return OracleRows.gather_ids(self, t, split.mine)
+        start = time.perf_counter()
+        ready, slots = self.plan_cache.take(t, split.mine)
+        self.stall_seconds += time.perf_counter() - start
+        self.slot_holders[np.asarray(ready.slots, dtype=np.int64)] = ready.holders
+        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, slots), slots=slots,
+                             plan=ready.plan)
 
-    def _update_rows(self, t: int, ids: np.ndarray, parts: list[tuple[np.ndarray, torch.Tensor]], size: int) -> None:
-        """Apply iteration ``t``'s gradients (``t``: the learning rate's iteration, also when applied later)."""
+    def _update_rows(self, lr: float, ids: np.ndarray, parts: list[tuple[np.ndarray, torch.Tensor]],
+                     size: int) -> None:
+        """Apply gradients at the row learning rate ``lr`` (the iteration's they came from, also when applied
+        later)."""
         if not len(ids):
             return
-        slots = torch.from_numpy(self.directory.slot_of[ids]).to(self.device)
-        rows = self.cache.index_select(0, slots)
-        apply_update_rowwise(self.spec_at(t), rows, sum_over_users(ids, parts, size))
-        self.cache.index_copy_(0, slots, rows)
+        slots = self.cache.index(self.cache.directory.slot_of[ids])
+        rows = self.cache.rows.index_select(0, slots)
+        apply_update_rowwise(rule_at(self.spec, lr), rows, sum_over_users(ids, parts, size))
+        self.cache.rows.index_copy_(0, slots, rows)
 
     def _apply_later(self) -> None:
         """Wait for the sync_later gradients in flight and update those rows."""
         if self._later is None:
             return
-        t, ids, parts, pending = self._later
+        lr, ids, parts, pending = self._later
         start = time.perf_counter()
         received = pending.wait()
         self.sync_seconds += time.perf_counter() - start
-        self._update_rows(t, ids, _with_received(parts, received), self.group.size)
+        self._update_rows(lr, ids, _with_received(parts, received), self.group.size)
         self.in_flight[ids] = False
         self._later = None
 
@@ -323,51 +372,74 @@ class LrppRows(OracleRows, RowsForTrainers):
         pending = self.group.exchange_rows(sends, counts, grad.shape[1], kind, tag=tag)
         return union[here], parts, pending
 
-    def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
-               grad: torch.Tensor) -> None:
+    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        t, split = step.t, step.split
         union = split.union
-        evict = np.asarray(self._step.evict_ids, dtype=np.int64)
+        evict = np.asarray(step.plan.evict_ids, dtype=np.int64)
         evicted = np.isin(union, evict, assume_unique=True)
         if np.count_nonzero(evicted) != len(evict):
             raise PlanViolation(f"iteration {t}: the plan evicts a row the batch does not use")
         # An evicted row's writer is its lowest user at t (with parity, trainer 0: the only one writing home);
         # its gradient goes to the writer only. Any other row's goes to its holders. A row this trainer
         # neither holds nor writes is none of its business (its bits here stay 0).
+        directory = self.cache.directory
         writer = np.zeros(len(union), dtype=np.int64) if self.gateway else split.first_user()
-        slot = self.directory.slot_of[union]
+        slot = directory.slot_of[union]
         held = slot >= 0
         recipients = np.zeros(len(union), dtype=np.int64)
         recipients[held] = self.slot_holders[slot[held]]
         recipients[evicted] = np.int64(1) << writer[evicted]
-        now = evicted | np.isin(union, next_union, assume_unique=True)
+        now = evicted | np.isin(union, step.next_union, assume_unique=True)
 
         grad = grad.cpu()  # the exchanges and the rank-order sums are on the host (collectives.py)
         start = time.perf_counter()
         ids, parts, pending = self._send_gradients(split, recipients, now, grad, "sync_now", tag=1)
         parts = _with_received(parts, pending.wait())
         self.sync_seconds += time.perf_counter() - start
-        self._update_rows(t, ids, parts, split.size)
+        self._update_rows(lr, ids, parts, split.size)
         self._apply_later()  # the previous iteration's: none of its rows is used at t or t + 1
         ids, parts, pending = self._send_gradients(split, recipients, ~now, grad, "sync_later", tag=2)
-        self._later = (t, ids, parts, pending)
+        self._later = (lr, ids, parts, pending)
         self.in_flight[ids] = True
 
         gone = evict[held[evicted]]  # the evicted rows this trainer holds
-        gone_slots = self.directory.slot_of[gone]
-        self.directory.remove(gone)
-        self.worker.post_done(Done(t, gone, gone_slots, self._compute_done(), writer[evicted], evict))
-
-    def _write_back_all(self) -> None:
-        """Every cached row home, each by its lowest holder (its holders' copies are all current)."""
-        ids = self.directory.cached_ids()
-        slots = self.directory.slot_of[ids]
-        share = lowest_trainer(self.slot_holders[slots]) == self.group.rank
-        self._exchange_slots(ids[share], slots[share], EMPTY_IDS, EMPTY_IDS)
-        self.directory.remove(ids)
+        gone_slots = directory.slot_of[gone]
+        directory.remove(gone)
+        self.plan_cache.post_evictions(Done(t, gone, gone_slots, compute_done(self.device), writer[evicted], evict))
 
     def finish(self) -> None:
+        """Every cached row home, each by its lowest holder (its holders' copies are all current)."""
         self._apply_later()
-        OracleRows.finish(self)
+        self.plan_cache.join()
+        directory = self.cache.directory
+        ids = directory.cached_ids()
+        slots = directory.slot_of[ids]
+        share = lowest_trainer(self.slot_holders[slots]) == self.group.rank
+        self.cache.exchange(ids[share], slots[share], EMPTY_IDS, EMPTY_IDS)
+        directory.remove(ids)
+
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.plan_cache.held()
+
+    def traffic(self) -> dict[str, int]:
+        """With the worker idle: what the home moved, less what the worker fetched ahead for later iterations."""
+        ahead = self.plan_cache.fetched_ahead()
+        counts = super().traffic()
+        counts["bytes_fetched"] -= int(ahead)
+        return counts
+
+    def resume_from(self, traffic: dict[str, int], cache: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        """Nothing: this trainer counts from the resume, and its cache was rebuilt from the plan at the start."""
+
+    def drop_pending(self) -> None:
+        self.plan_cache.stop()
+
+    def restart_at(self, t: int, rows: np.ndarray | None) -> None:
+        self.plan_cache.restart(t, rows)
+
+    def close(self) -> None:
+        self.plan_cache.close()
+        self.home.close()
 
 
 def _with_received(parts: list, received: dict[int, torch.Tensor]) -> list[tuple[np.ndarray, torch.Tensor]]:

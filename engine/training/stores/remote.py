@@ -8,15 +8,17 @@ import time
 import numpy as np
 import torch
 
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import TrainerGroup, sum_over_users
 from dlrmflow.engine.training.run_setup import RunSetup
-from dlrmflow.engine.training.stores.base import ServersCurrentRows, ShardRows, host_buffer
+from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at
+from dlrmflow.engine.training.stores.homes import ShardHome
+from dlrmflow.engine.training.stores.sync import WriteThrough, gather_gradients
 
 
-class RemoteRows(ShardRows):
+class RemoteRows(RowStore):
     """Every iteration: fetch all its rows, train, write them all back.
 
     The write-back of iteration ``t`` travels in the same round trip as the fetch of ``t + 1``
@@ -24,36 +26,28 @@ class RemoteRows(ShardRows):
     one round trip per shard; the last write-back happens in :meth:`finish`."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup) -> None:
-        super().__init__(spec, device, shards)
-        self._pending_ids = np.zeros(0, dtype=np.int64)
+        self.spec, self.device = spec, device
+        self.home = ShardHome(spec, shards)
+        self.stall_seconds = 0.0
+        self._pending_ids = np.zeros(0, dtype=np.int64)  # the last iteration's rows, not yet sent home
         self._pending_rows = np.zeros((0, spec.width), dtype=np.float32)
 
-    def _fetch(self, ids: np.ndarray, write_ids: np.ndarray, write_rows: np.ndarray) -> torch.Tensor:
-        host = host_buffer(len(ids), self.spec.width, self.device)
-        self.shards.exchange(write_ids, write_rows, ids, out=host.numpy())
-        return host.to(self.device)
-
-    def gather_ids(self, t: int, ids: np.ndarray) -> torch.Tensor:
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         start = time.perf_counter()
-        block = self._fetch(ids, self._pending_ids, self._pending_rows)
-        self.bytes_written += len(self._pending_ids) * self.spec.row_bytes
-        self.bytes_fetched += len(ids) * self.spec.row_bytes
-        self._pending_ids, self._pending_rows = ids[:0], self._pending_rows[:0]
+        block = self.home.exchange_to(self._pending_ids, self._pending_rows, split.mine, self.device)
+        self.drop_pending()
         self.stall_seconds += time.perf_counter() - start
-        return block
+        return IterationRows(t, split, next_union, block)
 
-    def scatter(self, t: int, ids: np.ndarray, block: torch.Tensor) -> None:
+    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), step.rows, grad)
         start = time.perf_counter()
-        self._pending_ids, self._pending_rows = ids, block.cpu().numpy()
+        self._pending_ids, self._pending_rows = step.split.mine, step.rows.cpu().numpy()
         self.stall_seconds += time.perf_counter() - start
 
     def finish(self) -> None:
-        self.shards.write_back(self._pending_ids, self._pending_rows)
-        self.bytes_written += len(self._pending_ids) * self.spec.row_bytes
-        self._pending_ids, self._pending_rows = self._pending_ids[:0], self._pending_rows[:0]
-
-    def read(self, ids: np.ndarray) -> torch.Tensor:
-        return self._fetch(ids, self._pending_ids[:0], self._pending_rows[:0])
+        self.home.write_back(self._pending_ids, self._pending_rows)
+        self.drop_pending()
 
     def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The pending write-back (sorted ids: a batch's distinct ids)."""
@@ -69,47 +63,49 @@ class RemoteRows(ShardRows):
         self._pending_ids, self._pending_rows = self._pending_ids[:0], self._pending_rows[:0]
 
 
-class RemoteRowsW(ServersCurrentRows):
+class RemoteRowsW(RowStore):
     """The W-trainer reference: fetch the slice's rows, write each updated row home once, barrier.
 
     ``gateway`` (a run with parity, whose coded group has one client): trainer 0 alone talks to the
     servers. It fetches the rows of the whole batch and hands each trainer its own; after the step it
     updates and writes every row of the batch (it has every trainer's gradients). The other trainers
-    update nothing: their rows are fetched again next time."""
+    update nothing: their rows are fetched again next time. Its servers hold every row's value after each
+    iteration: nothing it keeps is newer, so the checkpoint view and reads are the servers'; a resumed
+    trainer counts its traffic from the resume (the checkpoint holds trainer 0's)."""
 
     def __init__(self, spec: RowSpec, device: torch.device, shards: ShardGroup | None, group: TrainerGroup, *,
                  gateway: bool = False) -> None:
-        super().__init__(spec, device, group)
-        self.shards, self.gateway = shards, gateway
-        self.bytes_fetched = self.bytes_written = 0
+        self.spec, self.device, self.group, self.gateway = spec, device, group, gateway
+        self.home = ShardHome(spec, shards)
+        self.through = WriteThrough(group, self.home)
         self.stall_seconds = 0.0
+        self._gradient_sync = 0.0  # seconds in the row gradients' gather
         self._batch_rows: torch.Tensor | None = None  # gateway, trainer 0: the whole batch's rows
 
-    def gather(self, t: int, split: BatchSplit) -> torch.Tensor:
+    @property
+    def sync_seconds(self) -> float:
+        return self._gradient_sync + self.through.sync_seconds
+
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         start = time.perf_counter()
         if not self.gateway:
-            block = self._fetch(split.mine)
+            block = self.home.fetch(split.mine, self.device)
         else:
             lead = self.group.rank == 0
-            rows = self._fetch(split.union) if lead else torch.zeros((0, self.spec.width))
+            rows = self.home.fetch(split.union, self.device) if lead else torch.zeros((0, self.spec.width))
             counts = [len(split.union)] + [0] * (split.size - 1)
             rows = self.group.all_gather_rows(rows, counts, "fetched rows")[0]
             self._batch_rows = rows if lead else None
             block = rows[torch.from_numpy(split.where[split.rank])]
         self.stall_seconds += time.perf_counter() - start
-        return block.to(self.device)
+        return IterationRows(t, split, next_union, block.to(self.device))
 
-    def _fetch(self, ids: np.ndarray) -> torch.Tensor:
-        host = host_buffer(len(ids), self.spec.width, self.device)
-        self.shards.fetch(ids, out=host.numpy())
-        self.bytes_fetched += len(ids) * self.spec.row_bytes
-        return host
-
-    def update(self, t: int, split: BatchSplit, next_union: np.ndarray, block: torch.Tensor,
-               grad: torch.Tensor) -> None:
+    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        split = step.split
         start = time.perf_counter()
-        ids, parts = self._gather_gradients(split, np.ones(len(split.union), dtype=bool), grad, "row gradients")
-        self.sync_seconds += time.perf_counter() - start
+        ids, parts = gather_gradients(self.group, split, np.ones(len(split.union), dtype=bool), grad,
+                                      "row gradients")
+        self._gradient_sync += time.perf_counter() - start
         if self.gateway:
             if self.group.rank == 0:  # every row of the batch, by its one writer
                 write, rows = split.union, self._batch_rows
@@ -117,20 +113,18 @@ class RemoteRowsW(ServersCurrentRows):
                 return
         else:
             write = split.union[split.first_user() == split.rank]
-            rows = block[torch.from_numpy(np.searchsorted(split.mine, write))]
-        apply_update_rowwise(self.spec_at(t), rows,
+            rows = step.rows[torch.from_numpy(np.searchsorted(split.mine, write))]
+        apply_update_rowwise(rule_at(self.spec, lr), rows,
                              sum_over_users(write, list(zip(ids, parts, strict=True)), split.size))
-        self.bytes_written += len(write) * self.spec.row_bytes
         if self.gateway:  # one writer, which also makes every fetch: its calls are in order, no barrier needed
             start = time.perf_counter()
-            self.shards.write_back(write, rows.numpy())
+            self.home.write_back(write, rows.numpy())
             self.stall_seconds += time.perf_counter() - start
         else:
-            self.stall_seconds += self._write_through(write, rows)  # home before any fetch for t + 1
+            self.stall_seconds += self.through.write(write, rows)  # home before any fetch for t + 1
 
-    def close(self) -> None:
-        if self.shards is not None:
-            self.shards.close()
+    def resume_from(self, traffic: dict[str, int], cache: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
+        """Nothing: this trainer counts from the resume, and it caches nothing."""
 
 
 def make_store(setup: RunSetup, device: torch.device, shards: ShardGroup, group: TrainerGroup, *, start: int = 0,
