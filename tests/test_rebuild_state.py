@@ -2,23 +2,50 @@
 
 A pure-NumPy model of the members (data shards, parity shards with pending deltas, replacements
 with fresh rows and a rebuild id) and of the rebuild thread and its copy tasks, as generators that
-take one atomic step at a time, drives :class:`RebuildState` through the same transitions as
-``engine/coding/rebuild.py``. The tests enumerate every position of write-back batches among
-those steps (before the log opens, between a copy's survivor reads, between a copy and its fix-up,
-after a fix-up, ...), further losses mid-rebuild, and random traces; after every step, every stripe
-the state declares rebuilt must hold, on every replacement, exactly what the lost member would hold.
+take one atomic step at a time, carries out :class:`RebuildState`'s instructions as
+``engine/coding/rebuild.py``'s driver does. The tests enumerate every position of write-back batches
+among those steps (before the log opens, between a copy's survivor reads, between a copy and its
+fix-up, after a fix-up, ...), further losses mid-rebuild, and random traces; after every step, every
+stripe the state declares rebuilt must hold, on every replacement, exactly what the lost member would
+hold.
+
+A scripted driver with no data draws every outcome at random (further losses between lock holds,
+placements and waits superseded, resets, copy tasks and fix-ups that find members lost, copy tasks that
+fail with every member alive): the state never rebuilds more than R members, starts over only after a
+new loss, and always ends, rebuilt or with the error that made it give up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
 from dlrmflow.engine.coding.erasure import ErasureCode, TooManyErasuresError, xor_bits
-from dlrmflow.engine.coding.rebuild_state import FixUp, RebuildState, StartRebuild
+from dlrmflow.engine.coding.rebuild_state import (
+    AwaitChunk,
+    ChunkCopied,
+    CopyChunks,
+    EndCopy,
+    FindDead,
+    FinishRebuild,
+    FixUp,
+    GiveUp,
+    PlaceReplacements,
+    PrepareCopy,
+    RebuildState,
+    RebuildStep,
+    Rebuilt,
+    ReportLoss,
+    ReportProgress,
+    ResetReplacements,
+    StartOver,
+    StartRebuild,
+)
 
 Blocked = Callable[[], bool] | None  # what a step yields: None (done a step) or "run me again once this is true"
 
@@ -80,6 +107,9 @@ class System:
         self.thread: Iterator[Blocked] | None = None
         self.ids = itertools.count(1)
         self.finished = 0  # rebuilds finished
+        self.rebuild_id = ""  # the rebuild the replacements were last reset for
+        self.done: list[bool] = []  # per chunk of the current copy: its task ended (failed: without installing)
+        self.failed: list[bool] = []
 
     # ---- what each member holds ---------------------------------------------------------------
     def truth(self, s: int) -> np.ndarray:
@@ -133,80 +163,106 @@ class System:
         assert handle in self.replicas
         return handle
 
-    # ---- the rebuild thread and its copy tasks (rebuild.py's steps) ---------------------------
+    # ---- the rebuild thread and its copy tasks (RebuildDriver's part) ------------------------
     def rebuild_thread(self) -> Iterator[Blocked]:
+        """The state's instructions carried out on the model, as ``RebuildDriver`` does: each lock hold (a
+        transition and the instructions it wants done in that hold) is one step, and the thread yields
+        wherever the driver holds no lock."""
         state = self.state
-        while True:
-            begun = state.rebuild_begun()
-            if begun is None:
-                self.thread = None
-                return
-            lost, generation, need = begun
-            yield None  # placing replacements (no lock)
-            for s in need:
-                replica = Replica(self.initial[s])
-                self.replicas[replica] = s
-                state.replacement_placed(s, f"spare{next(self.ids)}", None, replica)
-            if state.generation != generation:
-                continue
-            yield None
-            if state.generation != generation:
-                continue
-            # Steps 0 and 1, one lock hold: settle, reset the replacements, open the log.
-            self.deliver()
-            rebuild_id = f"{generation}-{next(self.ids)}"
-            for s in lost:
-                self.replica(state.replacement[s]).reset(rebuild_id)
-            to_copy = self.stripes_to_copy(lost)
-            assert state.log_opened(generation, to_copy)
-            self.check()
-            chunks = [to_copy[a : a + self.chunk] for a in range(0, len(to_copy), self.chunk)]
-            survivors = state.survivors(lost)
-            replicas = {s: self.replica(state.replacement[s]) for s in lost}
-            done = [False] * len(chunks)
-            for n, chunk in enumerate(chunks):
-                self.tasks.append(self.copy_task(chunk, survivors, replicas, rebuild_id, done, n))
-            complete = True
-            for n, chunk in enumerate(chunks):
-                yield lambda n=n, g=generation, done=done: done[n] or state.generation != g
-                if state.generation != generation:
-                    complete = False
-                    break
-                if self.fix_up_every_chunk is False and n + 1 < len(chunks):
-                    assert state.chunk_copied(generation, chunk)
-                    yield None
-                    continue
-                # Step 3, one lock hold.
-                assert state.chunk_copied(generation, chunk)
-                fix = state.fix_up_begun(generation)
-                assert isinstance(fix, FixUp)
-                if len(fix.stripes):
-                    self.deliver()  # the pending deltas go out with the re-read and land first
-                    pieces = {s: self.held(s, fix.stripes) for s in survivors}
-                    decoded = self.code.decode(pieces, lost)
-                    for s in lost:
-                        replicas[s].install(fix.stripes, decoded[s], rebuild_id)
-                assert state.fixed_up(fix)
-                self.check()
+        interval = 0.0 if self.fix_up_every_chunk else math.inf
+        step = self.in_hold(state.attempt_begun())
+        while not isinstance(step, Rebuilt):
+            if isinstance(step, StartOver):
                 yield None
-            state.log_closed()
-            if not complete or state.generation != generation:  # a loss since the last fix-up: start over
-                assert not state.rebuild_finished(generation, 1.0)
-                continue
-            for s in lost:  # a finished rebuild: every stripe exact
-                assert np.array_equal(replicas[s].current().view(np.uint32), self.truth(s).view(np.uint32)), s
-            assert state.rebuild_finished(generation, 1.0)
-            self.finished += 1
+                step = state.attempt_begun()
+            elif isinstance(step, PlaceReplacements):
+                yield None  # placing replacements (no lock)
+                placed = {}
+                for s in step.need:
+                    replica = Replica(self.initial[s])
+                    self.replicas[replica] = s
+                    placed[s] = (f"spare{next(self.ids)}", None, replica)
+                step = state.replacements_started(step, placed, 0.0)
+            elif isinstance(step, PrepareCopy):
+                yield None
+                step = state.reset_begun(step)
+            elif isinstance(step, CopyChunks):
+                survivors = state.survivors(step.lost)
+                replicas = {s: self.replica(state.replacement[s]) for s in step.lost}
+                self.done, self.failed = [False] * len(step.chunks), [False] * len(step.chunks)
+                for n, chunk in enumerate(step.chunks):
+                    self.tasks.append(self.copy_task(chunk, survivors, replicas, self.rebuild_id, n,
+                                                     self.done, self.failed))
+                step = step.then
+            elif isinstance(step, AwaitChunk):
+                yield lambda n=step.n, g=step.generation, done=self.done: done[n] or not state.is_current(g)
+                if not self.done[step.n]:
+                    step = state.copy_task_superseded(step)
+                elif self.failed[step.n]:
+                    step = state.copy_task_failed(step, RuntimeError("a survivor's worker died"))
+                else:
+                    step = state.copy_task_done(step, ChunkCopied(2, 0.0, 0.0, 0.0), 0.0, interval)
+            elif isinstance(step, ReportProgress):
+                assert 0 < step.done <= step.total
+                yield None
+                step = step.then
+            elif isinstance(step, EndCopy):
+                yield None
+                state.log_closed()
+                yield None
+                step = state.copy_ended(step, 0.0)
+            else:
+                raise AssertionError(f"not an instruction to carry out without the lock: {step}")
+            step = self.in_hold(step)
+        self.thread = None
+
+    def in_hold(self, step: RebuildStep) -> RebuildStep:
+        """Carry out the instructions the state wants done in the current lock hold."""
+        state = self.state
+        while step.in_hold and not isinstance(step, Rebuilt):
+            if isinstance(step, ResetReplacements):  # steps 0 and 1: settle, reset the replacements, open the log
+                self.deliver()
+                self.rebuild_id = f"{step.generation}-{next(self.ids)}"
+                for s in step.lost:
+                    self.replica(state.replacement[s]).reset(self.rebuild_id)
+                step = state.replacements_reset(step, self.stripes_to_copy(list(step.lost)), self.chunk)
+            elif isinstance(step, FixUp):  # step 3
+                if len(step.stripes):
+                    self.deliver()  # the pending deltas go out with the re-read and land first
+                    pieces = {s: self.held(s, step.stripes) for s in state.survivors(step.lost)}
+                    decoded = self.code.decode(pieces, list(step.lost))
+                    for s in step.lost:
+                        self.replica(state.replacement[s]).install(step.stripes, decoded[s], self.rebuild_id)
+                step = state.fix_up_done(step, 0.0)
+            elif isinstance(step, FindDead):  # a task fails here only after its survivor's loss was reported
+                raise AssertionError("a copy task failed with no loss reported")
+            elif isinstance(step, ReportLoss):
+                self.lose(step.members)
+                step = step.then
+            elif isinstance(step, FinishRebuild):
+                if step.generation == state.generation:  # a finished rebuild: every stripe exact
+                    for s in state.lost:
+                        current = self.replica(state.replacement[s]).current()
+                        assert np.array_equal(current.view(np.uint32), self.truth(s).view(np.uint32)), s
+                    assert state.rebuild_finished(step.generation, 1.0)
+                    self.finished += 1
+                else:
+                    assert not state.rebuild_finished(step.generation, 1.0)
+                step = step.then
+            elif isinstance(step, GiveUp):
+                raise step.error
+            self.check()
+        return step
 
     def copy_task(self, chunk: np.ndarray, survivors: tuple[int, ...], replicas: dict[int, Replica],
-                  rebuild_id: str, done: list[bool], n: int) -> Iterator[Blocked]:
+                  rebuild_id: str, n: int, done: list[bool], failed: list[bool]) -> Iterator[Blocked]:
         """Reads the chunk from each survivor in turn (batches may land in between), decodes, installs."""
         if n:
             yield lambda: done[n - 1]  # the tasks run in chunk order
         pieces = {}
         for s in survivors:
-            if s in self.state.lost:  # its worker died: the task fails; the rebuild has started over
-                done[n] = True
+            if s in self.state.lost:  # its worker died: the task fails
+                done[n] = failed[n] = True
                 return
             pieces[s] = self.held(s, chunk)
             yield None
@@ -352,24 +408,26 @@ def test_a_further_loss_at_every_point_starts_over_and_ignores_the_stale_install
         system.lose({0})
         for _ in range(at):
             driver.step_system()
-        generation = system.state.generation
+        generation, finished = system.state.generation, system.finished
         system.lose({second})
         assert system.state.generation == generation + 1
         assert system.state.rebuilt is None and system.state.dirty is None
         system.write(5)
         driver.run_out()
         assert not system.state.lost
-        if at < steps:  # the same recovery, started over
+        if not finished:  # the same recovery, started over
+            assert at < steps
             assert system.finished == 1 and system.state.current_record().restarts == 1
-        else:  # after the first rebuild finished: a recovery of its own
+        else:  # after the first rebuild finished (the same thread rebuilds it): a recovery of its own
             assert system.finished == 2 and system.state.current_record().restarts == 0
 
 
 def test_stale_transitions_change_nothing():
     state = RebuildState(ErasureCode(2, 2), 4, [0, 1, 2, 3], [None] * 4, ["a", "b", "c", "d"])
     assert isinstance(state.member_lost({0}, None, 0.0), StartRebuild)
-    lost, generation, need = state.rebuild_begun()
-    assert (lost, need) == ([0], [0])
+    place = state.attempt_begun()
+    assert isinstance(place, PlaceReplacements) and (place.lost, place.need) == ((0,), (0,))
+    generation = place.generation
     assert state.replacement_placed(0, "e", "future", "actor")
     assert not state.replacement_placed(0, "f", "future2", "actor2")  # one replacement per member
     assert state.busy_workers() == ["b", "c", "d", "e"]
@@ -389,14 +447,14 @@ def test_stale_transitions_change_nothing():
     with pytest.raises(TooManyErasuresError):
         state.member_lost({3}, None, 0.0)
     assert isinstance(state.fatal, TooManyErasuresError)
-    with pytest.raises(TooManyErasuresError):
-        state.rebuild_begun()
+    give_up = state.attempt_begun()
+    assert isinstance(give_up, GiveUp) and give_up.error is state.fatal
 
 
 def test_the_first_fix_up_adds_the_generated_stripes_and_a_logged_one_is_re_read():
     state = RebuildState(ErasureCode(2, 1), 6, [0, 1, 2], [None] * 3, ["a", "b", "c"])
     state.member_lost({1}, None, 0.0)
-    _, generation, _ = state.rebuild_begun()
+    generation = state.attempt_begun().generation
     state.replacement_placed(1, "d", None, "actor")
     state.log_opened(generation, np.array([0, 1, 2, 3]))  # 4 and 5 generated
     assert state.current_record().stripes_generated == 2
@@ -415,7 +473,8 @@ def test_the_first_fix_up_adds_the_generated_stripes_and_a_logged_one_is_re_read
     state.log_closed()
     assert state.rebuild_finished(generation, 2.0)
     assert state.members == [0, "actor", 2] and state.worker_of == ["a", "d", "c"] and not state.lost
-    assert state.rebuild_begun() is None and not state.recovering
+    done = state.attempt_begun()
+    assert isinstance(done, Rebuilt) and done.record.rebuilt_at == 2.0 and not state.recovering
 
 
 def test_a_standby_is_taken_once_and_not_on_a_dead_or_busy_worker():
@@ -458,3 +517,278 @@ def test_random_traces_end_exact(seed):
                 break
     driver.run_out()
     assert not system.state.lost and system.finished >= 1
+
+
+# ---- the rebuild thread's instructions, with random outcomes ----------------------------------------
+class NobodyDead(RuntimeError):
+    """A copy task's failure while every member answers: not a loss, so fatal."""
+
+
+class Scripted:
+    """``RebuildDriver``'s part with every outcome drawn at random, and no members or data: placements
+    and waits that see a further loss, copy tasks, resets and fix-ups that find members lost, copy tasks
+    that fail with every member alive, and members the trainer finds lost between two lock holds.
+    ``budget`` further losses at most (past R, a loss is fatal). It checks what each instruction asks for."""
+
+    def __init__(self, k: int, r: int, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.k, self.r, self.n = k, r, k + r
+        self.state = RebuildState(ErasureCode(k, r), 10, [f"m{s}" for s in range(self.n)], [None] * self.n,
+                                  [f"w{s}" for s in range(self.n)])
+        self.budget = int(self.rng.integers(0, r + 2))
+        self.losses = 0  # member_lost calls that did not raise
+        self.generations: list[int] = []  # the generation of each attempt
+        self.interval = float(self.rng.choice([0.0, 0.5, math.inf]))  # FIX_UP_INTERVAL_S
+        self.copy: CopyChunks | None = None
+        self.progress: list[tuple[int, int]] = []  # of the current copy
+        self.dead: set[int] = set()  # who a FindDead finds
+        self.steps = 0
+
+    def member(self) -> int:
+        return int(self.rng.integers(0, self.n))
+
+    def lose(self, members: set[int]) -> None:
+        """CodedShardGroup.on_lost (raises TooManyErasuresError past R)."""
+        self.state.member_lost(set(members), RuntimeError(f"lost {sorted(members)}"), 0.0)
+        self.losses += 1
+
+    def found_lost(self, p: float) -> set[int]:
+        """With probability ``p``, while the budget lasts: a member (or its replacement) found lost."""
+        if self.budget and self.rng.random() < p:
+            self.budget -= 1
+            return {self.member()}
+        return set()
+
+    def trainer(self) -> None:
+        """Between two lock holds, a write-back batch may find a member lost."""
+        lost = self.found_lost(0.1)
+        if lost:
+            with contextlib.suppress(TooManyErasuresError):  # fatal: the thread sees it at its next report
+                self.lose(lost)
+
+    def check_lost(self, lost: tuple[int, ...]) -> None:
+        """The state never rebuilds more than the parity allows: at most R members, exactly those lost."""
+        assert 1 <= len(lost) <= self.r and lost == tuple(sorted(lost))
+        assert self.state.fatal is not None or set(lost) <= self.state.lost
+
+    def run(self) -> Rebuilt | BaseException:
+        """The rebuild thread from the first loss to its end: Rebuilt, or the error it ends with."""
+        assert isinstance(self.state.member_lost({self.member()}, RuntimeError("first"), 0.0), StartRebuild)
+        self.losses += 1
+        step: RebuildStep = StartOver()
+        try:
+            while not isinstance(step, Rebuilt):
+                self.steps += 1
+                # Each attempt takes a bounded number of steps, and a new one needs a further loss.
+                assert self.steps <= (self.losses + 1) * 50, "the rebuild never ends"
+                step = self.in_hold(self.unlocked(step))
+        except (TooManyErasuresError, NobodyDead) as exc:
+            if self.copy is not None:  # RebuildDriver.abandon_copy
+                self.state.log_closed()
+                self.state.copy_ended(EndCopy(self.copy.generation), 0.0)
+            return exc
+        return step
+
+    def unlocked(self, step: RebuildStep) -> RebuildStep:
+        state = self.state
+        if isinstance(step, PlaceReplacements):  # as the hold that gave it left the state
+            assert step.generation == state.generation and step.lost == tuple(sorted(state.lost))
+            assert step.need == tuple(s for s in step.lost if s not in state.replacement)
+            self.generations.append(step.generation)
+            self.check_lost(step.lost)
+        self.trainer()
+        if isinstance(step, StartOver):
+            return state.attempt_begun()
+        if isinstance(step, PlaceReplacements):
+            self.trainer()
+            if not state.is_current(step.generation) and self.rng.random() < 0.5:
+                return state.placement_superseded(step)
+            placed = {s: (f"spare{self.steps}-{s}", None, f"r{self.steps}-{s}") for s in step.need}
+            return state.replacements_started(step, placed, 0.0)
+        if isinstance(step, PrepareCopy):
+            return state.reset_begun(step)
+        if isinstance(step, CopyChunks):
+            self.check_lost(step.lost)
+            assert step.worker == state.replacement_workers[step.lost[0]]
+            self.copy, self.progress = step, []
+            return step.then
+        if isinstance(step, AwaitChunk):
+            assert self.copy is not None and step.generation == self.copy.generation
+            self.trainer()
+            if not state.is_current(step.generation):  # the wait sees the loss, or the task's failure first
+                if self.rng.random() < 0.5:
+                    return state.copy_task_superseded(step)
+                return state.copy_task_failed(step, OSError("a worker died"))
+            self.dead = self.found_lost(0.1)
+            if self.dead or self.rng.random() < 0.02:
+                return state.copy_task_failed(step, NobodyDead("the task failed") if not self.dead else
+                                              OSError("a worker died"))
+            copied = ChunkCopied(len(self.copy.chunks[step.n]), 0.1, 0.0, 0.0)
+            return state.copy_task_done(step, copied, float(self.rng.random()), self.interval)
+        if isinstance(step, ReportProgress):
+            assert 0 < step.done <= step.total and (not self.progress or step.done > self.progress[-1][0])
+            self.progress.append((step.done, step.total))
+            return step.then
+        if isinstance(step, EndCopy):
+            assert self.copy is not None and step.generation == self.copy.generation
+            state.log_closed()
+            self.copy = None
+            return state.copy_ended(step, 0.0)
+        raise AssertionError(f"not an instruction to carry out without the lock: {step}")
+
+    def in_hold(self, step: RebuildStep) -> RebuildStep:
+        state = self.state
+        while step.in_hold and not isinstance(step, Rebuilt):
+            if isinstance(step, ResetReplacements):
+                self.check_lost(step.lost)
+                assert all(s in state.replacement for s in step.lost)
+                lost = self.found_lost(0.1)
+                if lost:
+                    step = state.reset_failed(step, lost, RuntimeError("reset"))
+                else:
+                    to_copy = np.flatnonzero(self.rng.random(state.n_stripes) < 0.5)
+                    step = state.replacements_reset(step, to_copy, int(self.rng.integers(1, 4)))
+            elif isinstance(step, FixUp):
+                self.check_lost(step.lost)
+                assert step.generation == self.copy.generation and state.is_current(step.generation)
+                lost = self.found_lost(0.1)
+                step = state.fix_up_failed(step, lost, RuntimeError("fix-up")) if lost else \
+                    state.fix_up_done(step, 0.0)
+            elif isinstance(step, FindDead):
+                step = state.dead_found(step, self.dead, RuntimeError(f"lost {sorted(self.dead)}"))
+            elif isinstance(step, ReportLoss):
+                assert step.members
+                self.lose(step.members)
+                step = step.then
+            elif isinstance(step, FinishRebuild):
+                if step.generation == state.generation:  # every stripe is rebuilt, every copied one reported
+                    assert state.rebuilt.all() and state.fatal is None
+                    assert self.progress == [] or self.progress[-1][0] == self.progress[-1][1]
+                    assert state.rebuild_finished(step.generation, 1.0)
+                else:
+                    assert not state.rebuild_finished(step.generation, 1.0)
+                step = step.then
+            elif isinstance(step, GiveUp):
+                raise step.error
+        return step
+
+
+@pytest.mark.parametrize("k, r", [(2, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("seed", range(150))
+def test_random_failures_end_in_a_rebuild_or_a_clear_give_up(k, r, seed):
+    """Whatever fails when: the thread never rebuilds more than R members, starts over only after a
+    further loss (each attempt has a generation of its own), and ends, rebuilt or with the error that
+    made it give up; the records count every loss once."""
+    scripted = Scripted(k, r, seed=1000 * r + seed)
+    end = scripted.run()
+    state = scripted.state
+    assert scripted.generations == sorted(set(scripted.generations))  # every restart follows a new loss
+    assert state.dirty is None  # the log is closed, however the thread ended
+    records = state.recoveries
+    assert len(records) + sum(record.restarts for record in records) == scripted.losses
+    if isinstance(end, Rebuilt):
+        assert not state.lost and not state.recovering and state.fatal is None
+        assert all(record.rebuilt_at is not None for record in records) and end.record is records[-1]
+        ever_lost = set().union(*(record.members for record in records))
+        assert all(state.members[s] != f"m{s}" and state.target(s) is state.members[s] for s in ever_lost)
+    elif isinstance(end, TooManyErasuresError):
+        assert state.fatal is end and len(state.lost) > r
+    else:  # a copy task failed and every member answered: its failure ends the thread
+        assert isinstance(end, NobodyDead) and state.fatal is None
+
+
+def _state_with_replacement(k: int, r: int, lost: set[int]) -> tuple[RebuildState, PrepareCopy]:
+    state = RebuildState(ErasureCode(k, r), 6, list(range(k + r)), [None] * (k + r), [f"w{s}" for s in range(k + r)])
+    state.member_lost(lost, None, 0.0)
+    place = state.attempt_begun()
+    placed = {s: (f"spare{s}", None, f"r{s}") for s in place.need}
+    prepare = state.replacements_started(place, placed, 0.25)
+    assert isinstance(prepare, PrepareCopy) and state.current_record().placement_seconds == 0.25
+    return state, prepare
+
+
+@pytest.mark.parametrize("interval, fix_ups", [(0.0, 3), (0.5, 2), (math.inf, 1)])
+def test_a_fix_up_waits_for_the_chunks_copied_within_the_interval(interval, fix_ups):
+    """Chunk 0 comes 0.1 s after the copy was submitted, chunk 1 0.6 s after it (no fix-up yet), chunk 2 0.3 s
+    after the last fix-up: with FIX_UP_INTERVAL_S 0.5 chunk 0 waits for chunk 1, and the last chunk's fix-up
+    never waits. The copy then ends and the rebuild finishes."""
+    state, prepare = _state_with_replacement(2, 1, {1})
+    reset = state.reset_begun(prepare)
+    assert isinstance(reset, ResetReplacements) and reset.lost == (1,)
+    copy = state.replacements_reset(reset, np.array([0, 1, 2, 3, 5]), 2)
+    assert isinstance(copy, CopyChunks) and [c.tolist() for c in copy.chunks] == [[0, 1], [2, 3], [5]]
+    assert copy.worker == "spare1" and copy.then == AwaitChunk(copy.generation, 0)
+    step, progress = copy.then, []
+    for n, since in enumerate([0.1, 0.6, 0.3]):
+        assert step == AwaitChunk(copy.generation, n)
+        step = state.copy_task_done(step, ChunkCopied(len(copy.chunks[n]), 1.0, 0.0, 0.0), since, interval)
+        if isinstance(step, FixUp):
+            assert step.lost == (1,)
+            step = state.fix_up_done(step, 0.01)
+            progress.append((step.done, step.total))
+            step = step.then
+    assert isinstance(step, EndCopy) and progress[-1] == (5, 5) and len(progress) == fix_ups
+    record = state.current_record()
+    assert (record.chunks, record.stripes, record.rows_rebuilt, record.fix_ups) == (3, 5, 5, fix_ups)
+    state.log_closed()
+    finish = state.copy_ended(step, 2.0)
+    assert finish == FinishRebuild(copy.generation, StartOver()) and record.copy_seconds == 2.0
+    assert state.rebuild_finished(finish.generation, 3.0)
+    assert state.attempt_begun() == Rebuilt(record) and not state.recovering
+
+
+def test_a_copy_with_nothing_to_copy_ends_at_once_and_finishes():
+    state, prepare = _state_with_replacement(2, 2, {0, 3})
+    copy = state.replacements_reset(state.reset_begun(prepare), np.zeros(0, np.int64), 4)
+    assert copy.chunks == () and copy.then == EndCopy(copy.generation) and state.rebuilt.all()
+    state.log_closed()
+    assert isinstance(state.copy_ended(copy.then, 0.0), FinishRebuild)
+
+
+def test_a_failed_copy_task_asks_who_died_and_gives_up_when_nobody_did():
+    state, prepare = _state_with_replacement(2, 1, {0})
+    copy = state.replacements_reset(state.reset_begun(prepare), np.arange(4), 2)
+    failure = OSError("the task failed")
+    find = state.copy_task_failed(copy.then, failure)
+    assert find == FindDead(copy.generation, failure)
+    assert state.dead_found(find, set(), RuntimeError("nobody")) == GiveUp(failure)
+    cause = RuntimeError("members [2] lost")
+    report = state.dead_found(find, {2}, cause)
+    assert isinstance(report, ReportLoss) and report.members == {2} and report.cause is cause
+    assert report.then == EndCopy(copy.generation)
+
+
+def test_a_loss_during_the_copy_ends_it_and_the_thread_starts_over():
+    state, prepare = _state_with_replacement(3, 2, {1})
+    copy = state.replacements_reset(state.reset_begun(prepare), np.arange(6), 2)
+    state.member_lost({4}, RuntimeError("parity shard 1"), 0.0)  # the trainer, while chunk 0 is copied
+    assert state.copy_task_done(copy.then, ChunkCopied(2, 0.1, 0.0, 0.0), 0.0, 0.5) == EndCopy(copy.generation)
+    state.log_closed()
+    assert state.copy_ended(EndCopy(copy.generation), 1.0) == StartOver()
+    place = state.attempt_begun()
+    assert isinstance(place, PlaceReplacements) and place.generation == copy.generation + 1
+    assert (place.lost, place.need) == ((1, 4), (4,))  # member 1 keeps its replacement
+    assert state.current_record().restarts == 1
+
+
+def test_a_fatal_loss_after_the_last_fix_up_gives_up_instead_of_finishing():
+    """A loss past R keeps the generation and adds a member with no replacement: the complete copy must
+    not swap replacements in."""
+    state, prepare = _state_with_replacement(2, 1, {0})
+    copy = state.replacements_reset(state.reset_begun(prepare), np.arange(2), 2)
+    fix = state.copy_task_done(copy.then, ChunkCopied(2, 0.1, 0.0, 0.0), 0.0, 0.5)
+    assert isinstance(state.fix_up_done(fix, 0.0).then, EndCopy)
+    with pytest.raises(TooManyErasuresError):
+        state.member_lost({1}, None, 0.0)
+    state.log_closed()
+    assert state.copy_ended(EndCopy(copy.generation), 0.0) == GiveUp(state.fatal)
+    assert state.members == [0, 1, 2]
+
+
+def test_an_outcome_for_another_attempt_or_chunk_is_refused():
+    state, prepare = _state_with_replacement(2, 1, {0})
+    copy = state.replacements_reset(state.reset_begun(prepare), np.arange(4), 2)
+    with pytest.raises(RuntimeError, match="chunk 1 reported where chunk 0"):
+        state.copy_task_done(AwaitChunk(copy.generation, 1), ChunkCopied(2, 0.1, 0.0, 0.0), 0.0, 0.5)
+    with pytest.raises(RuntimeError, match="no attempt running"):
+        state.copy_task_superseded(AwaitChunk(copy.generation + 1, 0))

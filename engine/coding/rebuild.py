@@ -13,12 +13,15 @@ stripes written since the dirty log opened are re-read, decoded and installed, a
 ``rebuilt``. When every chunk is in, the replacements take the lost members' places.
 
 Every change of the recovery state goes through the group's
-:class:`~dlrmflow.engine.coding.rebuild_state.RebuildState` (under ``group.lock``); this module
-only does the network and the waiting. Why a rebuilt stripe is one consistent version although the
-bulk copy runs while training writes, and why copying only the written stripes is enough:
-docs/rebuild.md. A further loss during a rebuild starts it over for everything lost, in a new
-generation; the replacements' reset names the new rebuild, so an install from a copy task of the
-abandoned one (a running task cannot be stopped) changes nothing.
+:class:`~dlrmflow.engine.coding.rebuild_state.RebuildState` (under ``group.lock``), and so does every
+decision: which members to rebuild and where, when to fix up, when to start over, when to give up.
+:func:`rebuild_lost` is a driver loop (:class:`RebuildDriver`): it asks the state for an instruction,
+carries it out with the actors and reports the outcome as an event, which answers with the next
+instruction; this module only does the network and the waiting. Why a rebuilt stripe is one
+consistent version although the bulk copy runs while training writes, and why copying only the
+written stripes is enough: docs/rebuild.md. A further loss during a rebuild starts it over for
+everything lost, in a new generation; the replacements' reset names the new rebuild, so an install
+from a copy task of the abandoned one (a running task cannot be stopped) changes nothing.
 
 :func:`rebuild_lost` is a plain function (tested without Prefect). With a ``recovery_runner`` (the
 train flow's ``recover-shard`` subflow) the rebuild still starts at once and the runner reports it
@@ -33,14 +36,31 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dlrmflow.engine.coding.erasure import ErasureCode, stripe_chunks
+from dlrmflow.engine.coding.erasure import ErasureCode
 from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.coding.members import member_name, start_member
+from dlrmflow.engine.coding.rebuild_state import (
+    AwaitChunk,
+    ChunkCopied,
+    CopyChunks,
+    EndCopy,
+    FindDead,
+    FinishRebuild,
+    FixUp,
+    GiveUp,
+    PlaceReplacements,
+    PrepareCopy,
+    RebuildStep,
+    Rebuilt,
+    ReportLoss,
+    ReportProgress,
+    ResetReplacements,
+    StartOver,
+)
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import local_actor
 from dlrmflow.engine.serving.placement import choose_rebuild_worker, least_loaded_worker
@@ -237,17 +257,6 @@ def _first(chunk: Chunk) -> int:
     return int(chunk[0])
 
 
-@dataclass(frozen=True)
-class ChunkCopied:
-    """What a copy task did, timed on its worker: the rebuild record adds these up, so that a report
-    tells the task's own time from its dispatch (submit -> start, through the scheduler)."""
-
-    rows: int
-    task_seconds: float  # start -> end of the task on the replacement's worker
-    read_wait_seconds: float  # waiting for the survivors' answers (what was not read ahead)
-    install_seconds: float  # decode + install on the replacements
-
-
 def rebuild_chunk_task(k: int, r: int, survivors: dict[int, Any], replacements: dict[int, Any],
                        chunk: Chunk, n_rows: dict[int, int], pause_s: float = 0.0, *,
                        rebuild_id: str = "", next_chunk: Chunk | None = None,
@@ -370,109 +379,163 @@ def fix_up(group: CodedShardGroup, lost: list[int], stripes: np.ndarray, rebuild
         raise error
 
 
-def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Rebuild every lost member of ``group`` on replacements; returns the recovery's record."""
-    state = group.state
-    while True:
-        with group.lock:
-            begun = state.rebuild_begun()
-            record = state.current_record()
-            if begun is None:  # decided under the lock: a later loss starts a new rebuild thread
-                report = record.as_dict(group.code.k, group.started_at)
-                if report["seconds"] is not None:
-                    EVENTS.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, "
-                                "%.3f s after detection (%d restarts)", ", ".join(report["lost"]),
-                                report["rows_rebuilt"], report["chunks"], report["stripes_generated"],
-                                report["seconds"], report["restarts"])
-                return report
-            lost, generation, need = begun
+# ---- the driver ------------------------------------------------------------------------------------
+
+
+class RebuildDriver:
+    """Carries out one rebuild thread's instructions with the actors and reports their outcomes to
+    ``group.state``, which decides every step. It owns what the state leaves out: the copy tasks'
+    futures, the rebuild id that the replacements' reset names, and the clocks behind the record's timings.
+
+    An instruction without ``in_hold`` runs with no lock held, and its outcome is reported in a lock hold
+    of its own (:meth:`reported`); the instructions that report answers with ``in_hold`` set run in that
+    same hold, until one does not."""
+
+    def __init__(self, group: CodedShardGroup, progress: Callable[[int, int], None] | None = None) -> None:
+        self.group, self.state, self.progress = group, group.state, progress
+        self.report: dict[str, Any] = {}  # the recovery's record, once rebuilt
+        self.copy: CopyChunks | None = None  # the copy running: its tasks are submitted, its log not closed
+        self.futures: list = []  # its copy tasks, in chunk order
+        self.rebuild_id = ""
+        # perf_counter() when the copy was submitted, when its last fix-up ended, when the lock was last taken
+        self.copying = self.fixed_up_at = self.locked_at = 0.0
+        self.steps: dict[type, Callable[[Any], RebuildStep]] = {
+            StartOver: self.start_over, PlaceReplacements: self.place, PrepareCopy: self.prepare_copy,
+            CopyChunks: self.copy_chunks, AwaitChunk: self.await_chunk, ReportProgress: self.report_progress,
+            EndCopy: self.end_copy, GiveUp: self.give_up, ResetReplacements: self.reset, FixUp: self.fix,
+            FindDead: self.find_dead, ReportLoss: self.report_loss, FinishRebuild: self.finish,
+        }
+
+    def carry_out(self, step: RebuildStep) -> RebuildStep:
+        """Carry out ``step`` (no lock held); the next step."""
+        return self.steps[type(step)](step)
+
+    def reported(self, event: Callable[..., RebuildStep], *args: Any) -> RebuildStep:
+        """Report an outcome, ``event(*args)``, under the lock, and carry out in that hold what it answers."""
+        with self.group.lock:
+            self.locked_at = time.perf_counter()
+            step = event(*args)
+            while step.in_hold and not isinstance(step, Rebuilt):
+                step = self.steps[type(step)](step)
+            if isinstance(step, Rebuilt):
+                self.report = self.rebuilt(step)
+            return step
+
+    # ---- without the lock ----------------------------------------------------------------------------
+    def start_over(self, step: StartOver) -> RebuildStep:
+        return self.reported(self.state.attempt_begun)
+
+    def place(self, step: PlaceReplacements) -> RebuildStep:
         placing = time.perf_counter()
-        try:
-            placed = place_replacements(group, need, generation)  # outside the lock: may wait for a fresh worker
+        try:  # outside the lock: may wait for a fresh worker
+            placed = place_replacements(self.group, list(step.need), step.generation)
         except Superseded:
-            continue
-        with group.lock:
-            for s, (worker, future, actor) in placed.items():
-                state.replacement_placed(s, worker, future, actor)
-            record.placement_seconds += time.perf_counter() - placing
-            if state.generation != generation:
-                continue
-            worker = state.replacement_workers[lost[0]]  # where the copy tasks run
-        with group.lock:
-            state.raise_if_fatal()
-            if state.generation != generation:
-                continue
-            try:
-                group.settle()  # no batch in flight when the stripes to copy are chosen and the log opens
-                rebuild_id = f"{id(group)}-{generation}-{time.monotonic_ns()}"
-                to_copy = reset_replacements(group, lost, rebuild_id)  # step 0
-            except LostMembersError as exc:
-                group.on_lost(exc.members, exc)
-                continue
-            state.log_opened(generation, to_copy)  # step 1
-        chunks = [to_copy[a:b] for a, b in stripe_chunks(len(to_copy), chunk_stripes(group, len(lost)))]
-        copying = time.perf_counter()
-        futures = submit_copies(group, lost, chunks, worker, rebuild_id)  # step 2
-        complete, done = True, 0
-        fixed_up = time.perf_counter()
+            return self.reported(self.state.placement_superseded, step)
+        # The placement's time counts the wait for the lock, as the replacements are taken in that hold.
+        return self.reported(lambda: self.state.replacements_started(step, placed, time.perf_counter() - placing))
+
+    def prepare_copy(self, step: PrepareCopy) -> RebuildStep:
+        return self.reported(self.state.reset_begun, step)
+
+    def copy_chunks(self, step: CopyChunks) -> RebuildStep:
+        self.copying = time.perf_counter()
+        self.futures = submit_copies(self.group, list(step.lost), list(step.chunks), step.worker,
+                                     self.rebuild_id)  # step 2
+        self.copy, self.fixed_up_at = step, time.perf_counter()
+        return step.then
+
+    def await_chunk(self, step: AwaitChunk) -> RebuildStep:
         try:
-            for n, (chunk, future) in enumerate(zip(chunks, futures, strict=True)):
-                try:
-                    task, failure = wait_done(group, future, generation, worker), None
-                except Superseded:
-                    complete = False
-                    break
-                except Exception as exc:  # noqa: BLE001 - a dead survivor or replacement; found below
-                    task, failure = None, exc
-                if failure is None:
-                    record.chunks += 1
-                    record.stripes += len(chunk)
-                    record.rows_rebuilt += task.rows
-                    record.copy_task_seconds += task.task_seconds
-                    record.copy_read_wait_seconds += task.read_wait_seconds
-                    record.copy_install_seconds += task.install_seconds
-                    # Copied; fixed up (and then read from the replacement) with later chunks, unless a new
-                    # loss came in: the locked section below sees it and starts over without copying on.
-                    if (n + 1 < len(chunks) and time.perf_counter() - fixed_up < FIX_UP_INTERVAL_S
-                            and state.generation == generation):
-                        with group.lock:
-                            state.chunk_copied(generation, chunk)
-                        continue
-                with group.lock:
-                    locked = time.perf_counter()
-                    state.raise_if_fatal()
-                    if state.generation != generation:
-                        complete = False
-                        break
-                    try:
-                        if failure is not None:
-                            dead = group.find_dead()
-                            if not dead:
-                                raise failure
-                            raise LostMembersError(dead, failure)
-                        state.chunk_copied(generation, chunk)
-                        fix = state.fix_up_begun(generation)
-                        fix_up(group, lost, fix.stripes, rebuild_id)  # step 3, for every chunk copied since the last
-                    except LostMembersError as exc:
-                        group.on_lost(exc.members, exc)  # raises when more than R are lost
-                        complete = False
-                        break
-                    state.fixed_up(fix)
-                    record.stripes_fixed_up += len(fix.stripes)
-                    record.locked_seconds += time.perf_counter() - locked
-                    record.fix_ups += 1
-                done += fix.copied
-                fixed_up = time.perf_counter()
-                if progress is not None:
-                    progress(done, len(to_copy))
-                time.sleep(YIELD_S)
-        finally:
-            with group.lock:
-                state.log_closed()
-            group.client.cancel([f for f in futures if not f.done()])
-            record.copy_seconds += time.perf_counter() - copying
-        if not complete:
-            continue
-        with group.lock:
-            group.finish_rebuild(generation)
-        # Back to the top: it returns there (under the lock) unless a loss came in meanwhile.
+            task = wait_done(self.group, self.futures[step.n], step.generation, self.copy.worker)
+        except Superseded:
+            return self.reported(self.state.copy_task_superseded, step)
+        except Exception as exc:  # noqa: BLE001 - a dead survivor or replacement; found in the report's hold
+            return self.reported(self.state.copy_task_failed, step, exc)
+        return self.reported(self.state.copy_task_done, step, task, time.perf_counter() - self.fixed_up_at,
+                             FIX_UP_INTERVAL_S)
+
+    def report_progress(self, step: ReportProgress) -> RebuildStep:
+        self.fixed_up_at = time.perf_counter()
+        if self.progress is not None:
+            self.progress(step.done, step.total)
+        time.sleep(YIELD_S)
+        return step.then
+
+    def end_copy(self, step: EndCopy) -> RebuildStep:
+        seconds = self.close_copy()
+        return self.reported(self.state.copy_ended, step, seconds)
+
+    def close_copy(self) -> float:
+        """Close the log and cancel the copy tasks still running (a task of an abandoned copy installs
+        nothing once the replacements are reset); the copy's wall-clock time."""
+        self.copy = None
+        with self.group.lock:
+            self.state.log_closed()
+        self.group.client.cancel([f for f in self.futures if not f.done()])
+        return time.perf_counter() - self.copying
+
+    def abandon_copy(self) -> None:
+        """After a failure (it propagates): a copy still running is closed, and its time recorded."""
+        if self.copy is None:
+            return
+        end = EndCopy(self.copy.generation)
+        seconds = self.close_copy()
+        with self.group.lock:
+            self.state.copy_ended(end, seconds)  # what it answers is not carried out: the thread ends
+
+    # ---- in the hold of the report that asked for them ---------------------------------------------
+    def rebuilt(self, step: Rebuilt) -> dict[str, Any]:
+        report = step.record.as_dict(self.group.code.k, self.group.started_at)
+        if report["seconds"] is not None:
+            EVENTS.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, "
+                        "%.3f s after detection (%d restarts)", ", ".join(report["lost"]),
+                        report["rows_rebuilt"], report["chunks"], report["stripes_generated"],
+                        report["seconds"], report["restarts"])
+        return report
+
+    def give_up(self, step: GiveUp) -> RebuildStep:
+        raise step.error
+
+    def reset(self, step: ResetReplacements) -> RebuildStep:
+        try:
+            self.group.settle()  # no batch in flight when the stripes to copy are chosen and the log opens
+            self.rebuild_id = f"{id(self.group)}-{step.generation}-{time.monotonic_ns()}"
+            to_copy = reset_replacements(self.group, list(step.lost), self.rebuild_id)  # step 0
+        except LostMembersError as exc:
+            return self.state.reset_failed(step, exc.members, exc)
+        return self.state.replacements_reset(step, to_copy, chunk_stripes(self.group, len(step.lost)))  # step 1
+
+    def fix(self, step: FixUp) -> RebuildStep:
+        try:
+            fix_up(self.group, list(step.lost), step.stripes, self.rebuild_id)  # step 3
+        except LostMembersError as exc:
+            return self.state.fix_up_failed(step, exc.members, exc)
+        return self.state.fix_up_done(step, time.perf_counter() - self.locked_at)
+
+    def find_dead(self, step: FindDead) -> RebuildStep:
+        dead = self.group.find_dead()
+        return self.state.dead_found(step, dead, LostMembersError(dead, step.failure))
+
+    def report_loss(self, step: ReportLoss) -> RebuildStep:
+        self.group.on_lost(step.members, step.cause)  # raises TooManyErasuresError past R
+        return step.then
+
+    def finish(self, step: FinishRebuild) -> RebuildStep:
+        self.group.finish_rebuild(step.generation)  # nothing when a loss superseded the generation
+        return step.then
+
+
+def rebuild_lost(group: CodedShardGroup, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Rebuild every lost member of ``group`` on replacements; returns the recovery's record.
+
+    ``group.state`` decides every step (from
+    :meth:`~dlrmflow.engine.coding.rebuild_state.RebuildState.attempt_begun` on); the driver carries each
+    out with the actors and reports its outcome, which answers with the next."""
+    driver = RebuildDriver(group, progress)
+    step: RebuildStep = StartOver()
+    try:
+        while not isinstance(step, Rebuilt):
+            step = driver.carry_out(step)
+    finally:
+        driver.abandon_copy()  # a failure mid-copy: the log closes and the copy tasks stop
+    return driver.report

@@ -1,14 +1,36 @@
 """The recovery state of a coded shard group, and the only code that changes it.
 
 :class:`RebuildState` holds which members are lost, their replacements, which stripes the
-replacements hold (``rebuilt``), the dirty log of stripes written during a bulk copy, and the
-generation (bumped by every loss). Events come in as named transitions (:meth:`member_lost`,
-:meth:`replacement_placed`, :meth:`log_opened`, :meth:`write_logged`, :meth:`chunk_copied`,
-:meth:`fix_up_begun` / :meth:`fixed_up`, :meth:`rebuild_finished`, ...); what the caller must do
-comes out as return values (:class:`StartRebuild`, :class:`FixUp`). No network, no threads: the
-caller holds the group's lock around every call, and the write path and the rebuild thread read the
-state through its queries (:meth:`target`, :meth:`is_rebuilt`, :meth:`survivors`). Attributes are
-read-only outside this class.
+replacements hold (``rebuilt``), the dirty log of stripes written during a bulk copy, the
+generation (bumped by every loss) and the rebuild thread's current :class:`Attempt`. It owns them
+alone: the write path and the rebuild thread change them only through its transitions, with the
+group's lock held around every call, and read them through its queries (:meth:`target`,
+:meth:`is_rebuilt`, :meth:`survivors`). Attributes are read-only outside this class. No network,
+no threads, no clocks: times come in as arguments.
+
+Who reports what:
+
+- the write path: a member whose worker died (:meth:`member_lost`, which may return
+  :class:`StartRebuild`), the stripes a batch touches (:meth:`write_logged`);
+- the rebuild thread: the outcome of each instruction the state gave it. Its driver
+  (:func:`~dlrmflow.engine.coding.rebuild.rebuild_lost`) asks :meth:`attempt_begun` what to do,
+  carries the instruction out with the actors, and reports the outcome as an event
+  (:meth:`replacements_started`, :meth:`replacements_reset`, :meth:`copy_task_done`,
+  :meth:`fix_up_done`, ...), which answers with the next instruction. Every decision (which members
+  to rebuild, where the copy runs, when to fix up, when to start over, when to give up) is made
+  here; the driver only does the network and the waiting;
+- the rebuild thread's own death: :meth:`rebuild_failed` (fatal; the trainer re-raises it).
+
+A worker that dies is a member lost: everything lost is rebuilt from the start in a new generation,
+and the running attempt, at its next event, sees that generation and starts over (:class:`StartOver`).
+Losing more than R is fatal (TooManyErasuresError, kept in ``fatal``, and raised where the loss is
+reported): the thread gives up (:class:`GiveUp`) at its next check. So the thread ends in :class:`Rebuilt` or a
+clear error, and starts over only after a loss: finitely many losses, finitely many attempts.
+
+An instruction with ``in_hold`` set is carried out with the lock still held, in the hold of the
+transition that returned it, and its outcome reported in that same hold: nothing the trainer does
+comes in between (a fix-up is exact only so). The others are carried out without the lock, and the
+driver takes it again to report their outcome.
 
 The invariants, argued in docs/rebuild.md:
 
@@ -24,11 +46,11 @@ The invariants, argued in docs/rebuild.md:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from dlrmflow.engine.coding.erasure import ErasureCode
+from dlrmflow.engine.coding.erasure import ErasureCode, stripe_chunks
 from dlrmflow.engine.coding.record import RecoveryRecord
 from dlrmflow.engine.errors import UserInputError
 
@@ -41,15 +63,186 @@ class StartRebuild:
 
 
 @dataclass(frozen=True)
-class FixUp:
-    """Action: re-read ``stripes`` (logged since the log opened, in the stripes about to join ``rebuilt``)
-    from the survivors, decode and install them on the replacements, then report :meth:`RebuildState.fixed_up`
-    in the same lock hold."""
+class ChunkCopied:
+    """What a copy task did, timed on its worker (:meth:`RebuildState.copy_task_done` adds it to the
+    record, so that a report tells the task's own time from its dispatch: submit -> start, through
+    the scheduler)."""
 
+    rows: int
+    task_seconds: float  # start -> end of the task on the replacement's worker
+    read_wait_seconds: float  # waiting for the survivors' answers (what was not read ahead)
+    install_seconds: float  # decode + install on the replacements
+
+
+# ---- the rebuild thread's instructions --------------------------------------------------------------
+@dataclass(frozen=True)
+class Rebuilt:
+    """Instruction (in the hold): nothing is lost; the thread ends with ``record``'s report (a later loss
+    starts a new thread)."""
+
+    in_hold: ClassVar[bool] = True
+    record: RecoveryRecord
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Instruction (in the hold): raise ``error`` (a fatal loss, or a copy task's failure with every
+    member alive); the thread ends, and the trainer re-raises it."""
+
+    in_hold: ClassVar[bool] = True
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class StartOver:
+    """Instruction: take the lock again and ask :meth:`RebuildState.attempt_begun` (a loss may come in
+    meanwhile: it is rebuilt by this thread)."""
+
+    in_hold: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class PlaceReplacements:
+    """Instruction: start a replacement for each member of ``need`` (the lost members ``lost`` that have
+    none), waiting for a fresh worker if need be; report :meth:`RebuildState.replacements_started`, or
+    :meth:`RebuildState.placement_superseded` when the wait saw a new generation."""
+
+    in_hold: ClassVar[bool] = False
+    generation: int
+    lost: tuple[int, ...]
+    need: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrepareCopy:
+    """Instruction: take the lock again for steps 0 and 1 and report :meth:`RebuildState.reset_begun`."""
+
+    in_hold: ClassVar[bool] = False
+    generation: int
+
+
+@dataclass(frozen=True)
+class ResetReplacements:
+    """Instruction (in the hold): steps 0 and 1. Settle every batch, reset the replacements of ``lost``
+    to fresh as the target of a new rebuild id, and report the stripes to copy and the chunk size
+    (:meth:`RebuildState.replacements_reset`), or the members found lost
+    (:meth:`RebuildState.reset_failed`)."""
+
+    in_hold: ClassVar[bool] = True
+    generation: int
+    lost: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class CopyChunks:
+    """Instruction: step 2. Submit the copy tasks of every chunk at once, in order, on ``worker``; then
+    carry out ``then``."""
+
+    in_hold: ClassVar[bool] = False
+    generation: int
+    lost: tuple[int, ...]
+    chunks: tuple[np.ndarray, ...]
+    worker: str
+    then: AwaitChunk | EndCopy
+
+
+@dataclass(frozen=True)
+class AwaitChunk:
+    """Instruction: wait for chunk ``n``'s copy task; report :meth:`RebuildState.copy_task_done`,
+    :meth:`RebuildState.copy_task_failed` or :meth:`RebuildState.copy_task_superseded`."""
+
+    in_hold: ClassVar[bool] = False
+    generation: int
+    n: int
+
+
+@dataclass(frozen=True)
+class FixUp:
+    """Instruction (in the hold): step 3. Re-read ``stripes`` (logged since the log opened, in the stripes
+    about to join ``rebuilt``) from the survivors, decode and install them on the replacements of
+    ``lost``, then report :meth:`RebuildState.fix_up_done` (which calls :meth:`RebuildState.fixed_up`)
+    or :meth:`RebuildState.fix_up_failed`."""
+
+    in_hold: ClassVar[bool] = True
     generation: int
     stripes: np.ndarray
     joining: np.ndarray  # one flag per stripe: those that join ``rebuilt`` once fixed up
     copied: int  # stripes copied since the last fix-up
+    lost: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FindDead:
+    """Instruction (in the hold): a copy task failed with ``failure``; ask every member and replacement
+    and report those that do not answer (:meth:`RebuildState.dead_found`)."""
+
+    in_hold: ClassVar[bool] = True
+    generation: int
+    failure: BaseException
+
+
+@dataclass(frozen=True, eq=False)
+class ReportLoss:
+    """Instruction (in the hold): ``members`` are gone, as ``cause`` showed: tell the group
+    (``CodedShardGroup.on_lost``, which logs it and reports :meth:`RebuildState.member_lost`; raises
+    TooManyErasuresError past R), then carry out ``then``."""
+
+    in_hold: ClassVar[bool] = True
+    members: set[int]
+    cause: BaseException
+    then: StartOver | EndCopy
+
+
+@dataclass(frozen=True)
+class ReportProgress:
+    """Instruction: ``done`` of ``total`` stripes to copy are copied and fixed up: tell the progress
+    callback, pause (training reads the stripes not yet rebuilt meanwhile), then carry out ``then``."""
+
+    in_hold: ClassVar[bool] = False
+    done: int
+    total: int
+    then: AwaitChunk | EndCopy
+
+
+@dataclass(frozen=True)
+class EndCopy:
+    """Instruction: the copy stops (every chunk fixed up, or abandoned). Close the log
+    (:meth:`RebuildState.log_closed`), cancel the copy tasks still running, and report
+    :meth:`RebuildState.copy_ended` with the copy's wall-clock time."""
+
+    in_hold: ClassVar[bool] = False
+    generation: int
+
+
+@dataclass(frozen=True)
+class FinishRebuild:
+    """Instruction (in the hold): every chunk is fixed up: the replacements take the lost members' places
+    (``CodedShardGroup.finish_rebuild``, which reports :meth:`RebuildState.rebuild_finished`; nothing
+    when a loss superseded ``generation``), then carry out ``then``."""
+
+    in_hold: ClassVar[bool] = True
+    generation: int
+    then: StartOver
+
+
+RebuildStep = (Rebuilt | GiveUp | StartOver | PlaceReplacements | PrepareCopy | ResetReplacements | CopyChunks
+               | AwaitChunk | FixUp | FindDead | ReportLoss | ReportProgress | EndCopy | FinishRebuild)
+
+
+@dataclass
+class Attempt:
+    """The rebuild thread's attempt at rebuilding ``lost`` in ``generation`` (a further loss makes it
+    start over in a new one): its record, where it copies, and how far it is."""
+
+    generation: int
+    lost: tuple[int, ...]
+    record: RecoveryRecord
+    worker: str = ""  # where the copy tasks run: the first lost member's replacement's worker
+    chunks: tuple[np.ndarray, ...] = ()
+    total: int = 0  # stripes to copy
+    next_chunk: int = 0  # the chunk whose copy task is awaited (or reported) next
+    done: int = 0  # stripes copied and fixed up
+    complete: bool = False  # every chunk fixed up: the replacements may take the lost members' places
 
 
 class RebuildState:
@@ -77,6 +270,7 @@ class RebuildState:
         self.recoveries: list[RecoveryRecord] = []
         self.fatal: BaseException | None = None
         self.recovering = False  # a rebuild thread owns the lost members
+        self.attempt: Attempt | None = None  # that thread's current attempt
 
     # ---- queries ----------------------------------------------------------------------------------
     def target(self, s: int) -> Any:
@@ -164,16 +358,6 @@ class RebuildState:
         self.standby = {}
 
     # ---- a rebuild ---------------------------------------------------------------------------------
-    def rebuild_begun(self) -> tuple[list[int], int, list[int]] | None:
-        """The rebuild thread starts (over): ``(lost, generation, members still without a replacement)``,
-        or None when nothing is lost (the thread ends; a later loss starts a new one)."""
-        self.raise_if_fatal()
-        if not self.lost:
-            self.recovering = False
-            return None
-        lost = sorted(self.lost)
-        return lost, self.generation, [s for s in lost if s not in self.replacement]
-
     def standbys_set(self, standby: dict[int, Standby]) -> None:
         self.standby = dict(standby)
 
@@ -231,7 +415,7 @@ class RebuildState:
         joining = self.joins_next.copy()
         copied = np.concatenate(self.copied) if self.copied else np.zeros(0, np.int64)
         joining[copied] = True
-        return FixUp(generation, logged[joining[logged]], joining, len(copied))
+        return FixUp(generation, logged[joining[logged]], joining, len(copied), tuple(sorted(self.lost)))
 
     def fixed_up(self, fix: FixUp) -> bool:
         """The fix-up's stripes are installed (in the lock hold of :meth:`fix_up_begun`): its stripes join
@@ -260,3 +444,156 @@ class RebuildState:
         self.rebuilt, self.dirty, self.copied, self.joins_next = None, None, [], None
         record.rebuilt_at = now
         return True
+
+    # ---- the rebuild thread: events in, instructions out --------------------------------------------
+    def attempt_begun(self) -> Rebuilt | PlaceReplacements | GiveUp:
+        """The rebuild thread starts (over): give up on a fatal loss; end when nothing is lost (a later loss
+        starts a new thread); else rebuild everything lost, in the current generation, placing a
+        replacement for each lost member without one (a replacement that survived a restart is kept)."""
+        if self.fatal is not None:
+            return GiveUp(self.fatal)
+        if not self.lost:
+            self.recovering, self.attempt = False, None
+            return Rebuilt(self.recoveries[-1])
+        lost = tuple(sorted(self.lost))
+        self.attempt = Attempt(self.generation, lost, self.recoveries[-1])
+        return PlaceReplacements(self.generation, lost, tuple(s for s in lost if s not in self.replacement))
+
+    def placement_superseded(self, place: PlaceReplacements) -> Rebuilt | PlaceReplacements | GiveUp:
+        """Waiting for a replacement, the thread saw a further loss (or a fatal one): start over at once,
+        in this hold."""
+        return self.attempt_begun()
+
+    def replacements_started(self, place: PlaceReplacements, placed: dict[int, Standby],
+                             seconds: float) -> StartOver | PrepareCopy:
+        """``placed``: a started replacement ``(worker, future, actor)`` for each member of ``place.need``,
+        after ``seconds``. Taken as the members' replacements; start over if a loss came in meanwhile. The
+        copy tasks run on the first lost member's replacement's worker (they install there in memory)."""
+        attempt = self._attempt(place.generation)
+        for s, (worker, future, actor) in placed.items():
+            self.replacement_placed(s, worker, future, actor)
+        attempt.record.placement_seconds += seconds
+        if self.generation != place.generation:
+            return StartOver()
+        attempt.worker = self.replacement_workers[attempt.lost[0]]
+        return PrepareCopy(place.generation)
+
+    def reset_begun(self, prepare: PrepareCopy) -> GiveUp | StartOver | ResetReplacements:
+        """The lock is held again for steps 0 and 1: unless a loss came in since the placement."""
+        if self.fatal is not None:
+            return GiveUp(self.fatal)
+        if self.generation != prepare.generation:
+            return StartOver()
+        return ResetReplacements(prepare.generation, self._attempt(prepare.generation).lost)
+
+    def reset_failed(self, reset: ResetReplacements, members: set[int], cause: BaseException) -> ReportLoss:
+        """Settling or resetting found ``members`` lost: report them, then start over."""
+        return ReportLoss(members, cause, StartOver())
+
+    def replacements_reset(self, reset: ResetReplacements, to_copy: np.ndarray, chunk: int) -> CopyChunks:
+        """Steps 0 and 1 done (same hold): the replacements are fresh and the rebuild copies ``to_copy`` (sorted
+        stripes) in chunks of ``chunk`` stripes; the log opens (:meth:`log_opened`). With nothing to copy, the
+        copy is complete as soon as it ends."""
+        attempt = self._attempt(reset.generation)
+        self.log_opened(reset.generation, to_copy)
+        attempt.chunks = tuple(to_copy[a:b] for a, b in stripe_chunks(len(to_copy), chunk))
+        attempt.total, attempt.next_chunk, attempt.done = len(to_copy), 0, 0
+        attempt.complete = not attempt.chunks
+        first = AwaitChunk(reset.generation, 0) if attempt.chunks else EndCopy(reset.generation)
+        return CopyChunks(reset.generation, attempt.lost, attempt.chunks, attempt.worker, first)
+
+    def copy_task_done(self, wait: AwaitChunk, copied: ChunkCopied, since_fix_up: float,
+                       interval: float) -> AwaitChunk | FixUp | EndCopy | GiveUp:
+        """Chunk ``wait.n``'s copy task installed it (``copied``), ``since_fix_up`` seconds after the last
+        fix-up (or the submission). Its fix-up waits for later chunks while they come within ``interval``
+        (a fix-up holds the trainer for two round trips, whatever its size); the last chunk's does not.
+        Otherwise fix up every chunk copied since the last fix-up now, in this hold."""
+        attempt = self._awaited(wait)
+        chunk = attempt.chunks[wait.n]
+        record = attempt.record
+        record.chunks += 1
+        record.stripes += len(chunk)
+        record.rows_rebuilt += copied.rows
+        record.copy_task_seconds += copied.task_seconds
+        record.copy_read_wait_seconds += copied.read_wait_seconds
+        record.copy_install_seconds += copied.install_seconds
+        if wait.n + 1 < len(attempt.chunks) and since_fix_up < interval and self.generation == wait.generation:
+            self.chunk_copied(wait.generation, chunk)
+            attempt.next_chunk = wait.n + 1
+            return AwaitChunk(wait.generation, wait.n + 1)
+        if self.fatal is not None:
+            return GiveUp(self.fatal)
+        if self.generation != wait.generation:
+            return EndCopy(wait.generation)
+        self.chunk_copied(wait.generation, chunk)
+        fix = self.fix_up_begun(wait.generation)
+        return EndCopy(wait.generation) if fix is None else fix
+
+    def copy_task_failed(self, wait: AwaitChunk, failure: BaseException) -> GiveUp | EndCopy | FindDead:
+        """Chunk ``wait.n``'s copy task failed: a survivor or a replacement died, or something else went
+        wrong. Unless a loss came in meanwhile (then start over), find out which members died."""
+        self._awaited(wait)
+        if self.fatal is not None:
+            return GiveUp(self.fatal)
+        if self.generation != wait.generation:
+            return EndCopy(wait.generation)
+        return FindDead(wait.generation, failure)
+
+    def copy_task_superseded(self, wait: AwaitChunk) -> EndCopy:
+        """Waiting for a copy task, the thread saw a further loss (or a fatal one): stop copying."""
+        self._awaited(wait)
+        return EndCopy(wait.generation)
+
+    def dead_found(self, find: FindDead, dead: set[int], cause: BaseException) -> GiveUp | ReportLoss:
+        """``dead``: the members and replacements that did not answer after ``find.failure`` (``cause``
+        names them). None: the failure was not a loss, and is fatal. Else report them and stop copying."""
+        if not dead:
+            return GiveUp(find.failure)
+        return ReportLoss(dead, cause, EndCopy(find.generation))
+
+    def fix_up_done(self, fix: FixUp, locked_seconds: float) -> ReportProgress:
+        """The fix-up's stripes are installed (same hold; :meth:`fixed_up`), the lock held ``locked_seconds``
+        so far. Report the progress, then wait for the next chunk, or end a complete copy."""
+        attempt = self._attempt(fix.generation)
+        self.fixed_up(fix)
+        record = attempt.record
+        record.stripes_fixed_up += len(fix.stripes)
+        record.locked_seconds += locked_seconds
+        record.fix_ups += 1
+        attempt.done += fix.copied
+        n = attempt.next_chunk + 1
+        if n < len(attempt.chunks):
+            attempt.next_chunk = n
+            return ReportProgress(attempt.done, attempt.total, AwaitChunk(fix.generation, n))
+        attempt.complete = True
+        return ReportProgress(attempt.done, attempt.total, EndCopy(fix.generation))
+
+    def fix_up_failed(self, fix: FixUp, members: set[int], cause: BaseException) -> ReportLoss:
+        """The fix-up found ``members`` lost: report them, and stop copying."""
+        return ReportLoss(members, cause, EndCopy(fix.generation))
+
+    def copy_ended(self, end: EndCopy, seconds: float) -> FinishRebuild | StartOver | GiveUp:
+        """The copy stopped after ``seconds`` (the log is closed, the tasks still running cancelled). A complete
+        one finishes the rebuild, unless the state went fatal since its last fix-up (a loss past R adds a member
+        without a replacement and keeps the generation: finishing would swap in replacements that are not
+        there); otherwise the thread then looks again at what is lost."""
+        attempt = self._attempt(end.generation)
+        attempt.record.copy_seconds += seconds
+        if not attempt.complete:
+            return StartOver()
+        if self.fatal is not None:
+            return GiveUp(self.fatal)
+        return FinishRebuild(end.generation, StartOver())
+
+    def _attempt(self, generation: int) -> Attempt:
+        """The attempt of ``generation``, which gave the instruction being reported."""
+        attempt = self.attempt
+        if attempt is None or attempt.generation != generation:
+            raise RuntimeError(f"an outcome reported for generation {generation}, which has no attempt running")
+        return attempt
+
+    def _awaited(self, wait: AwaitChunk) -> Attempt:
+        attempt = self._attempt(wait.generation)
+        if wait.n != attempt.next_chunk:
+            raise RuntimeError(f"chunk {wait.n} reported where chunk {attempt.next_chunk} was awaited")
+        return attempt
