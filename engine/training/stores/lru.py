@@ -74,6 +74,14 @@ class LruCache:
             slots = directory.slot_of[ids]
         return slots
 
+    def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> tuple[IterationRows, float]:
+        """Iteration ``t``'s rows of this trainer (``split.mine``), and the seconds spent fetching its misses."""
+        start = time.perf_counter()
+        slots = self.slots_for(t, split.mine)
+        waited = time.perf_counter() - start
+        index = self.cache.index(slots)
+        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, index), slots=index), waited
+
     def clear(self) -> None:
         self.cache.empty()
         self.last_used[:] = -1
@@ -114,11 +122,9 @@ class LruRows(RowStore):
         return self.cache.peak
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
-        start = time.perf_counter()
-        slots = self.lru.slots_for(t, split.mine)
-        self.stall_seconds += time.perf_counter() - start
-        index = self.cache.index(slots)
-        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, index), slots=index)
+        step, waited = self.lru.gather(t, split, next_union)
+        self.stall_seconds += waited
+        return step
 
     def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
         apply_update(rule_at(self.spec, lr), step.rows, grad)
@@ -164,11 +170,9 @@ class LruRowsW(RowStore):
         return self.cache.peak
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
-        start = time.perf_counter()
-        slots = self.lru.slots_for(t, split.mine)
-        self.stall_seconds += time.perf_counter() - start
-        index = self.cache.index(slots)
-        return IterationRows(t, split, next_union, self.cache.rows.index_select(0, index), slots=index)
+        step, waited = self.lru.gather(t, split, next_union)
+        self.stall_seconds += waited
+        return step
 
     def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
         split = step.split

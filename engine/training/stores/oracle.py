@@ -142,10 +142,13 @@ class PlanCache:
         ids, slots = self.worker.cached()
         return ids, self.cache.in_slots(slots)
 
-    def fetched_ahead(self) -> int:
-        """With the worker idle: the bytes it fetched for iterations compute has not reached."""
+    def traffic(self) -> dict[str, int]:
+        """With the worker idle: what the home moved, less what the worker fetched ahead for iterations compute
+        has not reached (an uninterrupted run counts those later)."""
         self.worker.wait_idle()
-        return self.worker.bytes_fetched_ahead()
+        home = self.cache.home
+        return {"bytes_fetched": int(home.bytes_fetched - self.worker.bytes_fetched_ahead()),
+                "bytes_written": int(home.bytes_written)}
 
     def join(self) -> None:
         """Wait until the worker has written back every posted eviction."""
@@ -227,11 +230,7 @@ class OracleRows(RowStore):
         return self.plan_cache.held()
 
     def traffic(self) -> dict[str, int]:
-        """With the worker idle: what the home moved, less what the worker fetched ahead for later iterations."""
-        ahead = self.plan_cache.fetched_ahead()
-        counts = super().traffic()
-        counts["bytes_fetched"] -= int(ahead)
-        return counts
+        return self.plan_cache.traffic()
 
     def drop_pending(self) -> None:
         self.plan_cache.stop()
@@ -422,11 +421,7 @@ class LrppRows(RowStore):
         return self.plan_cache.held()
 
     def traffic(self) -> dict[str, int]:
-        """With the worker idle: what the home moved, less what the worker fetched ahead for later iterations."""
-        ahead = self.plan_cache.fetched_ahead()
-        counts = super().traffic()
-        counts["bytes_fetched"] -= int(ahead)
-        return counts
+        return self.plan_cache.traffic()
 
     def resume_from(self, traffic: dict[str, int], cache: dict[str, np.ndarray] | None, rows: np.ndarray) -> None:
         """Nothing: this trainer counts from the resume, and its cache was rebuilt from the plan at the start."""
