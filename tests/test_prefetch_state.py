@@ -48,6 +48,7 @@ from dlrmflow.engine.training.prefetch_state import (
     PlanViolation,
     PrefetchState,
     ReadPlan,
+    SharedExchange,
     WaitForDone,
 )
 
@@ -254,7 +255,7 @@ class System:
     def _work(self, w: int) -> Iterator[Blocked]:
         state, cache, cache_id, needed = self.states[w], self.cache[w], self.cache_id[w], self.needed[w]
         while True:
-            action = state.step()
+            action = state.next_action()
             self.actions[w].append(summary(action))
             if isinstance(action, Finished):
                 self.worker_done[w] = True
@@ -282,7 +283,7 @@ class System:
                 needed[done.evict_slots] = False
                 self.unsent[w].append(values)
             else:
-                assert isinstance(action, Exchange) and state.in_flight is action
+                assert isinstance(action, Exchange | SharedExchange) and state.in_flight is action
                 yield None  # in flight: compute runs on, posts, a checkpoint may look
                 rows = EMPTY_IDS
                 if action.sends_writes:  # else they wait for the next exchange that fetches
@@ -292,16 +293,17 @@ class System:
                 # One round trip, atomic at the home: the writes first, then the fetches.
                 self.home[action.write_ids] = rows
                 self.writes[action.write_ids] += 1
-                here = action.fetch_ids if action.fetched_here is None else action.fetched_here
+                here = action.fetched_here if isinstance(action, SharedExchange) else action.fetch_ids
                 if len(here):
-                    now, ahead = here[:len(here) - action.ahead], here[len(here) - action.ahead:]
+                    early = action.ahead if isinstance(action, Exchange) else 0
+                    now, ahead = here[:len(here) - early], here[len(here) - early:]
                     assert np.array_equal(self.home[now], self.before[action.t][now]), \
                         f"trainer {w} read a stale row for iteration {action.t}"
                     assert np.array_equal(self.home[ahead], self.before[action.t + 1][ahead]), \
                         f"trainer {w} read a stale row for iteration {action.t + 1}, early"
                 fetched = self.home[here].copy()
                 values = fetched
-                if action.fetcher is not None and len(action.prefetch_ids):  # handed to the holders
+                if isinstance(action, SharedExchange) and len(action.prefetch_ids):  # handed to the holders
                     self.gathered.setdefault(action.t, {})[w] = (action.fetcher, here, fetched)
                     mine = (action.holders >> w & 1) == 1
                     by_me = action.fetcher == w
@@ -322,8 +324,7 @@ class System:
                 needed[action.fetch_slots] = True
                 state.exchanged(action)
                 if action.t is not None:
-                    self.placed[w][action.t] = (action.fetch_ids, action.fetch_slots) if action.ready_ids is None \
-                        else (action.ready_ids, action.ready_slots)
+                    self.placed[w][action.t] = action.handed_over()[:2]
                     self.ready[w].add(action.t)
                 yield None
 
@@ -416,7 +417,7 @@ class System:
         """The end of a run: every eviction home exactly once, nothing cached, the home current."""
         if any(e is not None for e in self.errors):
             return
-        assert all(isinstance(s.step(), Finished) for s in self.states)
+        assert all(isinstance(s.next_action(), Finished) for s in self.states)
         evictions = np.zeros(self.plan.total_rows, dtype=np.int64)
         for step in self.plan.steps[self.start:]:
             evictions[step.evict_ids] += 1
@@ -439,10 +440,11 @@ def summary(action) -> tuple:
     """An action as comparable values."""
     if isinstance(action, Exchange):
         return ("exchange", action.t, action.write_ids.tolist(), action.write_slots.tolist(),
-                action.fetch_ids.tolist(), action.fetch_slots.tolist(),
-                None if action.fetcher is None else action.fetcher.tolist(),
-                None if action.prefetch_ids is None else action.prefetch_ids.tolist(), action.ahead,
-                action.sends_writes)
+                action.fetch_ids.tolist(), action.fetch_slots.tolist(), action.ahead, action.sends_writes)
+    if isinstance(action, SharedExchange):
+        return ("shared exchange", action.t, action.write_ids.tolist(), action.write_slots.tolist(),
+                action.fetch_ids.tolist(), action.fetch_slots.tolist(), action.fetcher.tolist(),
+                action.prefetch_ids.tolist())
     if isinstance(action, CopyOut):
         return ("copy", action.done.t, action.ids.tolist(), action.slots.tolist())
     return (type(action).__name__, getattr(action, "t", None))
@@ -528,7 +530,7 @@ def test_every_interleaving_with_write_backs_held_and_a_checkpoint(distance):
     exchanges = [a for a in ends[0].actions[0] if a[0] == "exchange"]
     early = distance > 1
     assert exchanges[0][4:6] == (([1, 2, 3], [0, 1, 2]) if early else ([1, 2], [0, 1])), "row 3 of 1 with 0's"
-    assert all(not x[9] for x in exchanges if x[1] in range(2 - early, distance + 2)), "nothing sent for 2 .. P + 1"
+    assert all(not x[7] for x in exchanges if x[1] in range(2 - early, distance + 2)), "nothing sent for 2 .. P + 1"
     assert [x[2] for x in exchanges if x[1] is None][0] == [1], "the flush sends row 1's write-back"
     assert [x[2:6] for x in exchanges if x[1] == distance + 2] == [([2], [1], [1], [1])]
 
@@ -571,7 +573,7 @@ def test_every_interleaving_of_two_trainers(gateway):
     states, ends = every_interleaving(lambda: System(plan, size=2, gateway=gateway, writers=writers))
     assert states > 1000
     assert len(ends) == 1 and ends[0].errors == [None, None], "the end depends on the timing"
-    refetch = [a for a in ends[0].actions[0] if a[0] == "exchange" and a[1] == distance + 1][0]
+    refetch = [a for a in ends[0].actions[0] if a[0] == "shared exchange" and a[1] == distance + 1][0]
     assert refetch[4] == [0, 1] and refetch[6] == ([0, 0] if gateway else [1, 1])  # their last writers fetch them
 
 
@@ -623,7 +625,7 @@ def test_random_plans_on_several_trainers(size, seed, holders):
         assert system.errors == [None] * size
         # The trainers agree on every exchange's prefetches and fetchers, split its writes, and each holds
         # the prefetched rows whose holders include it.
-        per_trainer = [[a for a in acts if a[0] == "exchange"] for acts in system.actions]
+        per_trainer = [[a for a in acts if a[0] == "shared exchange"] for acts in system.actions]
         for same in zip(*per_trainer, strict=True):
             assert len({(a[1], tuple(a[6]), tuple(a[7])) for a in same}) == 1
             written = [x for a in same for x in a[2]]
@@ -701,54 +703,54 @@ def test_the_actions_of_a_short_plan_in_order():
     early: the exchange for ``t + 1`` may go as soon as ``t - 1`` is computed.)"""
     steps = steps_of(([5, 6], [0, 1], [5]), ([7], [2], [6]), ([5], [0], [7, 5]))
     state = PrefetchState(3, 1, 8, 3)
-    assert state.step() == ReadPlan(0) and state.doing == "while preparing iteration 0"
+    assert state.next_action() == ReadPlan(0) and state.doing == "while preparing iteration 0"
     state.plan_read(steps[0])
-    x0 = state.step()
+    x0 = state.next_action()
     assert (x0.t, x0.write_ids.tolist(), x0.fetch_ids.tolist(), x0.fetch_slots.tolist()) == (0, [], [5, 6], [0, 1])
-    assert x0.step is steps[0] and x0.fetcher is None
+    assert x0.plan is steps[0] and isinstance(x0, Exchange)
     with pytest.raises(RuntimeError, match="still in flight"):
-        state.step()
+        state.next_action()
     state.exchanged(x0)
     assert state.slot_of[[5, 6]].tolist() == [0, 1] and state.owner.tolist() == [5, 6, -1]
-    assert state.step() == ReadPlan(1)
+    assert state.next_action() == ReadPlan(1)
     state.plan_read(steps[1])
-    x1 = state.step()
+    x1 = state.next_action()
     assert x1.t == 1 and not len(x1.write_ids)
     state.exchanged(x1)
-    assert state.step() == ReadPlan(2)
+    assert state.next_action() == ReadPlan(2)
     state.plan_read(steps[2])
     assert not state.idle()
-    assert state.step() == WaitForDone(0) and state.waiting and state.idle()
+    assert state.next_action() == WaitForDone(0) and state.waiting and state.idle()
     assert state.doing == "while preparing iteration 2"
     state.evictions_posted(Done(0, ids(5), ids(0), None))
     assert not state.idle()
     take = state.evictions_taken()
     assert (take.ids.tolist(), take.slots.tolist()) == ([5], [0]) and state.slot_of[5] == -1 and state.owner[0] == -1
-    x2 = state.step()  # row 5 goes home and comes back into the slot it left, in one exchange
+    x2 = state.next_action()  # row 5 goes home and comes back into the slot it left, in one exchange
     assert (x2.t, x2.write_ids.tolist(), x2.write_slots.tolist(), x2.fetch_ids.tolist()) == (2, [5], [0], [5])
     assert state.doing == "while writing back evictions and prefetching for iteration 2"
     state.exchanged(x2)
     assert state.draining()
-    assert state.step() == WaitForDone(1)
+    assert state.next_action() == WaitForDone(1)
     state.evictions_posted(Done(1, ids(6), ids(1), None))
     state.evictions_posted(Done(2, ids(5, 7), ids(0, 2), None))
     state.evictions_taken()
     assert state.doing == "while writing back the evictions of iteration 1"
-    x3 = state.step()
-    assert (x3.t, x3.step, x3.write_ids.tolist(), len(x3.fetch_ids)) == (None, None, [6], 0)
+    x3 = state.next_action()
+    assert (x3.t, x3.plan, x3.write_ids.tolist(), len(x3.fetch_ids)) == (None, None, [6], 0)
     state.exchanged(x3)
-    assert state.step() == WaitForDone(2) and not state.idle()  # iteration 2's evictions are posted already
+    assert state.next_action() == WaitForDone(2) and not state.idle()  # iteration 2's evictions are posted already
     state.evictions_taken()
-    x4 = state.step()
+    x4 = state.next_action()
     assert x4.write_ids.tolist() == [5, 7]
     state.exchanged(x4)
-    assert state.step() == Finished() and (state.slot_of < 0).all()
+    assert state.next_action() == Finished() and (state.slot_of < 0).all()
 
 
 def stepper(state: PrefetchState, steps: list[Step]) -> Callable[[], object]:
-    """``state.step()``, answering the plan reads from ``steps``."""
+    """``state.next_action()``, answering the plan reads from ``steps``."""
     def step():
-        while isinstance(action := state.step(), ReadPlan):
+        while isinstance(action := state.next_action(), ReadPlan):
             state.plan_read(steps[action.t])
         return action
     return step
@@ -848,18 +850,18 @@ def test_write_backs_wait_for_an_exchange_that_fetches_or_a_flush():
     assert not x2.sends_writes and not len(x2.write_ids) and [u[0].tolist() for u in state.unsent] == [[1]]
     assert step() == WaitForDone(1) and not state.idle()
     state.flush_requested()
-    flush = state.step()
+    flush = state.next_action()
     assert (flush.t, flush.write_ids.tolist(), len(flush.fetch_ids), flush.sends_writes) == (None, [1], 0, True)
     assert state.doing == "while writing back held evictions"
     state.exchanged(flush)
-    assert state.step() == WaitForDone(1) and state.idle() and not state.flush_wanted
+    assert state.next_action() == WaitForDone(1) and state.idle() and not state.flush_wanted
     state.evictions_posted(Done(1, ids(2), ids(1), None))
     state.evictions_taken()
-    x3 = state.step()
+    x3 = state.next_action()
     assert (x3.t, x3.write_ids.tolist(), x3.fetch_ids.tolist()) == (3, [2], [3])
     state.exchanged(x3)
     state.flush_requested()  # with nothing held, a flush only clears the request
-    assert state.step() == WaitForDone(2) and state.idle() and not state.flush_wanted
+    assert state.next_action() == WaitForDone(2) and state.idle() and not state.flush_wanted
 
 
 def test_evictions_are_taken_only_after_a_wait_and_exchanges_reported_once():
@@ -867,9 +869,9 @@ def test_evictions_are_taken_only_after_a_wait_and_exchanges_reported_once():
     state.evictions_posted(Done(0, EMPTY_IDS, EMPTY_IDS, None))
     with pytest.raises(RuntimeError, match="without a WaitForDone"):
         state.evictions_taken()
-    assert state.step() == ReadPlan(0)
+    assert state.next_action() == ReadPlan(0)
     state.plan_read(Step(0, ids(1), ids(0), EMPTY_IDS))
-    x = state.step()
+    x = state.next_action()
     state.exchanged(x)
     with pytest.raises(RuntimeError, match="did not issue"):
         state.exchanged(x)
@@ -881,12 +883,12 @@ def test_a_resumed_state_starts_from_its_cached_rows():
     assert state.slot_of.tolist() == [-1, -1, 1, -1, 2, -1] and state.owner.tolist() == [-1, 2, 4]
     read = []
     for _ in (3, 4, 5):
-        while isinstance(action := state.step(), ReadPlan):
+        while isinstance(action := state.next_action(), ReadPlan):
             read.append(action.t)
             state.plan_read(Step(action.t, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS))
         state.exchanged(action)  # 3 + 2 + 1 = 6 >= iterations: no eviction is waited for
     assert read == [3, 4, 5]
-    assert state.step() == WaitForDone(3)
+    assert state.next_action() == WaitForDone(3)
 
 
 def test_bad_plans_and_evictions_raise_plan_violations():
@@ -894,7 +896,7 @@ def test_bad_plans_and_evictions_raise_plan_violations():
         """Run ``steps`` (empty ones after them, for a look ahead) until all are done."""
         state = PrefetchState(iterations, distance, 8, 4)
         while state.t < len(steps):
-            action = state.step()
+            action = state.next_action()
             if isinstance(action, ReadPlan):
                 state.plan_read(steps[action.t] if action.t < len(steps) else Step(action.t, EMPTY_IDS, EMPTY_IDS,
                                                                                     EMPTY_IDS))
@@ -936,33 +938,33 @@ def test_who_fetches_and_who_writes(size):
     rows = np.arange(12, dtype=np.int64)
     for state in states:
         assert state.fetchers(rows).tolist() == (rows % size).tolist()
-        assert state.step() == ReadPlan(0)
+        assert state.next_action() == ReadPlan(0)
         state.plan_read(Step(0, ids(0, 1, 2, 3), ids(0, 1, 2, 3), ids(0, 1, 2, 3)))
-        x = state.step()
+        x = state.next_action()
         assert x.fetcher.tolist() == [0, 1, 2 % size, 3 % size]
         assert x.fetched_here.tolist() == [i for i in range(4) if i % size == state.rank]
         state.exchanged(x)
-        assert state.step() == ReadPlan(1)
+        assert state.next_action() == ReadPlan(1)
         state.plan_read(Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS))
-        state.exchanged(state.step())
-        assert state.step() == ReadPlan(2)
+        state.exchanged(state.next_action())
+        assert state.next_action() == ReadPlan(2)
         state.plan_read(Step(2, ids(2, 3, 4), ids(0, 1, 4), EMPTY_IDS))
-        assert state.step() == WaitForDone(0)
+        assert state.next_action() == WaitForDone(0)
         writers = np.array([size - 1, 0, 1, 1], dtype=np.int64)  # row 0's only user: the last trainer
         state.evictions_posted(Done(0, ids(0, 1, 2, 3), ids(0, 1, 2, 3), None, writers))
         take = state.evictions_taken()
         mine = writers == state.rank
         assert take.ids.tolist() == ids(0, 1, 2, 3)[mine].tolist() and take.slots.tolist() == take.ids.tolist()
         assert (state.slot_of[:4] < 0).all() and state.last_writer[:4].tolist() == writers.tolist()
-        x = state.step()
+        x = state.next_action()
         assert x.write_ids.tolist() == take.ids.tolist()
         assert x.fetcher.tolist() == [1, 1, 4 % size]  # rows 2 and 3 go to trainer 1, who wrote them
         assert state.fetchers(ids(0, 5)).tolist() == [size - 1, 5 % size]
     gateway = PartitionedPrefetchState(2, 1, 12, 6, size=size, rank=1, gateway=True)
     assert gateway.fetchers(rows).tolist() == [0] * 12
-    gateway.step()
+    gateway.next_action()
     gateway.plan_read(Step(0, ids(4, 5), ids(0, 1), EMPTY_IDS))
-    x = gateway.step()
+    x = gateway.next_action()
     assert x.fetcher.tolist() == [0, 0] and not len(x.fetched_here)
 
 
@@ -1012,7 +1014,7 @@ class FakeGroup:
     def __init__(self, rank: int, size: int, hub: dict) -> None:
         self.rank, self.size, self.hub = rank, size, hub
 
-    def exchange_rows(self, sends, counts, width, kind, *, prefetch=False, tag=0):
+    def send_rows(self, sends, counts, width, kind, *, prefetch=False, tag=0):
         assert kind == "prefetched rows" and prefetch
         for peer, rows in sends.items():
             if rows.shape[0]:
@@ -1041,7 +1043,7 @@ def expected_exchanges(plan: Plan, start: int, make_state=None, steps=None, writ
     steps = plan.steps if steps is None else steps
     calls = []
     flushed = set()
-    while not isinstance(action := state.step(), Finished):
+    while not isinstance(action := state.next_action(), Finished):
         if isinstance(action, ReadPlan):
             state.plan_read(steps[action.t])
         elif isinstance(action, WaitForDone) and action.t - 1 in set(checkpoints) - flushed:
@@ -1057,7 +1059,7 @@ def expected_exchanges(plan: Plan, start: int, make_state=None, steps=None, writ
             state.evictions_posted(done)
             state.evictions_taken()
         else:
-            here = action.fetch_ids if action.fetched_here is None else action.fetched_here
+            here = action.fetched_here if isinstance(action, SharedExchange) else action.fetch_ids
             if len(here) or len(action.write_ids):
                 calls.append((action.write_ids.tolist(), here.tolist()))
             state.exchanged(action)

@@ -95,9 +95,9 @@ def drive(store: RowStore, uses: list[np.ndarray], first: int, stop: int) -> lis
     """Iterations ``first .. stop-1`` (gather, update); the rows gathered."""
     seen = []
     for t in range(first, stop):
-        step = store.gather(t, BatchSplit.of(t, uses[t].reshape(-1, 1), 1, 0), EMPTY)
-        seen.append(step.rows.numpy().copy())
-        store.update(step, gradient(step.rows, t, store.spec), store.spec.lr)
+        gathered = store.gather(t, BatchSplit.of(t, uses[t].reshape(-1, 1), 1, 0), EMPTY)
+        seen.append(gathered.rows.numpy().copy())
+        store.update(gathered, gradient(gathered.rows, t, store.spec), store.spec.lr)
     return seen
 
 

@@ -1,4 +1,4 @@
-"""What W data-parallel trainers exchange, over torch.distributed (gloo).
+"""What W data-parallel trainers send each other, over torch.distributed (gloo).
 
 Gloo moves host memory: a trainer on a GPU hands its tensors here as they are, and this module copies them
 to the host before a collective (``.cpu()``, nothing for a tensor already there); what comes back is on the
@@ -18,8 +18,8 @@ order, a row's gradient is the same bits in every mode, on every trainer.
 
 Sizes. Gloo gathers equal-sized tensors; every caller here already knows how many rows each
 trainer contributes (the trainers share each iteration's slices and the plan), so
-:meth:`TrainerGroup.all_gather_rows` pads to the largest and cuts each part back without a size
-exchange, and :meth:`TrainerGroup.exchange_rows` sends each peer exactly the rows it expects. The
+:meth:`TrainerGroup.all_gather_rows` pads to the largest and cuts each part back without sending the
+sizes, and :meth:`TrainerGroup.send_rows` sends each peer exactly the rows it expects. The
 bytes a trainer sends to the others and receives from them are counted per kind of traffic.
 """
 
@@ -112,12 +112,12 @@ class TrainerGroup:
         pending = PendingGather(work, parts, list(counts))
         return pending if async_op else pending.wait()
 
-    def exchange_rows(self, sends: dict[int, torch.Tensor], counts: dict[int, int], width: int, kind: str, *,
-                      prefetch: bool = False, tag: int = 0) -> PendingExchange:
+    def send_rows(self, sends: dict[int, torch.Tensor], counts: dict[int, int], width: int, kind: str, *,
+                  prefetch: bool = False, tag: int = 0) -> PendingSends:
         """Point to point: ``sends[h]`` (rows ``[k, width]``) to trainer h, ``counts[u]`` rows from trainer u
-        (on the host), all at once; returns a :class:`PendingExchange` whose :meth:`~PendingExchange.wait`
+        (on the host), all at once; returns a :class:`PendingSends` whose :meth:`~PendingSends.wait`
         gives the rows received, by trainer. Both sides must agree on every count (a count of 0 sends nothing); ``tag``
-        keeps apart exchanges that may be in flight together on one process group."""
+        keeps apart sends that may be in flight together on one process group."""
         group = self.prefetch_group if prefetch else None
         works, received, keep = [], {}, []
         for peer in range(self.size):
@@ -132,15 +132,15 @@ class TrainerGroup:
                 keep.append(rows.cpu().contiguous())  # alive until the send completes
                 works.append(dist.isend(keep[-1], dst=peer, group=group, tag=tag))
                 self.bytes_sent[kind] += rows.numel() * rows.element_size()
-        return PendingExchange(works, received, keep)
+        return PendingSends(works, received, keep)
 
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
 
 
-class PendingExchange:
-    """A :meth:`TrainerGroup.exchange_rows` in flight."""
+class PendingSends:
+    """The sends and receives of a :meth:`TrainerGroup.send_rows` in flight."""
 
     def __init__(self, works: list, received: dict[int, torch.Tensor], keep: list[torch.Tensor]) -> None:
         self.works, self.received, self.keep = works, received, keep

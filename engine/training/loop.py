@@ -5,17 +5,17 @@ ids, :class:`~dlrmflow.engine.training.batch_split.BatchSplit`)::
 
     hooks        checkpoint before every N-th iteration; failure injection (trainer 0)
     rates      = the schedule's learning rates of t (dense optimizer here, row updates in the store)
-    step       = store.gather(t, split, next ids)            step.rows [U, width]: weights + optimizer state
-    weights    = step.rows[:, :dim] (a leaf);  embeddings = weights[split.inverse]
+    gathered   = store.gather(t, split, next ids)            gathered.rows [U, width]: weights + optimizer state
+    weights    = gathered.rows[:, :dim] (a leaf);  embeddings = weights[split.inverse]
     loss       = BCE(model(dense slice, embeddings)); backward
     dense grads: the trainers' mean, summed in rank order (one trainer: its own)
     dense optimizer step
-    store.update(step, grad of weights, row lr of t)          the row update: the mode's store
+    store.update(gathered, grad of weights, row lr of t)      the row update: the mode's store
 
 ``dim`` is the model's row width (``models.row_width``): every per-id parameter of the model is a
 weight of the id's row, so the model is the only part of a run that knows which model it is. The
 gradient of a row used several times in a slice is summed by ``index_select``'s backward, in the same
-order in every mode. An iteration's time is its step (gather .. update); reading the batch happens
+order in every mode. An iteration's time is from its gather to its update; reading the batch happens
 between steps and is the same work in every mode.
 
 A lost shard without parity (one trainer, checkpoints on) sends the loop back to the reloaded
@@ -79,19 +79,19 @@ def train_step(t: int, batch, split: BatchSplit, next_union: np.ndarray, model: 
     # whatever NumPy's buffer alignment was.
     dense = torch.tensor(batch.dense, device=device)
     labels = torch.tensor(batch.labels, device=device)
-    step = store.gather(t, split, next_union)
+    gathered = store.gather(t, split, next_union)
     start = time.perf_counter()
-    weights = step.rows[:, :dim].clone().requires_grad_(True)
+    weights = gathered.rows[:, :dim].clone().requires_grad_(True)
     embeddings = weights.index_select(0, torch.from_numpy(split.inverse).to(device))
     loss = bce_loss(model(dense, embeddings.view(rows, -1, dim)), labels)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    gathered = time.perf_counter()
+    backward_done = time.perf_counter()
     loss = group.average_dense_gradients(params, loss.detach())
-    clock["compute"] += gathered - start
-    clock["dense_sync"] += time.perf_counter() - gathered
+    clock["compute"] += backward_done - start
+    clock["dense_sync"] += time.perf_counter() - backward_done
     optimizer.step()
-    store.update(step, weights.grad, row_lr)
+    store.update(gathered, weights.grad, row_lr)
     return loss
 
 

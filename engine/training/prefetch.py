@@ -60,6 +60,7 @@ from dlrmflow.engine.training.prefetch_state import (
     PlanViolation,
     PrefetchState,
     ReadPlan,
+    SharedExchange,
     WaitForDone,
 )
 
@@ -223,12 +224,12 @@ class PrefetchWorker:
                 self._finished = True
                 self._cond.notify_all()
 
-    def _next_action(self) -> ReadPlan | CopyOut | Exchange | None:
+    def _next_action(self) -> ReadPlan | CopyOut | Exchange | SharedExchange | None:
         """The state's next action; a :class:`WaitForDone` is waited out here and answered with the evictions
         compute posted (a :class:`CopyOut`). None: stop, or nothing left to do."""
         with self._cond:
             while True:
-                action = self.state.step()
+                action = self.state.next_action()
                 if isinstance(action, Finished):
                     return None
                 if not isinstance(action, WaitForDone):
@@ -268,12 +269,8 @@ class PrefetchWorker:
                 with self._cond:
                     self.state.exchanged(action)
                     if action.t is not None:
-                        if action.ready_ids is not None:  # one trainer: every row of t, some fetched earlier
-                            ids, slots, fetched = action.ready_ids, action.ready_slots, len(action.ready_ids)
-                        else:
-                            ids, slots, fetched = action.fetch_ids, action.fetch_slots, len(action.fetched_here)
-                        self._ready[action.t] = Ready(action.step, event, ids, slots, action.fetch_holders,
-                                                      fetched * self.row_bytes)
+                        ids, slots, holders, fetched = action.handed_over()
+                        self._ready[action.t] = Ready(action.plan, event, ids, slots, holders, fetched * self.row_bytes)
                         self._cond.notify_all()
 
     def _copy_out(self, take: CopyOut) -> np.ndarray:
@@ -328,7 +325,7 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         return PartitionedPrefetchState(iterations, distance, total_rows, num_slots, size=self.group.size,
                                         rank=self.group.rank, gateway=self.gateway, start=start, cached=cached)
 
-    def _exchange(self, t: int | None, exchange: Exchange, write_rows: np.ndarray) -> torch.cuda.Event | None:
+    def _exchange(self, t: int | None, exchange: SharedExchange, write_rows: np.ndarray) -> torch.cuda.Event | None:
         """One round trip to the shards for this trainer's share, then the rows it fetched go to their
         other holders and the rows it holds come from their fetchers."""
         rank, width = self.group.rank, self.cache.shape[1]
@@ -337,14 +334,14 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         if len(here) or len(exchange.write_ids):
             self.home.exchange(exchange.write_ids, write_rows, here, out=fetched)
         event = None
-        if exchange.prefetch_ids is not None and len(exchange.prefetch_ids):
+        if len(exchange.prefetch_ids):
             fetcher, holders = exchange.fetcher, exchange.holders
             by_me = fetcher == rank
             mine = (holders >> rank) & 1 == 1
             sends = {h: torch.from_numpy(fetched[(holders[by_me] >> h) & 1 == 1])
                      for h in range(self.group.size) if h != rank}
             counts = {u: int(np.count_nonzero(mine & (fetcher == u))) for u in range(self.group.size) if u != rank}
-            parts = self.group.exchange_rows(sends, counts, width, "prefetched rows", prefetch=True).wait()
+            parts = self.group.send_rows(sends, counts, width, "prefetched rows", prefetch=True).wait()
             held = torch.empty((len(exchange.fetch_ids), width), dtype=torch.float32, pin_memory=self.cuda)
             values, held_fetcher = held.numpy(), fetcher[mine]
             values[held_fetcher == rank] = fetched[mine[by_me]]

@@ -7,8 +7,9 @@ the next exchange, which the shards apply before that exchange's fetches), the e
 posted and the worker has not taken yet, and the taken ones not yet sent. Events come in as named
 transitions (:meth:`~PrefetchState.plan_read`, :meth:`~PrefetchState.evictions_posted`,
 :meth:`~PrefetchState.evictions_taken`, :meth:`~PrefetchState.exchanged`); what the worker must do
-next comes out of :meth:`~PrefetchState.step` as an action (:class:`ReadPlan`, :class:`WaitForDone`,
-:class:`Exchange`, :class:`Finished`), and :meth:`~PrefetchState.evictions_taken` answers with the rows
+next comes out of :meth:`~PrefetchState.next_action` as an action (:class:`ReadPlan`,
+:class:`WaitForDone`, :class:`Exchange` or, for one of W trainers, :class:`SharedExchange`,
+:class:`Finished`), and :meth:`~PrefetchState.evictions_taken` answers with the rows
 to copy out of the cache (:class:`CopyOut`). No threads, no streams, no network: the driver
 (:class:`~dlrmflow.engine.training.prefetch.PrefetchWorker`) holds its lock around every call, moves
 the data and reports what it did. Attributes are read-only outside this class.
@@ -112,33 +113,57 @@ class CopyOut:
 
 @dataclass(frozen=True, eq=False)
 class Exchange:
-    """Action: one round trip per shard that writes ``write_ids`` home (the rows copied out for them, in
-    the order of the :class:`CopyOut` answers since the last exchange) and then fetches ``fetch_ids``
+    """Action (one trainer): one round trip per shard that writes ``write_ids`` home (the rows copied out for
+    them, in the order of the :class:`CopyOut` answers since the last exchange) and then fetches ``fetch_ids``
     into ``fetch_slots``; report :meth:`PrefetchState.exchanged` when the rows are in the cache.
 
-    ``t``: the iteration prepared (``step`` its plan step), None for a write-back after the last one or a
-    flush. One trainer: the last ``ahead`` of ``fetch_ids`` are rows of later iterations fetched early;
-    ``ready_ids``/``ready_slots`` are every row prefetched for ``t`` (some fetched by the exchange before);
-    ``sends_writes``: False when the exchange fetches nothing and its write-backs wait (``write_ids`` empty).
-    Several trainers: ``fetch_ids`` are the prefetched rows this trainer holds (``fetch_holders`` their
-    holders), ``prefetch_ids`` all of them, ``holders`` theirs (bit w: trainer w), ``fetcher`` the trainer
-    that fetches each from the shards and hands it to its holders, ``fetched_here`` those this trainer fetches."""
+    ``t``: the iteration prepared (``plan`` its plan step), None for a write-back after the last one or a
+    flush. The last ``ahead`` of ``fetch_ids`` are rows of later iterations fetched early; ``ready_ids`` /
+    ``ready_slots`` are every row prefetched for ``t`` (some fetched by the exchange before); ``sends_writes``:
+    False when the exchange fetches nothing and its write-backs wait (``write_ids`` empty)."""
 
     t: int | None
-    step: Any
+    plan: Any
     write_ids: np.ndarray
     write_slots: np.ndarray
     fetch_ids: np.ndarray
     fetch_slots: np.ndarray
-    fetcher: np.ndarray | None = None
-    fetched_here: np.ndarray | None = None
-    prefetch_ids: np.ndarray | None = None
-    holders: np.ndarray | None = None
-    fetch_holders: np.ndarray | None = None
     ahead: int = 0
     ready_ids: np.ndarray | None = None
     ready_slots: np.ndarray | None = None
     sends_writes: bool = True
+
+    def handed_over(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        """What compute gets for ``t``: every row prefetched for it, their slots, their holders (None: one
+        trainer) and how many of them this exchange fetched."""
+        return self.ready_ids, self.ready_slots, None, len(self.ready_ids)
+
+
+@dataclass(frozen=True, eq=False)
+class SharedExchange:
+    """Action (one of W trainers sharing a plan): a round trip per shard for this trainer's share, writing
+    ``write_ids`` home and fetching ``fetched_here``, then the rows handed between trainers: ``prefetch_ids``
+    are every row prefetched for ``t``, ``holders`` theirs (bit w: trainer w), ``fetcher`` the trainer that
+    fetches each from the shards and hands it to its holders; ``fetch_ids`` (into ``fetch_slots``) are those
+    this trainer holds, ``fetch_holders`` their holders. ``t``/``plan`` as :class:`Exchange`'s."""
+
+    t: int | None
+    plan: Any
+    write_ids: np.ndarray
+    write_slots: np.ndarray
+    fetch_ids: np.ndarray
+    fetch_slots: np.ndarray
+    fetcher: np.ndarray
+    fetched_here: np.ndarray
+    prefetch_ids: np.ndarray
+    holders: np.ndarray
+    fetch_holders: np.ndarray
+    sends_writes = True  # (never held: module docstring)
+
+    def handed_over(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        """What compute gets for ``t``: the rows this trainer holds, their slots and holders, and how many of
+        them it fetched from the shards itself."""
+        return self.fetch_ids, self.fetch_slots, self.fetch_holders, len(self.fetched_here)
 
 
 @dataclass(frozen=True)
@@ -146,7 +171,7 @@ class Finished:
     """Action: every iteration is prepared and every eviction written home; the worker ends."""
 
 
-Action = ReadPlan | WaitForDone | Exchange | Finished
+Action = ReadPlan | WaitForDone | Exchange | SharedExchange | Finished
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
@@ -193,8 +218,8 @@ class PrefetchState:
         self.flush_wanted = False  # send held write-backs at the next wait with nothing posted
         self.posted: deque[Done] = deque()  # posted by compute, not yet taken
         self.unsent: list[tuple[np.ndarray, np.ndarray]] = []  # taken (ids, slots), not yet in an exchange
-        self.waiting = False  # the last step was a WaitForDone, not yet answered by evictions_taken
-        self.in_flight: Exchange | None = None
+        self.waiting = False  # the last action was a WaitForDone, not yet answered by evictions_taken
+        self.in_flight: Exchange | SharedExchange | None = None
         self.doing = ""  # what the worker is doing, for an error message: "while ..."
 
     # ---- queries ------------------------------------------------------------------------------------
@@ -217,7 +242,7 @@ class PrefetchState:
         return self.t >= self.iterations
 
     # ---- events -------------------------------------------------------------------------------------
-    def step(self) -> Action:
+    def next_action(self) -> Action:
         """What the worker does next."""
         if self.in_flight is not None:
             raise RuntimeError(f"the exchange for iteration {self.in_flight.t} is still in flight")
@@ -239,7 +264,7 @@ class PrefetchState:
             return self._wait()
         return Finished()
 
-    def _wait(self) -> WaitForDone | Exchange:
+    def _wait(self) -> WaitForDone | Exchange | SharedExchange:
         """The next step needs evictions not taken yet: wait for them, unless a flush is wanted and nothing is
         posted (then the held write-backs go first)."""
         if self.flush_wanted and not self.posted:
@@ -296,7 +321,7 @@ class PrefetchState:
         self.unsent.append((write_ids, write_slots))
         return CopyOut(done, write_ids, write_slots)
 
-    def exchanged(self, exchange: Exchange) -> None:
+    def exchanged(self, exchange: Exchange | SharedExchange) -> None:
         """The round trip of ``exchange`` is done and its fetched rows are in their slots."""
         if exchange is not self.in_flight:
             raise RuntimeError("an exchange reported that the state did not issue (or twice)")
@@ -337,7 +362,7 @@ class PrefetchState:
     def _made_for_others(self) -> str:
         return "a plan made for other batches?"
 
-    def _issue(self, t: int | None, step: Any, ids: np.ndarray) -> Exchange:
+    def _issue(self, t: int | None, step: Any, ids: np.ndarray) -> Exchange | SharedExchange:
         """The exchange for ``t`` (None: write-backs only) that fetches ``ids`` (``t``'s rows not in place)."""
         # Sent when t has rows of its own to fetch (an exchange sent just for later rows would be one per
         # iteration again).
@@ -463,7 +488,7 @@ class PartitionedPrefetchState(PrefetchState):
     def _check_prefetch(self, t: int, ids: np.ndarray, slots: np.ndarray) -> None:
         """Only a held row has a copy here to check; the slots are this trainer's own (:meth:`_take_slots`)."""
 
-    def _exchange(self, t, step, write_ids, write_slots, ids, sends: bool) -> Exchange:
+    def _exchange(self, t, step, write_ids, write_slots, ids, sends: bool) -> SharedExchange:
         fetcher = self.fetchers(ids)
         holders = getattr(step, "holders", None)
         holders = np.full(len(ids), (1 << self.size) - 1, dtype=np.int64) if holders is None else \
@@ -474,5 +499,5 @@ class PartitionedPrefetchState(PrefetchState):
         if live.any():
             raise PlanViolation(f"iteration {t}: id {int(held[live][0])} is prefetched while its previous copy is "
                                 "still cached or not yet written back (a stale read)")
-        return Exchange(t, step, write_ids, write_slots, held, self._take_slots(t, len(held)), fetcher,
-                        ids[fetcher == self.rank], ids, holders, holders[mine])
+        return SharedExchange(t, step, write_ids, write_slots, held, self._take_slots(t, len(held)), fetcher,
+                              ids[fetcher == self.rank], ids, holders, holders[mine])

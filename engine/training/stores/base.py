@@ -78,7 +78,8 @@ class IterationRows:
     """One iteration's rows, from ``gather`` to ``update``: everything the store needs to take them back.
 
     ``rows``: this trainer's distinct ids' rows ``[U, width]`` (weights and optimizer state); ``slots``: the
-    cache slots they were read from (a cached mode); ``plan``: the iteration's plan (the oracle)."""
+    cache slots they were read from (a cached mode); ``plan``: the iteration's plan (the oracle);
+    ``batch_rows``: the rows of the whole batch's distinct ids (the trainer that fetches for all)."""
 
     t: int
     split: BatchSplit
@@ -86,6 +87,7 @@ class IterationRows:
     rows: torch.Tensor
     slots: torch.Tensor | None = None
     plan: Any = None
+    batch_rows: torch.Tensor | None = None
 
 
 def rule_at(spec: RowSpec, lr: float) -> RowSpec:
@@ -110,8 +112,8 @@ class RowStore:
         """This trainer's rows of iteration ``t`` (``split.mine``), a fresh ``[U, width]`` tensor."""
         raise NotImplementedError
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        """Apply ``step``'s gradients ``grad`` (of ``step.rows[:, :dim]``) at row learning rate ``lr`` and keep
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        """Apply ``gathered``'s gradients ``grad`` (of ``gathered.rows[:, :dim]``) at row learning rate ``lr`` and keep
         the rows."""
         raise NotImplementedError
 

@@ -23,9 +23,9 @@ class LocalRows(RowStore):
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         return IterationRows(t, split, next_union, self.home.gather(split.mine))
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        apply_update(rule_at(self.spec, lr), step.rows, grad)
-        self.home.scatter(step.split.mine, step.rows)
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), gathered.rows, grad)
+        self.home.scatter(gathered.split.mine, gathered.rows)
 
     def current_rows(self, ids: np.ndarray) -> torch.Tensor:
         """The table is always current."""

@@ -122,13 +122,13 @@ class LruRows(RowStore):
         return self.cache.peak
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
-        step, waited = self.lru.gather(t, split, next_union)
+        gathered, waited = self.lru.gather(t, split, next_union)
         self.stall_seconds += waited
-        return step
+        return gathered
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        apply_update(rule_at(self.spec, lr), step.rows, grad)
-        self.cache.rows.index_copy_(0, step.slots, step.rows)
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), gathered.rows, grad)
+        self.cache.rows.index_copy_(0, gathered.slots, gathered.rows)
 
     def finish(self) -> None:
         self.cache.write_back(self.cache.directory.cached_ids())
@@ -170,12 +170,12 @@ class LruRowsW(RowStore):
         return self.cache.peak
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
-        step, waited = self.lru.gather(t, split, next_union)
+        gathered, waited = self.lru.gather(t, split, next_union)
         self.stall_seconds += waited
-        return step
+        return gathered
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        split = step.split
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        split = gathered.split
         start = time.perf_counter()
         ids, parts = gather_gradients(self.group, split, np.ones(len(split.union), dtype=bool), grad,
                                       "row gradients")

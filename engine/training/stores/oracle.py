@@ -11,12 +11,12 @@ holds only the rows it is a holder of, in slots of its own cache (as large as th
   (``id % W`` before any write; with parity trainer 0), and handed point to point to its other holders, so
   server reads do not grow with W. A trainer's write and its own later fetch of the row go to the same
   server in order, so no fetch can overtake the write it must see, whatever the other trainers' timing.
-- Gradients, after the step at ``t``: a row's users send their gradients of it to its holders (a row
+- Gradients, after backward at ``t``: a row's users send their gradients of it to its holders (a row
   with one holder is never synced); a row evicted after ``t`` only to its writer, its lowest user at
   ``t`` (with parity trainer 0), which updates it and writes it home; the other copies are dropped.
   Each recipient sums them in rank order. In classes named after Bagpipe's (whose rules differ:
   docs/trainers.md, "Bagpipe's rules beside ours"): ``sync_now``, rows used at ``t + 1`` or evicted after
-  ``t``, are exchanged before ``t + 1`` starts; ``sync_later``, the others, while ``t + 1`` computes, and
+  ``t``, are sent before ``t + 1`` starts; ``sync_later``, the others, while ``t + 1`` computes, and
   applied at its end. A read of a row whose gradient is still in flight is refused
   (:class:`~dlrmflow.engine.training.prefetch.PlanViolation`), never served stale.
 """
@@ -35,7 +35,7 @@ from dlrmflow.engine.planning.holders import LifetimeHolders, load_lifetime_hold
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
-from dlrmflow.engine.training.collectives import PendingExchange, TrainerGroup, sum_over_users
+from dlrmflow.engine.training.collectives import PendingSends, TrainerGroup, sum_over_users
 from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
 from dlrmflow.engine.training.prefetch_state import HeldStep
 from dlrmflow.engine.training.run_setup import RunSetup
@@ -211,16 +211,16 @@ class OracleRows(RowStore):
         return IterationRows(t, split, next_union, self.cache.rows.index_select(0, slots), slots=slots,
                              plan=ready.plan)
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        apply_update(rule_at(self.spec, lr), step.rows, grad)
-        self.cache.rows.index_copy_(0, step.slots, step.rows)
-        evict_ids = np.asarray(step.plan.evict_ids, dtype=np.int64)
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), gathered.rows, grad)
+        self.cache.rows.index_copy_(0, gathered.slots, gathered.rows)
+        evict_ids = np.asarray(gathered.plan.evict_ids, dtype=np.int64)
         evict_slots = self.cache.directory.slot_of[evict_ids]
         if (evict_slots < 0).any():
-            raise PlanViolation(f"iteration {step.t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
+            raise PlanViolation(f"iteration {gathered.t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
                                 "which is not cached")
         self.cache.directory.remove(evict_ids)
-        self.plan_cache.post_evictions(Done(step.t, evict_ids, evict_slots, compute_done(self.device)))
+        self.plan_cache.post_evictions(Done(gathered.t, evict_ids, evict_slots, compute_done(self.device)))
 
     def finish(self) -> None:
         self.plan_cache.join()
@@ -270,7 +270,7 @@ class LrppRows(RowStore):
         self.cache = SlotCache(spec, device, self.home, num_slots)
         self.slot_holders = np.zeros(num_slots, dtype=np.int64)  # per slot of this cache: its row's holders
         self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
-        self._later: tuple[int, np.ndarray, list, PendingExchange] | None = None
+        self._later: tuple[int, np.ndarray, list, PendingSends] | None = None
         self.plan_cache = PlanCache(self.cache, self._make_worker, self._cached_at)
         self.plan_cache.restart(start, rows)
 
@@ -346,11 +346,11 @@ class LrppRows(RowStore):
         self._later = None
 
     def _send_gradients(self, split: BatchSplit, recipients: np.ndarray, rows: np.ndarray, grad: torch.Tensor,
-                        kind: str, tag: int) -> tuple[np.ndarray, list, PendingExchange]:
+                        kind: str, tag: int) -> tuple[np.ndarray, list, PendingSends]:
         """Start sending each row of ``rows`` (a mask over the union) this trainer used its gradient, to the
         row's ``recipients`` (masks) but itself, and receiving the others' gradients of the rows it is a
         recipient of. Returns those rows' ids (its updates), the parts in rank order (the others' still to come
-        from the exchange) and the exchange."""
+        from the sends) and the sends in flight."""
         rank, users, union = split.rank, split.users, split.union
         mine = users[rank] & rows
         position = np.cumsum(users[rank]) - 1  # union index -> row of grad (this trainer's sorted ids)
@@ -368,13 +368,13 @@ class LrppRows(RowStore):
             else:
                 parts.append((part, None))
                 counts[w] = len(part)
-        pending = self.group.exchange_rows(sends, counts, grad.shape[1], kind, tag=tag)
+        pending = self.group.send_rows(sends, counts, grad.shape[1], kind, tag=tag)
         return union[here], parts, pending
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        t, split = step.t, step.split
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        t, split = gathered.t, gathered.split
         union = split.union
-        evict = np.asarray(step.plan.evict_ids, dtype=np.int64)
+        evict = np.asarray(gathered.plan.evict_ids, dtype=np.int64)
         evicted = np.isin(union, evict, assume_unique=True)
         if np.count_nonzero(evicted) != len(evict):
             raise PlanViolation(f"iteration {t}: the plan evicts a row the batch does not use")
@@ -388,9 +388,9 @@ class LrppRows(RowStore):
         recipients = np.zeros(len(union), dtype=np.int64)
         recipients[held] = self.slot_holders[slot[held]]
         recipients[evicted] = np.int64(1) << writer[evicted]
-        now = evicted | np.isin(union, step.next_union, assume_unique=True)
+        now = evicted | np.isin(union, gathered.next_union, assume_unique=True)
 
-        grad = grad.cpu()  # the exchanges and the rank-order sums are on the host (collectives.py)
+        grad = grad.cpu()  # the sends and the rank-order sums are on the host (collectives.py)
         start = time.perf_counter()
         ids, parts, pending = self._send_gradients(split, recipients, now, grad, "sync_now", tag=1)
         parts = _with_received(parts, pending.wait())

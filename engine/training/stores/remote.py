@@ -39,10 +39,10 @@ class RemoteRows(RowStore):
         self.stall_seconds += time.perf_counter() - start
         return IterationRows(t, split, next_union, block)
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        apply_update(rule_at(self.spec, lr), step.rows, grad)
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        apply_update(rule_at(self.spec, lr), gathered.rows, grad)
         start = time.perf_counter()
-        self._pending_ids, self._pending_rows = step.split.mine, step.rows.cpu().numpy()
+        self._pending_ids, self._pending_rows = gathered.split.mine, gathered.rows.cpu().numpy()
         self.stall_seconds += time.perf_counter() - start
 
     def finish(self) -> None:
@@ -67,7 +67,7 @@ class RemoteRowsW(RowStore):
     """The W-trainer reference: fetch the slice's rows, write each updated row home once, barrier.
 
     ``gateway`` (a run with parity, whose coded group has one client): trainer 0 alone talks to the
-    servers. It fetches the rows of the whole batch and hands each trainer its own; after the step it
+    servers. It fetches the rows of the whole batch and hands each trainer its own; after backward it
     updates and writes every row of the batch (it has every trainer's gradients). The other trainers
     update nothing: their rows are fetched again next time. Its servers hold every row's value after each
     iteration: nothing it keeps is newer, so the checkpoint view and reads are the servers'; a resumed
@@ -80,7 +80,6 @@ class RemoteRowsW(RowStore):
         self.through = WriteThrough(group, self.home)
         self.stall_seconds = 0.0
         self._gradient_sync = 0.0  # seconds in the row gradients' gather
-        self._batch_rows: torch.Tensor | None = None  # gateway, trainer 0: the whole batch's rows
 
     @property
     def sync_seconds(self) -> float:
@@ -88,6 +87,7 @@ class RemoteRowsW(RowStore):
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
         start = time.perf_counter()
+        batch_rows = None
         if not self.gateway:
             block = self.home.fetch(split.mine, self.device)
         else:
@@ -95,25 +95,25 @@ class RemoteRowsW(RowStore):
             rows = self.home.fetch(split.union, self.device) if lead else torch.zeros((0, self.spec.width))
             counts = [len(split.union)] + [0] * (split.size - 1)
             rows = self.group.all_gather_rows(rows, counts, "fetched rows")[0]
-            self._batch_rows = rows if lead else None
+            batch_rows = rows if lead else None
             block = rows[torch.from_numpy(split.where[split.rank])]
         self.stall_seconds += time.perf_counter() - start
-        return IterationRows(t, split, next_union, block.to(self.device))
+        return IterationRows(t, split, next_union, block.to(self.device), batch_rows=batch_rows)
 
-    def update(self, step: IterationRows, grad: torch.Tensor, lr: float) -> None:
-        split = step.split
+    def update(self, gathered: IterationRows, grad: torch.Tensor, lr: float) -> None:
+        split = gathered.split
         start = time.perf_counter()
         ids, parts = gather_gradients(self.group, split, np.ones(len(split.union), dtype=bool), grad,
                                       "row gradients")
         self._gradient_sync += time.perf_counter() - start
         if self.gateway:
             if self.group.rank == 0:  # every row of the batch, by its one writer
-                write, rows = split.union, self._batch_rows
+                write, rows = split.union, gathered.batch_rows
             else:
                 return
         else:
             write = split.union[split.first_user() == split.rank]
-            rows = step.rows[torch.from_numpy(np.searchsorted(split.mine, write))]
+            rows = gathered.rows[torch.from_numpy(np.searchsorted(split.mine, write))]
         apply_update_rowwise(rule_at(self.spec, lr), rows,
                              sum_over_users(write, list(zip(ids, parts, strict=True)), split.size))
         if self.gateway:  # one writer, which also makes every fetch: its calls are in order, no barrier needed
