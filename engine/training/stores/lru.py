@@ -51,7 +51,7 @@ class LruCache:
                 f"iteration {t} uses {len(ids)} distinct rows but the LRU cache holds only {self.capacity}"
             )
         directory = self.cache.directory
-        slots = directory.slot_of[ids]
+        slots = directory.lookup(ids)
         hit = slots >= 0
         self.last_used[slots[hit]] = t
         miss_ids = ids[~hit]
@@ -71,7 +71,7 @@ class LruCache:
             directory.remove(victim_ids)
             directory.place(miss_ids, new_slots)
             self.last_used[new_slots] = t
-            slots = directory.slot_of[ids]
+            slots = directory.lookup(ids)
         return slots
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> tuple[IterationRows, float]:
@@ -181,8 +181,8 @@ class LruRowsW(RowStore):
                                       "row gradients")
         self._gradient_sync += time.perf_counter() - start
         directory = self.cache.directory
-        held = split.union[directory.slot_of[split.union] >= 0]  # every row here that some trainer used at t
-        slots = self.cache.index(directory.slot_of[held])
+        held = split.union[directory.lookup(split.union) >= 0]  # every row here that some trainer used at t
+        slots = self.cache.index(directory.lookup(held))
         rows = self.cache.rows.index_select(0, slots)
         apply_update_rowwise(rule_at(self.spec, lr), rows,
                              sum_over_users(held, list(zip(ids, parts, strict=True)), split.size))

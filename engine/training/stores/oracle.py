@@ -69,7 +69,7 @@ def replay_plan(plan, t: int, directory: SlotDirectory) -> tuple[np.ndarray, np.
         directory.place(np.asarray(step.prefetch_ids, dtype=np.int64), np.asarray(step.prefetch_slots, dtype=np.int64))
         directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
     ids = directory.cached_ids()
-    return ids, directory.slot_of[ids]
+    return ids, directory.lookup(ids)
 
 
 class PlanCache:
@@ -215,7 +215,7 @@ class OracleRows(RowStore):
         apply_update(rule_at(self.spec, lr), gathered.rows, grad)
         self.cache.rows.index_copy_(0, gathered.slots, gathered.rows)
         evict_ids = np.asarray(gathered.plan.evict_ids, dtype=np.int64)
-        evict_slots = self.cache.directory.slot_of[evict_ids]
+        evict_slots = self.cache.directory.lookup(evict_ids)
         if (evict_slots < 0).any():
             raise PlanViolation(f"iteration {gathered.t}: the plan evicts id {int(evict_ids[evict_slots < 0][0])}, "
                                 "which is not cached")
@@ -328,7 +328,7 @@ class LrppRows(RowStore):
         later)."""
         if not len(ids):
             return
-        slots = self.cache.index(self.cache.directory.slot_of[ids])
+        slots = self.cache.index(self.cache.directory.lookup(ids))
         rows = self.cache.rows.index_select(0, slots)
         apply_update_rowwise(rule_at(self.spec, lr), rows, sum_over_users(ids, parts, size))
         self.cache.rows.index_copy_(0, slots, rows)
@@ -383,7 +383,7 @@ class LrppRows(RowStore):
         # neither holds nor writes is none of its business (its bits here stay 0).
         directory = self.cache.directory
         writer = np.zeros(len(union), dtype=np.int64) if self.gateway else split.first_user()
-        slot = directory.slot_of[union]
+        slot = directory.lookup(union)
         held = slot >= 0
         recipients = np.zeros(len(union), dtype=np.int64)
         recipients[held] = self.slot_holders[slot[held]]
@@ -402,7 +402,7 @@ class LrppRows(RowStore):
         self.in_flight[ids] = True
 
         gone = evict[held[evicted]]  # the evicted rows this trainer holds
-        gone_slots = directory.slot_of[gone]
+        gone_slots = directory.lookup(gone)
         directory.remove(gone)
         self.plan_cache.post_evictions(Done(t, gone, gone_slots, compute_done(self.device), writer[evicted], evict))
 
@@ -412,7 +412,7 @@ class LrppRows(RowStore):
         self.plan_cache.join()
         directory = self.cache.directory
         ids = directory.cached_ids()
-        slots = directory.slot_of[ids]
+        slots = directory.lookup(ids)
         share = lowest_trainer(self.slot_holders[slots]) == self.group.rank
         self.cache.exchange(ids[share], slots[share], EMPTY_IDS, EMPTY_IDS)
         directory.remove(ids)

@@ -15,23 +15,28 @@ from dlrmflow.engine.training.stores.homes import ShardHome
 
 
 class SlotDirectory:
-    """Which global id sits in which cache slot (both directions), as dense arrays."""
+    """Which global id sits in which cache slot (both directions). Readers ask :meth:`lookup` (id -> slot) and
+    ``owner`` (slot -> id, -1: free); only :meth:`place` and :meth:`remove` change them."""
 
     def __init__(self, total_rows: int, num_slots: int) -> None:
-        self.slot_of = np.full(total_rows, -1, dtype=np.int64)
+        self._slot_of = np.full(total_rows, -1, dtype=np.int64)
         self.owner = np.full(num_slots, -1, dtype=np.int64)
         self.held = self.peak = 0  # rows cached now, and the most at once (counted as they come and go)
 
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each of ``ids`` (-1: not cached), a fresh array."""
+        return self._slot_of[ids]
+
     def place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        self.held += int(np.count_nonzero(self.slot_of[ids] < 0))
+        self.held += int(np.count_nonzero(self._slot_of[ids] < 0))
         self.peak = max(self.peak, self.held)
-        self.slot_of[ids] = slots
+        self._slot_of[ids] = slots
         self.owner[slots] = ids
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
-        slots = self.slot_of[ids]
+        slots = self._slot_of[ids]
         self.held -= int(np.count_nonzero(slots >= 0))
-        self.slot_of[ids] = -1
+        self._slot_of[ids] = -1
         self.owner[slots] = -1
         return slots
 
@@ -60,7 +65,7 @@ class SlotCache:
 
     def slots_of(self, t: int, ids: np.ndarray) -> np.ndarray:
         """The slots of ``ids``, every one of which must be cached."""
-        slots = self.directory.slot_of[ids]
+        slots = self.directory.lookup(ids)
         if (slots < 0).any():
             missing = ids[slots < 0]
             raise RuntimeError(
@@ -92,13 +97,13 @@ class SlotCache:
 
     def write_back(self, ids: np.ndarray) -> None:
         """Send the cached rows of ``ids`` home and remove them from the cache."""
-        self.exchange(ids, self.directory.slot_of[ids], ids[:0], ids[:0])
+        self.exchange(ids, self.directory.lookup(ids), ids[:0], ids[:0])
         self.directory.remove(ids)
 
     def held(self) -> tuple[np.ndarray, np.ndarray]:
         """Every cached id (sorted) and its row (a cached row is at least as new as its shard's)."""
         ids = self.directory.cached_ids()
-        return ids, self.in_slots(self.directory.slot_of[ids])
+        return ids, self.in_slots(self.directory.lookup(ids))
 
     def empty(self) -> None:
         """No row cached: a fresh directory and zeroed rows."""
