@@ -56,8 +56,8 @@ class DatasetMeta:
     fingerprint: str
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
-    # Its files per table and the dataset whose ids it kept (datasets/vocabulary.py); None: made by a dlrmflow
-    # that kept no vocabulary.
+    # Its files per table and the dataset whose ids it kept (datasets/vocabulary.py); None: written from arrays
+    # (datasets/writer.py), which keeps no vocabulary.
     vocabulary: dict[str, Any] | None = None
 
     @property

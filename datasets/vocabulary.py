@@ -146,8 +146,8 @@ def load_parent(directory: str | os.PathLike, *, source_format: str, max_rows_pe
     except DatasetError as exc:
         raise DatasetError(f"{where}: {exc}") from None
     if meta.vocabulary is None:
-        raise DatasetError(f"{where} keeps no vocabulary (it was preprocessed by an older dlrmflow): preprocess "
-                           "its inputs again to use it as a vocabulary")
+        raise DatasetError(f"{where} keeps no vocabulary (it was written from arrays, not by `dlrmflow "
+                           "preprocess`): only a preprocessed dataset serves as a vocabulary")
     if meta.source_format != source_format:
         raise DatasetError(f"{where} was preprocessed as --format {meta.source_format!r}, this run is "
                            f"--format {source_format!r}")

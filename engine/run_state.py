@@ -30,8 +30,8 @@ On disk (a run writes it; no process ever holds every row)::
 
 The shards write into ``final_state.<token>.tmp/``, the run renames it into place when it records
 the summary (:func:`commit_state_dir`). :func:`load_state`, :func:`load_dense`, :func:`state_rows` and
-:func:`state_sha256` read that directory. :func:`save_state` writes a state held whole (tests) as one file,
-``RUN_DIR/final_state.pt`` (the dict itself), which ``dlrmflow verify`` reads with its ``parity_shards.pt``.
+:func:`state_sha256` read that directory; :func:`save_sharded_state` writes a state held whole (tests) in
+the same layout.
 
 The state hash is SHA-256 over, in this order: every dense parameter (sorted by name), every
 dense-optimizer state entry (by parameter index, then key, sorted), then the embedding rows;
@@ -60,11 +60,9 @@ from dlrmflow.engine.row_files import ROW_CHUNK, ShardedRows, file_sha256, shard
 
 FORMAT_VERSION = 1  # the state dict's layout
 STATE_DIR_FORMAT_VERSION = 2  # final_state/ (manifest.json + dense.pt + one rows file per shard)
-STATE_FILE = "final_state.pt"  # a state held whole, in one file (save_state)
 STATE_DIR = "final_state"
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.pt"
-PARITY_FILE = "parity_shards.pt"  # parity shards held whole, next to STATE_FILE (a run writes parity-<p>.npy)
 SUMMARY_FILE = "summary.json"
 ITERATIONS_FILE = "iterations.csv"
 ROWS_ENTRY = "embedding/rows"
@@ -222,15 +220,13 @@ def write_manifest(staged: str | os.PathLike, *, state_sha256: str, total_rows: 
 
 
 def commit_state_dir(run_dir: str | os.PathLike, staged: str | os.PathLike) -> Path:
-    """Rename a staged state directory to ``RUN_DIR/final_state`` (replacing the one there); remove a
-    single-file state (final_state.pt, parity_shards.pt) and other staged directories left behind."""
+    """Rename a staged state directory to ``RUN_DIR/final_state`` (replacing the one there); remove other
+    staged directories left behind."""
     run_dir = Path(run_dir)
     target = run_dir / STATE_DIR
     if target.exists():
         shutil.rmtree(target)
     os.replace(staged, target)
-    for name in (STATE_FILE, PARITY_FILE):
-        (run_dir / name).unlink(missing_ok=True)
     for left in run_dir.glob(f"{STATE_DIR}.*.tmp"):
         shutil.rmtree(left, ignore_errors=True)
     return target
@@ -247,17 +243,6 @@ def save_sharded_state(run_dir: str | os.PathLike, state: dict[str, Any], num_sh
     write_manifest(staged, state_sha256=state_hash(state), total_rows=rows.shape[0], width=rows.shape[1],
                    shards=shards, dense=write_dense(staged, state))
     return commit_state_dir(run_dir, staged)
-
-
-def save_state(run_dir: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` as one file, ``RUN_DIR/final_state.pt``, in place of a final_state/ directory (a
-    state held whole: tests of ``dlrmflow verify``)."""
-    path = Path(run_dir) / STATE_FILE
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    shutil.rmtree(Path(run_dir) / STATE_DIR, ignore_errors=True)
-    return path
 
 
 def _state_dir(path: Path) -> Path | None:

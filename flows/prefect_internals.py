@@ -90,7 +90,7 @@ def prepare_temporary_api(timeout_s: float) -> None:
     """Make the temporary local API that Prefect starts on its first API call without ``PREFECT_API_URL``
     wait up to ``timeout_s`` for the server, end the server with this process, and fail in one line.
 
-    Starts nothing: the server starts when Prefect first needs it, as before, so a command that fails
+    Starts nothing: the server starts when Prefect first needs it, so a command that fails
     on its input first costs no server. Once started it runs under :mod:`dlrmflow.exit_with_parent`,
     which ends it when this process is gone (Prefect stops it only from an ``atexit`` hook, which a
     killed process never runs). A server that does not answer in time is stopped, and
@@ -157,7 +157,7 @@ def prepare_temporary_api(timeout_s: float) -> None:
 def start_temporary_api_now() -> None:
     """Start the temporary local API (prepared by :func:`prepare_temporary_api`) in a thread, now: its
     seconds of start-up overlap the command's own imports and set-up instead of following them. A start
-    that fails fails where Prefect first asks for the API (one line, as before).
+    that fails fails where Prefect first asks for the API (one line, as :func:`prepare_temporary_api` makes it).
 
     Relies on: the same ``SubprocessASGIServer`` singleton as :func:`prepare_temporary_api`, whose
     ``start`` that function made safe to call from two threads."""

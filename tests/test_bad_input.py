@@ -31,11 +31,11 @@ from dlrmflow.cli import main
 from dlrmflow.datasets.formats import FORMATS, parse_block
 from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.engine.coding.erasure import ErasureCode
-from dlrmflow.engine.coding.verify import PARITY_FILE, save_parity, verify_run_dir
+from dlrmflow.engine.coding.verify import verify_run_dir
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.row_files import parity_file, write_rows_file
 from dlrmflow.engine.run_lock import OutputLockedError, lock_path, output_lock
-from dlrmflow.engine.run_state import MANIFEST_FILE, STATE_DIR, save_sharded_state, save_state
+from dlrmflow.engine.run_state import MANIFEST_FILE, STATE_DIR, save_sharded_state
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.job import prepare_run, train
 from dlrmflow.engine.training.run_directory_checks import refuse_to_overwrite
@@ -223,10 +223,11 @@ def test_summaries_say_what_they_measure():
                            "prefetch_distance": 1, "num_slots": 1, "seconds": 0.02, "dask_workers": 1,
                            "ids_per_second": 32_000.0, "iterations_per_second": 200.0, "output": "p"})
     assert "32.0 k ids/s, 200 iterations/s" in text
-    summary = {"mode": "local", "iterations": 12, "batch_size": 16, "device": "cpu", "mean_iteration_ms": 1.0,
-               "median_iteration_ms": 1.0, "stall_fraction": 0.0, "bytes_fetched": 0, "bytes_written_back": 0,
-               "first_train_loss": 0.7, "final_train_loss_mean": 0.6, "metrics_every": 50, "eval_rows": 10,
-               "eval_auc": None, "eval_log_loss": None, "state_sha256": "0", "output_dir": "run"}
+    summary = {"mode": "local", "model": "dlrm", "iterations": 12, "batch_size": 16, "device": "cpu",
+               "mean_iteration_ms": 1.0, "median_iteration_ms": 1.0, "stall_fraction": 0.0, "bytes_fetched": 0,
+               "bytes_written_back": 0, "first_train_loss": 0.7, "final_train_loss_mean": 0.6, "metrics_every": 50,
+               "eval_rows": 10, "eval_auc": None, "eval_log_loss": None, "evaluations": [], "state_sha256": "0",
+               "startup_seconds": None, "finish_seconds": 0.5, "finish": {"flush": 0.5}, "output_dir": "run"}
     assert "(mean of the last 12)" in train_command.summarize(summary)
 
 
@@ -253,32 +254,6 @@ def test_the_cli_refuses_a_foreign_output_in_one_line(prefect_harness, tmp_path,
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
-def _parity_run_dir(path: Path) -> Path:
-    """A run directory as `dlrmflow train --parity 1` left it before the servers wrote their own files:
-    final rows (final_state.pt) and their parity (parity_shards.pt), K = 2."""
-    path.mkdir()
-    rows = np.random.default_rng(0).standard_normal((20, 5)).astype(np.float32)
-    save_state(path, {"embedding": {"rows": torch.from_numpy(rows)}})
-    code = ErasureCode(2, 1)
-    save_parity(path, code, code.encode([np.ascontiguousarray(rows[i::2]) for i in range(2)]))
-    return path
-
-
-def test_verify_exits_1_on_a_flipped_parity_bit(prefect_harness, tmp_path, capsys):
-    run_dir = _parity_run_dir(tmp_path / "run")
-    assert main(["verify", str(run_dir)]) == 0
-    saved = torch.load(run_dir / PARITY_FILE, weights_only=True)
-    saved["parity"][0].view(torch.int32)[3, 1] ^= 1 << 7
-    torch.save(saved, run_dir / PARITY_FILE)
-    assert not verify_run_dir(run_dir)["ok"]
-    capsys.readouterr()
-    assert main(["verify", str(run_dir)]) == 1
-    captured = capsys.readouterr()
-    assert "MISMATCH" in captured.out
-    assert captured.err.strip().splitlines()[-1] == (f"dlrmflow verify: parity of {run_dir} does not match its "
-                                                     "data (1 mismatched stripes)")
-
-
 def _sharded_parity_run_dir(path: Path) -> Path:
     """A run directory as `dlrmflow train --parity 1` leaves it: final_state/ with K = 2 shard files and
     the parity file, listed in its manifest."""
@@ -293,6 +268,22 @@ def _sharded_parity_run_dir(path: Path) -> Path:
     manifest["parity"] = {"k": 2, "r": 1, "files": [entry]}
     (path / STATE_DIR / MANIFEST_FILE).write_text(json.dumps(manifest))
     return path
+
+
+def test_verify_exits_1_on_a_flipped_parity_bit(prefect_harness, tmp_path, capsys):
+    run_dir = _sharded_parity_run_dir(tmp_path / "run")
+    assert main(["verify", str(run_dir)]) == 0
+    parity = np.load(run_dir / STATE_DIR / parity_file(0), mmap_mode="r+")
+    parity.view(np.int32)[3, 1] ^= 1 << 7
+    parity.flush()
+    del parity
+    assert not verify_run_dir(run_dir)["ok"]
+    capsys.readouterr()
+    assert main(["verify", str(run_dir)]) == 1
+    captured = capsys.readouterr()
+    assert "MISMATCH" in captured.out
+    assert captured.err.strip().splitlines()[-1] == (f"dlrmflow verify: parity of {run_dir} does not match its "
+                                                     "data (1 mismatched stripes)")
 
 
 def test_verify_names_a_file_that_differs_from_its_manifest(prefect_harness, tmp_path, capsys):

@@ -20,10 +20,10 @@ from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
 from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.coding.members import CodedShard, ParityShard
 from dlrmflow.engine.coding.start import place_members, start_coded_shards
-from dlrmflow.engine.coding.verify import PARITY_FILE, save_parity, verify_run_dir
+from dlrmflow.engine.coding.verify import verify_run_dir
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.row_files import chunk_stripes
-from dlrmflow.engine.run_state import STATE_DIR, load_state, read_manifest, read_summary, save_state
+from dlrmflow.engine.run_state import STATE_DIR, load_state, read_summary
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
@@ -512,17 +512,6 @@ def test_verify_run_dir_finds_a_flipped_bit(client, tmp_path):
     stripes, per = result["stripes"], chunk_stripes(3, 8)  # K + R = 3 members: a report after each chunk
     assert reported == [(min(done, stripes), stripes) for done in range(per, stripes + per, per)]
     assert result["state_sha256"] == read_summary(run_dir)["state_sha256"]
-    # The old format of the same run (one final_state.pt, parity_shards.pt) verifies too.
-    old = tmp_path / "old"
-    old.mkdir()
-    state = load_state(run_dir)
-    save_state(old, state)
-    manifest = read_manifest(run_dir)
-    parity = [np.load(run_dir / STATE_DIR / f["file"]) for f in manifest["parity"]["files"]]
-    save_parity(old, ErasureCode(2, 1), parity)
-    reported.clear()
-    assert verify_run_dir(old, chunk=8, progress=lambda done, total: reported.append((done, total)))["ok"]
-    assert reported[-1] == (stripes, stripes) and len(reported) == len(range(0, stripes, per))
     # One bit of row 11 = stripe 5 of data shard 1, flipped in the file shard 1's worker wrote.
     shard = np.load(run_dir / STATE_DIR / "shard-1.npy", mmap_mode="r+")
     shard.view(np.int32)[5, 0] ^= 1
@@ -531,13 +520,8 @@ def test_verify_run_dir_finds_a_flipped_bit(client, tmp_path):
     result = verify_run_dir(run_dir, chunk=8)
     assert not result["ok"] and result["mismatched_stripes"] == [1] and result["first_mismatches"] == [[5]]
     assert result["damaged_files"] == ["shard-1.npy"] and not result["state_sha256_ok"]
-    state["embedding"]["rows"].view(torch.int32)[11, 0] ^= 1
-    save_state(old, state)
-    result = verify_run_dir(old)
-    assert not result["ok"] and result["mismatched_stripes"] == [1] and result["first_mismatches"] == [[5]]
-    (old / PARITY_FILE).unlink()
-    with pytest.raises(UserInputError, match="no parity_shards.pt"):
-        verify_run_dir(old)
+    with pytest.raises(UserInputError, match="holds no final state"):
+        verify_run_dir(tmp_path / "data")
     _run(tmp_path, dataset, "plain", "remote", client, num_shards=2)
     with pytest.raises(UserInputError, match="trained without --parity"):
         verify_run_dir(tmp_path / "plain")

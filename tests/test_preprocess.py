@@ -522,7 +522,7 @@ def test_a_vocabulary_that_cannot_serve_is_a_clear_error(tmp_path, data_dir):
         preprocess([data_dir / "criteo_kaggle_sample.csv"], tmp_path / "x", vocabulary=tmp_path / "ds",
                    fmt="criteo-csv", **run)
     meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
-    meta.pop("vocabulary")  # as an older dlrmflow wrote it
+    meta["vocabulary"] = None  # as a dataset written from arrays has it
     (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserInputError, match="keeps no vocabulary"):
         preprocess([tmp_path / "day_0"], tmp_path / "x", vocabulary=tmp_path / "ds", **run)

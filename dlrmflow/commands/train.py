@@ -111,12 +111,11 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
                      f"{rec['seconds']:.3f} s after detection"
                      f"{_noticed(p['kills'], rec['detected_s'])}; training waited {rec['locked_seconds']:.3f} s "
                      f"for it; {p['degraded_rows_read']:,} degraded row reads")
-        if rec.get("causes"):  # what showed the loss (a restart of the rebuild adds one)
+        if rec["causes"]:  # what showed the loss (a restart of the rebuild adds one)
             lines.append(f"{'':21}noticed by: {'; then '.join(rec['causes'])}")
-        if "copy_task_seconds" in rec:  # a summary written before the breakdown was recorded has none
-            lines.append(f"{'':21}bulk copy {rec['copy_seconds']:.3f} s: {rec['copy_task_seconds']:.3f} s in copy "
-                         f"tasks on the new shards' worker ({rec['copy_read_wait_seconds']:.3f} s waiting for "
-                         f"survivors, {rec['copy_install_seconds']:.3f} s decoding and installing)")
+        lines.append(f"{'':21}bulk copy {rec['copy_seconds']:.3f} s: {rec['copy_task_seconds']:.3f} s in copy "
+                     f"tasks on the new shards' worker ({rec['copy_read_wait_seconds']:.3f} s waiting for "
+                     f"survivors, {rec['copy_install_seconds']:.3f} s decoding and installing)")
     return lines
 
 
@@ -150,10 +149,7 @@ def _trainer_lines(trainers: dict[str, Any] | None) -> list[str]:
 
 
 def _timing_lines(r: dict[str, Any]) -> list[str]:
-    """Start-up (launch to the first iteration) and finish (last iteration to summary.json), by phase; a
-    summary written before they were recorded has neither."""
-    if "finish_seconds" not in r:
-        return []
+    """Start-up (launch to the first iteration) and finish (last iteration to summary.json), by phase."""
     startup = "" if r.get("startup_seconds") is None else f"start-up {r['startup_seconds']:.1f} s (launch to the " \
         "first iteration); "
     phases = ", ".join(f"{phase.replace('_', ' ')} {seconds:.1f} s" for phase, seconds in r["finish"].items())
@@ -161,8 +157,8 @@ def _timing_lines(r: dict[str, Any]) -> list[str]:
 
 
 def _evaluation_lines(r: dict[str, Any]) -> list[str]:
-    """With --eval-every: how many evaluations, and the best one (a summary without them: nothing)."""
-    evaluations = r.get("evaluations") or []
+    """With --eval-every: how many evaluations, and the best one (without it, the final one only: nothing)."""
+    evaluations = r["evaluations"]
     if len(evaluations) < 2:
         return []
     best = next(e for e in evaluations if e["iteration"] == r["best_evaluation_iteration"])
@@ -175,7 +171,7 @@ def summarize(r: dict[str, Any]) -> str:
     auc = "n/a" if r["eval_auc"] is None else f"{r['eval_auc']:.4f}"
     logloss = "n/a" if r["eval_log_loss"] is None else f"{r['eval_log_loss']:.4f}"
     lines = [
-        f"{r['mode']} training{'' if r.get('model', 'dlrm') == 'dlrm' else ' of ' + r['model']}"
+        f"{r['mode']} training{'' if r['model'] == 'dlrm' else ' of ' + r['model']}"
         f"{' with ' + str(r['trainers']['count']) + ' trainers' if r.get('trainers') else ''}: "
         f"{r['iterations']:,} iterations of batch {r['batch_size']:,} on {r['device']}",
         f"  mean iteration     {r['mean_iteration_ms']:.2f} ms (median {r['median_iteration_ms']:.2f} ms)",

@@ -2,7 +2,7 @@
 
 The rows and the parity are read a chunk of stripes at a time from the files each server wrote
 (``final_state/``); on the same pass every file's SHA-256 is checked against the manifest and the
-state SHA-256 recomputed. An older run's ``final_state.pt`` and ``parity_shards.pt`` verify too.
+state SHA-256 recomputed.
 
 Exit status: 0 when the parity matches; 1 when it does not (a failed verification: the summary, or
 the JSON object, on stdout as usual, and one line on stderr saying so); 2 for a bad RUN_DIR.
@@ -33,7 +33,7 @@ def failure(r: dict[str, Any]) -> tuple[int, str] | None:
     """A mismatch is a failed verification: exit status 1 and one line, after the usual output."""
     if r["ok"]:
         return None
-    if not r.get("parity_ok", r["ok"]):
+    if not r["parity_ok"]:
         return MISMATCH_EXIT_STATUS, (f"parity of {r['run_dir']} does not match its data "
                                       f"({sum(r['mismatched_stripes']):,} mismatched stripes)")
     return MISMATCH_EXIT_STATUS, (f"the files of {r['run_dir']} do not match its manifest "
@@ -41,11 +41,9 @@ def failure(r: dict[str, Any]) -> tuple[int, str] | None:
 
 
 def summarize(r: dict[str, Any]) -> str:
-    parity_ok = r.get("parity_ok", r["ok"])
-    status = "OK: parity matches the data bit for bit" if parity_ok else (
+    status = "OK: parity matches the data bit for bit" if r["parity_ok"] else (
         f"MISMATCH: stripes differ per parity shard {r['mismatched_stripes']} (first: {r['first_mismatches']})")
-    if "files_ok" in r:
-        status += ("; every file matches its manifest" if r["files_ok"] else
-                   f"; DAMAGED: {', '.join(r['damaged_files'])} differ from the manifest")
-        status += "" if r["state_sha256_ok"] else f"; the state SHA-256 is now {r['state_sha256']}"
+    status += ("; every file matches its manifest" if r["files_ok"] else
+               f"; DAMAGED: {', '.join(r['damaged_files'])} differ from the manifest")
+    status += "" if r["state_sha256_ok"] else f"; the state SHA-256 is now {r['state_sha256']}"
     return f"verify {r['run_dir']} (k={r['k']}, r={r['r']}, {r['stripes']:,} stripes): {status}"

@@ -7,7 +7,7 @@ writable without touching its bytes, so it can run in a thread while other threa
 rows: the values are never read or written by it, only the page tables. A rebuild starts it on a
 replacement when it resets it, and it runs while the survivors' reads travel.
 
-Elsewhere (another OS, an older kernel) nothing happens: the install faults the pages in as before.
+Elsewhere (another OS, a kernel before 5.14) nothing happens: the install's writes fault the pages in.
 """
 
 from __future__ import annotations

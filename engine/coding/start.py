@@ -40,8 +40,8 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
                        rebuild_rate: float = 0.0, recovery_runner: RecoveryRunner | None = None,
                        rows: np.ndarray | ShardedRows | None = None) -> CodedShardGroup:
     """K coded data shards and R parity shards: parity = the encoding of the initial rows, or of
-    ``rows`` when given (a resumed run's checkpoint: its shard files, each data shard reading its own,
-    or an older checkpoint's rows ``[total_rows, width]``), streamed from the data shards."""
+    ``rows`` when given (a resumed run's checkpoint: its shard files, each data shard reading its own; or
+    rows ``[total_rows, width]`` held in this process: tests), streamed from the data shards."""
     code = ErasureCode(num_shards, parity)
     # Every worker, spares included, imports the copy tasks' code first: a rebuild starts at once.
     placement, futures, actors = start_placed_actors(
@@ -63,8 +63,8 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
 
 
 def restore_data_shards(code: ErasureCode, rows: ShardedRows, data: list) -> None:
-    """Each data shard's rows from a checkpoint: read by the shard from its own file, or (an older
-    checkpoint, whole rows in this process) installed from here."""
+    """Each data shard's rows from a checkpoint: read by the shard from its own file, or (rows held in
+    this process: tests) installed from here."""
     if rows.files is not None and rows.num_shards == code.k:
         calls = [data[i].load_rows(path, sha, row_files.ROW_CHUNK) for i, (path, sha) in enumerate(rows.files)]
     else:

@@ -4,8 +4,7 @@ afterwards (a run directory's saved parity against its final rows, ``dlrmflow ve
 Both read a chunk of stripes at a time: the end-of-run check from the members (:meth:`CodedShardGroup.verify`),
 ``dlrmflow verify`` from the files each member wrote (``final_state/shard-<i>.npy`` and
 ``parity-<p>.npy``), checking on the way every file's SHA-256 against the manifest and the state
-SHA-256 (the rows of a chunk of stripes are consecutive ids). An older run's ``final_state.pt`` and
-``parity_shards.pt`` are read memory-mapped, a chunk at a time too.
+SHA-256 (the rows of a chunk of stripes are consecutive ids).
 """
 
 from __future__ import annotations
@@ -21,17 +20,10 @@ from dlrmflow.engine import row_files
 from dlrmflow.engine.coding.erasure import ErasureCode
 from dlrmflow.engine.coding.group import CodedShardGroup
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.row_files import RowFileReader, ShardedRows, chunk_stripes, file_sha256, interleave
-from dlrmflow.engine.run_state import (
-    PARITY_FILE,
-    STATE_DIR,
-    STATE_FILE,
-    StateDigest,
-    load_dense,
-    read_manifest,
-)
+from dlrmflow.engine.row_files import RowFileReader, chunk_stripes, file_sha256, interleave
+from dlrmflow.engine.run_state import MANIFEST_FILE, STATE_DIR, StateDigest, load_dense, read_manifest
 
-__all__ = ["PARITY_FILE", "parity_report", "save_parity", "verify_run_dir"]
+__all__ = ["parity_report", "verify_run_dir"]
 
 
 def parity_report(group: CodedShardGroup, state_dir: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -47,38 +39,23 @@ def parity_report(group: CodedShardGroup, state_dir: str | os.PathLike | None = 
     return report
 
 
-def save_parity(run_dir: str | os.PathLike, code: ErasureCode, parity: list[np.ndarray]) -> Path:
-    """Parity shards held whole, as an older run saved them (``parity_shards.pt``, next to final_state.pt)."""
-    import torch
-
-    path = Path(run_dir) / PARITY_FILE
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save({"k": code.k, "r": code.r, "parity": [torch.from_numpy(np.ascontiguousarray(p)) for p in parity]},
-               tmp)
-    os.replace(tmp, path)
-    return path
-
-
 def verify_run_dir(run_dir: str | os.PathLike, chunk: int | None = None,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Recompute parity from a finished run's embedding rows and compare it with the parity shards it
-    saved, a chunk of stripes at a time (row id on data shard id % K). A run's ``final_state/``: each
-    file's SHA-256 and the state SHA-256 are checked on the same pass (``files_ok``, ``state_sha256_ok``);
-    an older run's final_state.pt and parity_shards.pt: the parity only. ``progress(done, total)``: stripes
-    checked after each chunk (a pass over a Terabyte-sized state takes minutes: it is never silent)."""
+    saved in its ``final_state/``, a chunk of stripes at a time (row id on data shard id % K); each file's
+    SHA-256 and the state SHA-256 are checked on the same pass (``files_ok``, ``state_sha256_ok``).
+    ``progress(done, total)``: stripes checked after each chunk (a pass over a Terabyte-sized state takes
+    minutes: it is never silent)."""
     progress = progress or (lambda done, total: None)
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir) if (run_dir / STATE_DIR).is_dir() else None
-    per_chunk = chunk or row_files.ROW_CHUNK
-    if manifest is not None:
-        if "parity" not in manifest:
-            raise UserInputError(f"{run_dir} was trained without --parity (its {STATE_DIR}/ holds no parity "
-                                 "shards): verify needs a finished run trained with --parity")
-        return _verify_files(run_dir, manifest, per_chunk, progress)
-    for name in (STATE_FILE, PARITY_FILE):
-        if not (run_dir / name).is_file():
-            raise UserInputError(f"{run_dir} has no {name}: verify needs a finished run trained with --parity")
-    return _verify_single_files(run_dir, per_chunk, progress)
+    if manifest is None:
+        raise UserInputError(f"{run_dir} holds no final state ({STATE_DIR}/{MANIFEST_FILE}): verify needs a "
+                             "finished run trained with --parity")
+    if "parity" not in manifest:
+        raise UserInputError(f"{run_dir} was trained without --parity (its {STATE_DIR}/ holds no parity "
+                             "shards): verify needs a finished run trained with --parity")
+    return _verify_files(run_dir, manifest, chunk or row_files.ROW_CHUNK, progress)
 
 
 def _result(run_dir: Path, code: ErasureCode, stripes: int, mismatches: list[list[np.ndarray]]) -> dict[str, Any]:
@@ -121,23 +98,3 @@ def _verify_files(run_dir: Path, manifest: dict[str, Any], chunk: int,
     result["parity_ok"] = result["ok"]
     result["ok"] = result["parity_ok"] and result["files_ok"] and result["state_sha256_ok"]
     return result
-
-
-def _verify_single_files(run_dir: Path, chunk: int, progress: Callable[[int, int], None]) -> dict[str, Any]:
-    import torch
-
-    saved = torch.load(run_dir / PARITY_FILE, map_location="cpu", weights_only=True, mmap=True)
-    state = torch.load(run_dir / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
-    code = ErasureCode(int(saved["k"]), int(saved["r"]))
-    rows = ShardedRows.from_array(state["embedding"]["rows"].numpy(), code.k)
-    parity = [p.numpy() for p in saved["parity"]]
-    stripes = len(rows.shards[0])
-    mismatches: list[list[np.ndarray]] = [[] for _ in range(code.r)]
-    per = chunk_stripes(code.n_shards, chunk)
-    for start in range(0, stripes, per):
-        stop = min(start + per, stripes)
-        data = [np.ascontiguousarray(s[start:stop]) for s in rows.shards]
-        for p, found in enumerate(code.verify(data, [np.ascontiguousarray(q[start:stop]) for q in parity])):
-            mismatches[p].append(found + start)
-        progress(stop, stripes)
-    return _result(run_dir, code, stripes, mismatches)

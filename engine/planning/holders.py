@@ -3,8 +3,8 @@
 With W trainers, each training its slice of the global batch (trainer ``w``: rows ``w*B/W .. (w+1)*B/W - 1``),
 a row the plan caches for one *lifetime* (prefetched for iteration ``f``, evicted after ``e``, or still
 cached when the run ends) is read only by the trainers whose slices use it at some iteration of
-``f .. e``: its *holders*. A trainer holds only the rows it is a holder of (docs/trainers.md); before,
-every trainer held every cached row.
+``f .. e``: its *holders*. A trainer holds only the rows it is a holder of (docs/trainers.md), not every
+cached row: the difference is the memory the holders save.
 
 :func:`holder_counts` replays a plan over the batches in one pass and counts, per trainer, the rows it
 holds as the prefetch worker places them (fetched for ``t`` when ``t``'s exchange runs, taken out once
@@ -35,8 +35,8 @@ class HolderCounts:
     """Per trainer, rows held over the iterations ``0 .. n-1`` (as the prefetch worker places them)."""
 
     size: int
-    every_row: np.ndarray  # [n]: every trainer holds every cached row (LRPP before the holders)
-    holders_only: np.ndarray  # [W, n]: trainer w holds the rows it is a holder of (LRPP now)
+    every_row: np.ndarray  # [n]: every trainer holds every cached row (the rule without holders)
+    holders_only: np.ndarray  # [W, n]: trainer w holds the rows it is a holder of (the LRPP cache's rule)
     lifetimes: int  # lifetimes counted (prefetches)
     holders: int  # their holders, summed over lifetimes
 

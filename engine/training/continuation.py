@@ -55,7 +55,8 @@ class FinishedRun:
     @property
     def steps(self) -> int:
         """Optimizer steps the run's state has taken: its iterations, and those of the runs it continued."""
-        return int(self.summary["iterations"]) + int((self.summary.get("init_from") or {}).get("steps_before", 0))
+        continued = self.summary["init_from"]
+        return int(self.summary["iterations"]) + (0 if continued is None else int(continued["steps_before"]))
 
     def starting_rows(self, cardinalities: list[int]) -> Any:
         """The run's final rows for a layout whose tables held ``cardinalities`` rows in the run's dataset."""
@@ -80,15 +81,12 @@ def read_finished_run(run_dir: str | os.PathLike, *, option: str = "--init-from"
     manifest_path = path / STATE_DIR / MANIFEST_FILE
     if not manifest_path.is_file():
         raise InitFromError(f"{where} has no {STATE_DIR}/{MANIFEST_FILE}: the run kept no final state (trained "
-                            "without save_state, or by an older dlrmflow that wrote final_state.pt)")
+                            "without save_state)")
     try:
         summary = json.loads((path / SUMMARY_FILE).read_text())
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as exc:
         raise InitFromError(f"{where}: a file of the run is not valid JSON ({exc})") from None
-    for key in ("dataset_fingerprint", "model", "architecture", "row_width", "iterations"):
-        if key not in summary:
-            raise InitFromError(f"{where}: its {SUMMARY_FILE} has no {key!r} (written by an older dlrmflow)")
     return FinishedRun(str(path), summary, manifest)
 
 
@@ -102,12 +100,12 @@ def parent_cardinalities(run: FinishedRun, meta: Any, where: str) -> list[int]:
         entries = [e for e in (meta.vocabulary or {}).get("lineage") or [] if e["fingerprint"] == fingerprint]
         if not entries:
             raise InitFromError(
-                f"{where} trained on the dataset {run.summary.get('dataset', '?')} (fingerprint {fingerprint[:12]}), "
+                f"{where} trained on the dataset {run.summary['dataset']} (fingerprint {fingerprint[:12]}), "
                 f"and this dataset's vocabulary does not descend from it: its ids would mean other values "
                 "(preprocess the new day with `--vocabulary` that dataset, or a dataset made from it)")
         cards = list(entries[-1]["cardinalities"])
-    if sum(cards) != int(run.manifest.get("total_rows", -1)):
-        raise InitFromError(f"{where}: its final state holds {run.manifest.get('total_rows')} rows, its dataset "
+    if sum(cards) != int(run.manifest["total_rows"]):
+        raise InitFromError(f"{where}: its final state holds {run.manifest['total_rows']} rows, its dataset "
                             f"{sum(cards)}: the run directory does not match its summary")
     return cards
 
@@ -130,11 +128,11 @@ def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, archi
         if theirs.get(key) != architecture.get(key):
             raise InitFromError(f"{key}: {where} has {key} {theirs.get(key)}, this run {architecture.get(key)}")
     for key in ("embedding_optimizer", "dense_optimizer"):
-        if key in summary and summary[key] != getattr(config, key):
+        if summary[key] != getattr(config, key):
             raise InitFromError(f"{key}: {where} trained with --{key.replace('_', '-')} {summary[key]}, this run "
                                 f"{getattr(config, key)} (the optimizer state would not fit)")
-    if int(run.manifest.get("width", -1)) != width:
-        raise InitFromError(f"embedding_optimizer: {where} stores rows of {run.manifest.get('width')} values, this "
+    if int(run.manifest["width"]) != width:
+        raise InitFromError(f"embedding_optimizer: {where} stores rows of {run.manifest['width']} values, this "
                             f"run {width}")
     cards = parent_cardinalities(run, meta, where)
     return run, run.starting_rows(cards)
@@ -142,4 +140,4 @@ def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, archi
 
 def init_from_record(run: FinishedRun) -> dict[str, Any]:
     """What summary.json says of the run a run continued: the directory, its state SHA-256, its steps."""
-    return {"run_dir": run.run_dir, "state_sha256": run.summary.get("state_sha256"), "steps_before": run.steps}
+    return {"run_dir": run.run_dir, "state_sha256": run.summary["state_sha256"], "steps_before": run.steps}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.run_state import ITERATIONS_FILE, PARITY_FILE, STATE_DIR, STATE_FILE, SUMMARY_FILE
+from dlrmflow.engine.run_state import ITERATIONS_FILE, STATE_DIR, SUMMARY_FILE
 from dlrmflow.engine.training.checkpoint_format import checkpoint_iteration
 from dlrmflow.engine.training.run_directory import (
     CHECKPOINT_FILE,
@@ -31,8 +31,8 @@ from dlrmflow.engine.training.run_directory import (
 )
 
 # Everything a run writes into its directory before summary.json (the leftovers of a run that stopped).
-RUN_FILES = frozenset({STATE_DIR, STATE_FILE, ITERATIONS_FILE, PARITY_FILE, CHECKPOINT_FILE, CHECKPOINT_ROWS_DIR,
-                       RUN_CONFIG_FILE, UNFINISHED_FILE})
+RUN_FILES = frozenset({STATE_DIR, ITERATIONS_FILE, CHECKPOINT_FILE, CHECKPOINT_ROWS_DIR, RUN_CONFIG_FILE,
+                       UNFINISHED_FILE})
 
 
 def unfinished_run_message(run_dir: str | os.PathLike | None) -> str | None:

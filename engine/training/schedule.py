@@ -16,7 +16,7 @@ Every trainer of every mode computes the rate of iteration ``t`` from ``t`` alon
 dense optimizer and to the row updates of ``t`` (a row update applied later, as the LRPP cache does for
 rows synced in the background, uses the rate of the iteration whose gradient it applies), so a schedule
 keeps every mode bit-identical to ``local``. Without a schedule (the defaults) the scale is exactly 1
-and nothing is touched: runs stay bit-identical to runs made before the schedule existed.
+and nothing is touched: every rate stays the configured one, bit for bit.
 """
 
 from __future__ import annotations

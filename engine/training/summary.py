@@ -61,20 +61,20 @@ class TrainSummary:
 
 
 def train_summary(summary: Mapping[str, Any], *, skipped: bool = False) -> TrainSummary:
-    """The typed view of the engine's summary dict, or of a summary.json; a key it lacks reads as its default."""
+    """The typed view of the engine's summary dict, or of a summary.json (``parity`` is there only with
+    --parity, ``trainers`` only with more than one)."""
     return TrainSummary(
         mode=summary["mode"], dataset=str(summary["dataset"]), output_dir=str(summary["output_dir"]),
-        iterations=summary["iterations"], batch_size=summary["batch_size"], num_shards=summary.get("num_shards", 0),
-        capacity=summary.get("capacity"), mean_iteration_ms=summary["mean_iteration_ms"],
+        iterations=summary["iterations"], batch_size=summary["batch_size"], num_shards=summary["num_shards"],
+        capacity=summary["capacity"], mean_iteration_ms=summary["mean_iteration_ms"],
         median_iteration_ms=summary["median_iteration_ms"], stall_fraction=summary["stall_fraction"],
         bytes_fetched=summary["bytes_fetched"], bytes_written_back=summary["bytes_written_back"],
-        final_train_loss=summary["final_train_loss"],
-        final_train_loss_mean=summary.get("final_train_loss_mean", summary["final_train_loss"]),
-        eval_auc=summary.get("eval_auc"), eval_log_loss=summary.get("eval_log_loss"),
+        final_train_loss=summary["final_train_loss"], final_train_loss_mean=summary["final_train_loss_mean"],
+        eval_auc=summary["eval_auc"], eval_log_loss=summary["eval_log_loss"],
         state_sha256=summary["state_sha256"], metrics_every=summary["metrics_every"],
-        metrics=list(summary.get("metrics") or []), evaluations=list(summary.get("evaluations") or []),
-        best_evaluation_iteration=summary.get("best_evaluation_iteration"), parity=summary.get("parity"),
-        trainers=(summary.get("trainers") or {}).get("count", 1), skipped=skipped,
+        metrics=list(summary["metrics"]), evaluations=list(summary["evaluations"]),
+        best_evaluation_iteration=summary["best_evaluation_iteration"], parity=summary.get("parity"),
+        trainers=summary["trainers"]["count"] if "trainers" in summary else 1, skipped=skipped,
     )
 
 
@@ -87,15 +87,13 @@ def saved_run(config: TrainConfig, dataset_fingerprint: str) -> TrainSummary | N
         return None
     expect = {"dataset_fingerprint": dataset_fingerprint, "mode": config.mode, "iterations": config.iterations,
               "batch_size": config.batch_size, "seed": config.seed, "model": config.model,
-              "num_shards": config.num_shards if MODES[config.mode].servers else 0}
+              "num_shards": config.num_shards if MODES[config.mode].servers else 0,
+              "lr_schedule": {"warmup_steps": config.lr_num_warmup_steps,
+                              "decay_start_step": config.lr_decay_start_step,
+                              "decay_steps": config.lr_num_decay_steps},
+              "eval_every": config.eval_every}
     earlier = saved_result(Path(config.output_dir) / SUMMARY_FILE, expect)
     if earlier is None:
-        return None
-    # A summary from before the schedule and --eval-every existed ran without them.
-    schedule = {"warmup_steps": config.lr_num_warmup_steps, "decay_start_step": config.lr_decay_start_step,
-                "decay_steps": config.lr_num_decay_steps}
-    if (earlier.get("lr_schedule") or {"warmup_steps": 0, "decay_start_step": 0, "decay_steps": 0}) != schedule or \
-            earlier.get("eval_every", 0) != config.eval_every:
         return None
     run = train_summary(earlier, skipped=True)
     if bool(run.parity) != bool(config.parity) or run.trainers != config.trainers:

@@ -39,11 +39,9 @@ def run_timing(lead: dict[str, Any]) -> dict[str, Any]:
     """The summary's timing fields from trainer 0's outcome (``began_at``, ``ended_at`` and its ``finish``
     phases), measured now, just before summary.json is written. ``finish["write"]`` is what the phases
     leave: the state's hash and file, iterations.csv, the trainers' results coming home."""
-    if "began_at" not in lead:
-        return {}
     launched = launched_at()
     total = time.time() - lead["ended_at"]
-    finish = {"flush": lead["log"]["flush_seconds"], **lead.get("finish", {})}
+    finish = {"flush": lead["log"]["flush_seconds"], **lead["finish"]}
     finish["write"] = max(0.0, total - sum(finish.values()))
     return {"startup_seconds": None if launched is None else round(max(0.0, lead["began_at"] - launched), 6),
             "finish_seconds": round(total, 6),

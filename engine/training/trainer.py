@@ -162,7 +162,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
                 with timed(finish, "evaluation"), phase_reported("final evaluation"):
                     outcome["metrics"] = evaluate(setup, model, store, device)
                 with timed(finish, "state"), phase_reported("final state: the servers write their rows"):
-                    if setup.whole_state:  # tests: the whole state, gathered as runs did before the shards wrote it
+                    if setup.whole_state:  # tests: the whole state gathered here, besides the shards' files
                         outcome["whole_state"] = collect_state(setup, model, optimizer, store)
                     outcome["state"] = write_final_state(setup, model, optimizer, store,
                                                          output if config.save_state else None)
