@@ -387,8 +387,9 @@ class System:
                       len(state.read_ahead), state.flush_wanted,
                       tuple((t, mask.tobytes(), at.tobytes()) for t, (mask, at) in sorted(state.early.items())),
                       state._free[:state._free_count].tobytes(),
-                      None if state.in_flight is None else ("x", state.in_flight.t), state.slot_of.tobytes(),
-                      state.owner.tobytes(), tuple(a.tobytes() for u in state.unsent for a in u), state.doing,
+                      None if state.in_flight is None else ("x", state.in_flight.t),
+                      *(a.tobytes() for a in state.directory.cached()), state.directory.owner.tobytes(),
+                      tuple(a.tobytes() for u in state.unsent for a in u), state.doing,
                       getattr(state, "last_writer", np.zeros(0)).tobytes()]
         return tuple(parts)
 
@@ -406,11 +407,11 @@ class System:
         truth = self.before[self.computed[0]]
         logical = self.home.copy()
         for w, state in enumerate(self.states):
-            held = np.flatnonzero(state.slot_of >= 0)
+            held, held_slots = state.directory.cached()
             assert state.held == len(held), f"trainer {w}: the count of cached rows"
             assert state.held - state.rows_fetched_ahead <= state.peak_held <= self.plan.num_slots, f"trainer {w}: peak"
-            assert np.array_equal(self.cache[w][state.slot_of[held]], truth[held]), f"trainer {w} holds a stale row"
-            logical[held] = self.cache[w][state.slot_of[held]]
+            assert np.array_equal(self.cache[w][held_slots], truth[held]), f"trainer {w} holds a stale row"
+            logical[held] = self.cache[w][held_slots]
         assert np.array_equal(logical, truth), "a checkpoint would save stale rows"
 
     def finished(self) -> None:
@@ -423,7 +424,8 @@ class System:
             evictions[step.evict_ids] += 1
         assert np.array_equal(self.writes, evictions), "an eviction was not written home exactly once"
         assert np.array_equal(self.home, self.before[-1])
-        assert all((s.slot_of < 0).all() and (s.owner < 0).all() and s.held == 0 for s in self.states)
+        assert all(not len(s.directory.cached_ids()) and (s.directory.owner < 0).all() and s.held == 0
+                   for s in self.states)
 
     def run_random(self, rng: np.random.Generator, limit: int = 100_000) -> None:
         for _ in range(limit):
@@ -711,7 +713,7 @@ def test_the_actions_of_a_short_plan_in_order():
     with pytest.raises(RuntimeError, match="still in flight"):
         state.next_action()
     state.exchanged(x0)
-    assert state.slot_of[[5, 6]].tolist() == [0, 1] and state.owner.tolist() == [5, 6, -1]
+    assert state.directory.lookup([5, 6]).tolist() == [0, 1] and state.directory.owner.tolist() == [5, 6, -1]
     assert state.next_action() == ReadPlan(1)
     state.plan_read(steps[1])
     x1 = state.next_action()
@@ -725,7 +727,8 @@ def test_the_actions_of_a_short_plan_in_order():
     state.evictions_posted(Done(0, ids(5), ids(0), None))
     assert not state.idle()
     take = state.evictions_taken()
-    assert (take.ids.tolist(), take.slots.tolist()) == ([5], [0]) and state.slot_of[5] == -1 and state.owner[0] == -1
+    assert (take.ids.tolist(), take.slots.tolist()) == ([5], [0])
+    assert state.directory.lookup([5])[0] == -1 and state.directory.owner[0] == -1
     x2 = state.next_action()  # row 5 goes home and comes back into the slot it left, in one exchange
     assert (x2.t, x2.write_ids.tolist(), x2.write_slots.tolist(), x2.fetch_ids.tolist()) == (2, [5], [0], [5])
     assert state.doing == "while writing back evictions and prefetching for iteration 2"
@@ -744,7 +747,7 @@ def test_the_actions_of_a_short_plan_in_order():
     x4 = state.next_action()
     assert x4.write_ids.tolist() == [5, 7]
     state.exchanged(x4)
-    assert state.next_action() == Finished() and (state.slot_of < 0).all()
+    assert state.next_action() == Finished() and not len(state.directory.cached_ids())
 
 
 def stepper(state: PrefetchState, steps: list[Step]) -> Callable[[], object]:
@@ -781,7 +784,7 @@ def test_one_exchange_fetches_the_rows_of_the_next_p_iterations_it_can():
     assert (x4.t, x4.write_ids.tolist(), x4.fetch_ids.tolist(), x4.fetch_slots.tolist(), x4.ready_ids.tolist()) == \
         (4, [5], [5, 9], [0, 4], [5, 9])
     state.exchanged(x4)
-    assert state.slot_of[[5, 6, 7, 8, 9]].tolist() == [0, 1, 2, 3, 4]
+    assert state.directory.lookup([5, 6, 7, 8, 9]).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_rows_fetched_early_are_at_most_the_spare_slots():
@@ -808,7 +811,7 @@ def test_rows_fetched_early_are_at_most_the_spare_slots():
     assert (x3.write_ids.tolist(), x3.fetch_ids.tolist(), x3.fetch_slots.tolist(), x3.ahead, x3.ready_slots.tolist()) \
         == ([1], [3, 4], [0, 3], 1, [0])
     state.exchanged(x3)
-    assert state.owner.tolist() == [3, 2, 5, 4] and state.rows_fetched_ahead == 1
+    assert state.directory.owner.tolist() == [3, 2, 5, 4] and state.rows_fetched_ahead == 1
     assert step() == WaitForDone(1)
     state.evictions_posted(Done(1, ids(2, 5), ids(1, 2), None))
     state.evictions_taken()
@@ -880,7 +883,8 @@ def test_evictions_are_taken_only_after_a_wait_and_exchanges_reported_once():
 def test_a_resumed_state_starts_from_its_cached_rows():
     """``start = 3`` with rows 2 and 4 cached: the first eviction needed is 3's, at the exchange for 3 + P + 1."""
     state = PrefetchState(6, 2, 6, 3, start=3, cached=(ids(2, 4), ids(1, 2)))
-    assert state.slot_of.tolist() == [-1, -1, 1, -1, 2, -1] and state.owner.tolist() == [-1, 2, 4]
+    assert state.directory.lookup(np.arange(6)).tolist() == [-1, -1, 1, -1, 2, -1]
+    assert state.directory.owner.tolist() == [-1, 2, 4]
     read = []
     for _ in (3, 4, 5):
         while isinstance(action := state.next_action(), ReadPlan):
@@ -927,7 +931,7 @@ def test_bad_plans_and_evictions_raise_plan_violations():
     # The same exchange may reuse the slot and the id its write-back frees: the shards apply writes first.
     state = at([Step(0, ids(1), ids(0), ids(1)), Step(1, EMPTY_IDS, EMPTY_IDS, EMPTY_IDS),
                 Step(2, ids(1, 2), ids(1, 0), EMPTY_IDS)], iterations=3)
-    assert state.slot_of[[1, 2]].tolist() == [0, 1]  # the worker's slots, the lowest free first
+    assert state.directory.lookup([1, 2]).tolist() == [0, 1]  # the worker's slots, the lowest free first
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -955,7 +959,7 @@ def test_who_fetches_and_who_writes(size):
         take = state.evictions_taken()
         mine = writers == state.rank
         assert take.ids.tolist() == ids(0, 1, 2, 3)[mine].tolist() and take.slots.tolist() == take.ids.tolist()
-        assert (state.slot_of[:4] < 0).all() and state.last_writer[:4].tolist() == writers.tolist()
+        assert (state.directory.lookup(np.arange(4)) < 0).all() and state.last_writer[:4].tolist() == writers.tolist()
         x = state.next_action()
         assert x.write_ids.tolist() == take.ids.tolist()
         assert x.fetcher.tolist() == [1, 1, 4 % size]  # rows 2 and 3 go to trainer 1, who wrote them
@@ -973,13 +977,15 @@ def test_the_state_module_is_pure():
     import ast
     from pathlib import Path
 
-    import dlrmflow.engine.training.prefetch_state as module
+    import dlrmflow.engine.training.prefetch_state as state_module
+    import dlrmflow.engine.training.slot_directory as directory_module
 
-    tree = ast.parse(Path(module.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported <= {"__future__", "collections", "dataclasses", "typing", "numpy"}, imported
+    for module in (state_module, directory_module):  # the state and the one project module it uses
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        allowed = {"__future__", "collections", "dataclasses", "typing", "numpy", directory_module.__name__}
+        assert imported <= allowed, (module.__name__, imported - allowed)
 
 
 def test_the_drivers_keep_their_interface():
@@ -1051,8 +1057,8 @@ def expected_exchanges(plan: Plan, start: int, make_state=None, steps=None, writ
             state.flush_requested()
         elif isinstance(action, WaitForDone):
             step = plan.steps[action.t]
-            held = step.evict_ids[state.slot_of[step.evict_ids] >= 0]
-            done = Done(action.t, held, state.slot_of[held], None)
+            held = step.evict_ids[state.directory.lookup(step.evict_ids) >= 0]
+            done = Done(action.t, held, state.directory.lookup(held), None)
             if isinstance(state, PartitionedPrefetchState):
                 done.writers = step.evict_ids % state.size if writers is None else writers[action.t]
                 done.evicted = step.evict_ids

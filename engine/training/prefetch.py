@@ -132,8 +132,7 @@ class PrefetchWorker:
         """The worker's view of the cache: every id in it (sorted) and its slot. A row occupies its slot from
         prefetch until its eviction is taken for write-back. Call it while the worker is idle
         (:meth:`wait_idle`)."""
-        ids = np.flatnonzero(self.state.slot_of >= 0)
-        return ids, self.state.slot_of[ids]
+        return self.state.directory.cached()
 
     @property
     def peak_held(self) -> int:

@@ -1,7 +1,7 @@
 """The oracle prefetch worker's state, and the only code that changes it.
 
 :class:`PrefetchState` holds the plan cursor (the next iteration to prepare, ``t``; the iterations
-whose evictions are taken, ``written``), the worker's view of the cache (``slot_of`` / ``owner``: a
+whose evictions are taken, ``written``), the worker's view of the cache (``directory``: a
 row occupies its slot from its prefetch until its eviction is taken, and its copy then goes home in
 the next exchange, which the shards apply before that exchange's fetches), the evictions compute
 posted and the worker has not taken yet, and the taken ones not yet sent. Events come in as named
@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from dlrmflow.engine.training.slot_directory import SlotDirectory
 
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 
@@ -192,19 +194,17 @@ class PrefetchState:
         if distance < 1:
             raise ValueError(f"prefetch distance must be >= 1, got {distance}")
         self.iterations, self.distance = iterations, distance
-        self.slot_of = np.full(total_rows, -1, dtype=np.int64)
-        self.owner = np.full(num_slots + spare_slots, -1, dtype=np.int64)
+        self.directory = SlotDirectory(num_slots + spare_slots)  # the worker's view of the cache
         self.spare_slots = spare_slots
         self.held = 0  # rows in the cache as the worker places them: fetched in, and not yet taken out
         if cached is not None:
-            self.slot_of[cached[0]] = cached[1]
-            self.owner[cached[1]] = cached[0]
+            self.directory.place(cached[0], cached[1])
             self.held = len(cached[0])
         # The most rows held at once, less those fetched early for iterations not prepared yet: what the plan's
         # rule holds (its peak is the plan's num_slots); the others are at most spare_slots.
         self.peak_held = self.held
-        free = np.flatnonzero(self.owner < 0)[::-1]  # a stack: the lowest slot is taken first
-        self._free, self._free_count = np.empty(len(self.owner), dtype=np.int64), len(free)
+        free = np.flatnonzero(self.directory.owner < 0)[::-1]  # a stack: the lowest slot is taken first
+        self._free, self._free_count = np.empty(len(self.directory.owner), dtype=np.int64), len(free)
         self._free[:len(free)] = free
         self.start = start
         self.t = start  # the next iteration to prepare
@@ -310,11 +310,10 @@ class PrefetchState:
         if self.draining():
             self.doing = f"while writing back the evictions of iteration {done.t}"
         ids, slots = done.evict_ids, done.evict_slots
-        if not np.array_equal(self.slot_of[ids], slots):
+        if not np.array_equal(self.directory.lookup(ids), slots):
             raise PlanViolation(f"iteration {done.t}: evicted rows are not where the worker put them")
         write_ids, write_slots = self._writes_of(done)
-        self.slot_of[ids] = -1
-        self.owner[slots] = -1
+        self.directory.remove(ids)
         self._released(slots)
         self.held -= len(ids)
         self.written += 1
@@ -327,8 +326,7 @@ class PrefetchState:
             raise RuntimeError("an exchange reported that the state did not issue (or twice)")
         self.in_flight = None
         if len(exchange.fetch_ids):
-            self.slot_of[exchange.fetch_ids] = exchange.fetch_slots
-            self.owner[exchange.fetch_slots] = exchange.fetch_ids
+            self.directory.place(exchange.fetch_ids, exchange.fetch_slots)
             self.held += len(exchange.fetch_ids)
         if exchange.t is not None:
             self.t += 1
@@ -352,7 +350,7 @@ class PrefetchState:
     def _take_slots(self, t: int, count: int) -> np.ndarray:
         if count > self._free_count:
             raise PlanViolation(f"iteration {t}: {self._holder()} holds more rows than its cache of "
-                                f"{len(self.owner)} ({self._made_for_others()})")
+                                f"{len(self.directory.owner)} ({self._made_for_others()})")
         self._free_count -= count
         return self._free[self._free_count:self._free_count + count][::-1].copy()
 
@@ -392,7 +390,7 @@ class PrefetchState:
             self._check_shape(step.t, step_ids, np.asarray(step.prefetch_slots, dtype=np.int64))
             before, placed = self.early.get(step.t, (np.zeros(len(step_ids), dtype=bool),
                                                      np.full(len(step_ids), -1, dtype=np.int64)))
-            early = (self.slot_of[step_ids] < 0) & ~before & ~np.isin(step_ids, np.concatenate(claimed))
+            early = (self.directory.lookup(step_ids) < 0) & ~before & ~np.isin(step_ids, np.concatenate(claimed))
             early[np.flatnonzero(early)[max(budget, 0):]] = False
             budget -= int(np.count_nonzero(early))
             placed = placed.copy()
@@ -436,7 +434,7 @@ class PrefetchState:
         """``t``'s prefetches (those earlier exchanges fetched early were checked then, and are placed)."""
         self._check_shape(t, ids, slots)
         ids = self._not_in_place(t, ids)
-        live = self.slot_of[ids] >= 0
+        live = self.directory.lookup(ids) >= 0
         if live.any():
             raise PlanViolation(
                 f"iteration {t}: id {int(ids[live][0])} is prefetched while its previous copy is still "
@@ -473,7 +471,7 @@ class PartitionedPrefetchState(PrefetchState):
         evicted = done.evict_ids if done.evicted is None else done.evicted
         self.last_writer[evicted] = done.writers
         mine = evicted[done.writers == self.rank]
-        slots = self.slot_of[mine]
+        slots = self.directory.lookup(mine)
         if (slots < 0).any():
             raise PlanViolation(f"iteration {done.t}: trainer {self.rank} is to write home id "
                                 f"{int(mine[slots < 0][0])}, which it does not hold")
@@ -495,7 +493,7 @@ class PartitionedPrefetchState(PrefetchState):
             np.asarray(holders, dtype=np.int64)
         mine = (holders >> self.rank) & 1 == 1
         held = ids[mine]
-        live = self.slot_of[held] >= 0
+        live = self.directory.lookup(held) >= 0
         if live.any():
             raise PlanViolation(f"iteration {t}: id {int(held[live][0])} is prefetched while its previous copy is "
                                 "still cached or not yet written back (a stale read)")

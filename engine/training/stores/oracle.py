@@ -39,9 +39,10 @@ from dlrmflow.engine.training.collectives import PendingSends, TrainerGroup, sum
 from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
 from dlrmflow.engine.training.prefetch_state import HeldStep
 from dlrmflow.engine.training.run_setup import RunSetup
+from dlrmflow.engine.training.slot_directory import SlotDirectory
 from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at
 from dlrmflow.engine.training.stores.homes import ShardHome
-from dlrmflow.engine.training.stores.slot_cache import SlotCache, SlotDirectory
+from dlrmflow.engine.training.stores.slot_cache import SlotCache
 
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
 CLOSE_WAIT_S = 5.0  # how long closing the store waits for its prefetch worker to stop
@@ -68,8 +69,7 @@ def replay_plan(plan, t: int, directory: SlotDirectory) -> tuple[np.ndarray, np.
     for step in plan.iterations(0, t):
         directory.place(np.asarray(step.prefetch_ids, dtype=np.int64), np.asarray(step.prefetch_slots, dtype=np.int64))
         directory.remove(np.asarray(step.evict_ids, dtype=np.int64))
-    ids = directory.cached_ids()
-    return ids, directory.lookup(ids)
+    return directory.cached()
 
 
 class PlanCache:
@@ -269,7 +269,6 @@ class LrppRows(RowStore):
         num_slots = holders.peaks[group.rank]
         self.cache = SlotCache(spec, device, self.home, num_slots)
         self.slot_holders = np.zeros(num_slots, dtype=np.int64)  # per slot of this cache: its row's holders
-        self.in_flight = np.zeros(spec.total_rows, dtype=bool)  # rows whose sync_later gradient is not applied
         self._later: tuple[int, np.ndarray, list, PendingSends] | None = None
         self.plan_cache = PlanCache(self.cache, self._make_worker, self._cached_at)
         self.plan_cache.restart(start, rows)
@@ -311,7 +310,8 @@ class LrppRows(RowStore):
         self.plan_cache.worker.wait_idle()
 
     def gather(self, t: int, split: BatchSplit, next_union: np.ndarray) -> IterationRows:
-        stale = self.in_flight[split.mine]
+        # The rows whose sync_later gradient is still in flight (those of the previous iteration's _later).
+        stale = np.zeros(len(split.mine), dtype=bool) if self._later is None else np.isin(split.mine, self._later[1])
         if stale.any():
             raise PlanViolation(f"iteration {t}: id {int(split.mine[stale][0])} is read while its gradient "
                                 "from an earlier iteration is still being synced (a stale read)")
@@ -342,7 +342,6 @@ class LrppRows(RowStore):
         received = pending.wait()
         self.sync_seconds += time.perf_counter() - start
         self._update_rows(lr, ids, _with_received(parts, received), self.group.size)
-        self.in_flight[ids] = False
         self._later = None
 
     def _send_gradients(self, split: BatchSplit, recipients: np.ndarray, rows: np.ndarray, grad: torch.Tensor,
@@ -399,7 +398,6 @@ class LrppRows(RowStore):
         self._apply_later()  # the previous iteration's: none of its rows is used at t or t + 1
         ids, parts, pending = self._send_gradients(split, recipients, ~now, grad, "sync_later", tag=2)
         self._later = (lr, ids, parts, pending)
-        self.in_flight[ids] = True
 
         gone = evict[held[evicted]]  # the evicted rows this trainer holds
         gone_slots = directory.lookup(gone)

@@ -11,38 +11,8 @@ import numpy as np
 import torch
 
 from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.training.slot_directory import SlotDirectory
 from dlrmflow.engine.training.stores.homes import ShardHome
-
-
-class SlotDirectory:
-    """Which global id sits in which cache slot (both directions). Readers ask :meth:`lookup` (id -> slot) and
-    ``owner`` (slot -> id, -1: free); only :meth:`place` and :meth:`remove` change them."""
-
-    def __init__(self, total_rows: int, num_slots: int) -> None:
-        self._slot_of = np.full(total_rows, -1, dtype=np.int64)
-        self.owner = np.full(num_slots, -1, dtype=np.int64)
-        self.held = self.peak = 0  # rows cached now, and the most at once (counted as they come and go)
-
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """The slot of each of ``ids`` (-1: not cached), a fresh array."""
-        return self._slot_of[ids]
-
-    def place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        self.held += int(np.count_nonzero(self._slot_of[ids] < 0))
-        self.peak = max(self.peak, self.held)
-        self._slot_of[ids] = slots
-        self.owner[slots] = ids
-
-    def remove(self, ids: np.ndarray) -> np.ndarray:
-        slots = self._slot_of[ids]
-        self.held -= int(np.count_nonzero(slots >= 0))
-        self._slot_of[ids] = -1
-        self.owner[slots] = -1
-        return slots
-
-    def cached_ids(self) -> np.ndarray:
-        """Every cached id, sorted."""
-        return np.sort(self.owner[self.owner >= 0])
 
 
 class SlotCache:
@@ -52,7 +22,7 @@ class SlotCache:
     def __init__(self, spec: RowSpec, device: torch.device, home: ShardHome, num_slots: int) -> None:
         self.spec, self.device, self.home = spec, device, home
         self.rows = torch.zeros((num_slots, spec.width), dtype=torch.float32, device=device)
-        self.directory = SlotDirectory(spec.total_rows, num_slots)
+        self.directory = SlotDirectory(num_slots)
         self._earlier_peak = 0  # the peak of the directories before the current one (a reload starts afresh)
 
     @property
@@ -102,11 +72,11 @@ class SlotCache:
 
     def held(self) -> tuple[np.ndarray, np.ndarray]:
         """Every cached id (sorted) and its row (a cached row is at least as new as its shard's)."""
-        ids = self.directory.cached_ids()
-        return ids, self.in_slots(self.directory.lookup(ids))
+        ids, slots = self.directory.cached()
+        return ids, self.in_slots(slots)
 
     def empty(self) -> None:
         """No row cached: a fresh directory and zeroed rows."""
         self._earlier_peak = self.peak
-        self.directory = SlotDirectory(self.spec.total_rows, self.num_slots)
+        self.directory = SlotDirectory(self.num_slots)
         self.rows.zero_()
