@@ -271,7 +271,7 @@ def test_lru_and_lrpp_are_bit_identical_to_the_w_trainer_reference(client, tmp_p
     prefetched = sum(len(s.prefetch_ids) for s in plan.iterations() if s.t < n)
     assert oracle["bytes_fetched"] == prefetched * row_bytes == oracle["bytes_written_back"], label
     counts = holder_counts(plan.iterations(), run_batches(dataset, batch_size, n), size=size, distance=distance,
-                           total_rows=sum(CARDS), iterations=n)
+                           iterations=n)
     between = oracle["trainers"]["bytes_between_trainers"]
     handed = between["prefetched rows"] // row_bytes  # each holder but the fetcher, if it holds it, receives it
     assert counts.holders - prefetched <= handed <= counts.holders < prefetched * size, label

@@ -63,7 +63,7 @@ def test_holder_counts_equal_a_brute_force_replay(seed):
     batches = [b for b in zipf]
     lookahead, distance = int(rng.integers(1, 6)), int(rng.integers(1, 4))
     steps = lookahead_plan(batches, lookahead)
-    counts = holder_counts(steps, batches, size=size, distance=distance, total_rows=total, iterations=n)
+    counts = holder_counts(steps, batches, size=size, distance=distance, iterations=n)
     every, per = brute_force(batches, steps, size, distance)
     assert counts.every_row.tolist() == every
     assert counts.holders_only.tolist() == per
@@ -84,7 +84,7 @@ def test_a_plan_for_other_batches_is_refused():
     batches = [np.array([[1], [2]]), np.array([[3], [4]])]
     steps = lookahead_plan([np.array([[1], [2]]), np.array([[1], [2]])], 4)
     with pytest.raises(ValueError, match="iteration 1: the batch reads a row the plan has not cached"):
-        holder_counts(steps, batches, size=2, distance=1, total_rows=8, iterations=2)
+        holder_counts(steps, batches, size=2, distance=1, iterations=2)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -100,7 +100,7 @@ def test_the_stored_holders_of_each_lifetime_are_the_trainers_that_use_it(tmp_pa
     distance, always = int(rng.integers(1, 3)), int(rng.integers(0, 2))
     seen = []
     stored = write_lifetime_holders(tmp_path, lambda: iter(steps), iter(batches), size=size, distance=distance,
-                                    total_rows=total, iterations=n, always=always,
+                                    iterations=n, always=always,
                                     on_slices=lambda t, union, masks: seen.append((t, union, masks)))
     assert stored.peaks == load_lifetime_holders(tmp_path).peaks
     rows = batch // size
@@ -110,7 +110,7 @@ def test_the_stored_holders_of_each_lifetime_are_the_trainers_that_use_it(tmp_pa
             users = {w for u in range(step.t, end + 1) for w in range(size)
                      if x in batches[u][w * rows:(w + 1) * rows]}
             assert mask == sum(1 << w for w in users) | always, (step.t, x)
-    counts = holder_counts(steps, batches, size=size, distance=distance, total_rows=total, iterations=n,
+    counts = holder_counts(steps, batches, size=size, distance=distance, iterations=n,
                            always=always)
     assert stored.peaks == counts.peak_holders_only
     assert [t for t, *_ in seen] == list(range(n))

@@ -78,7 +78,7 @@ def _popcounts(masks: np.ndarray, size: int) -> np.ndarray:
 
 
 def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, distance: int,
-                  total_rows: int, iterations: int, always: int = 0,
+                  iterations: int, always: int = 0,
                   masks_out: np.ndarray | None = None,
                   on_slices: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> HolderCounts:
     """Replay the plan ``steps`` (each with ``t``, ``prefetch_ids``, ``evict_ids``, in iteration order) over
@@ -89,9 +89,7 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
     talks to coded servers, or writes checkpoints). ``masks_out``: an array as long as the plan's
     prefetches of iterations ``0 .. iterations-1``, in plan order, that receives each lifetime's holders.
     ``on_slices(t, union, masks)``: called with each batch's :func:`slice_masks`."""
-    mask = np.zeros(total_rows, dtype=np.int64)  # per cached row: its current lifetime's users so far
-    start = np.full(total_rows, -1, dtype=np.int64)  # per cached row: the iteration its lifetime starts
-    position = np.zeros(total_rows if masks_out is not None else 0, dtype=np.int64)  # its prefetch's index
+    live = _Lifetimes()  # the rows cached now: their lifetimes' users so far, starts and prefetch indices
     adds = np.zeros((size, iterations), dtype=np.int64)  # rows starting at t, per holder
     removes = np.zeros((size, iterations), dtype=np.int64)  # rows ending after t, per holder
     fetched = np.zeros(iterations, dtype=np.int64)
@@ -100,16 +98,15 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
 
     def end(ids: np.ndarray, t: int | None) -> None:
         nonlocal holders
+        mask, start, position = live.end(ids)
         if masks_out is not None:
-            masks_out[position[ids]] = mask[ids] | always
-        for s in np.unique(start[ids]):
-            ending = ids[start[ids] == s]
-            counts = _popcounts(mask[ending] | always, size)
+            masks_out[position] = mask | always
+        for s in np.unique(start):
+            counts = _popcounts(mask[start == s] | always, size)
             adds[:, s] += counts
             holders += int(counts.sum())
             if t is not None:
                 removes[:, t] += counts
-        mask[ids], start[ids] = 0, -1
 
     t = -1
     for step, ids in zip(steps, batches, strict=False):
@@ -118,18 +115,16 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
             break
         prefetch = np.asarray(step.prefetch_ids, dtype=np.int64)
         evict = np.asarray(step.evict_ids, dtype=np.int64)
-        if (start[prefetch] >= 0).any():
+        if live.cached(prefetch).any():
             raise ValueError(f"iteration {t}: the plan prefetches a row that is still cached")
-        start[prefetch], mask[prefetch] = t, 0
-        if masks_out is not None:
-            position[prefetch] = np.arange(lifetimes, lifetimes + len(prefetch))
+        live.begin(prefetch, t, np.arange(lifetimes, lifetimes + len(prefetch)))
         union, users = slice_masks(ids, size)
         if on_slices is not None:
             on_slices(t, union, users)
-        if (start[union] < 0).any():
+        if not live.cached(union).all():
             raise ValueError(f"iteration {t}: the batch reads a row the plan has not cached (another dataset?)")
-        mask[union] |= users
-        if (start[evict] < 0).any():
+        live.add_users(union, users)
+        if not live.cached(evict).all():
             raise ValueError(f"iteration {t}: the plan evicts a row that is not cached")
         fetched[t], evicted[t] = len(prefetch), len(evict)
         lifetimes += len(prefetch)  # after the positions above: the count of prefetches before this one
@@ -138,7 +133,7 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
         raise ValueError(f"the plan or the batches end at iteration {t + 1}, before {iterations}")
     if masks_out is not None and lifetimes != len(masks_out):
         raise ValueError(f"the plan prefetches {lifetimes} rows in {iterations} iterations, not {len(masks_out)}")
-    end(np.flatnonzero(start >= 0), None)  # cached at the end: held to the end
+    end(live.ids.copy(), None)  # cached at the end: held to the end
 
     def held(added: np.ndarray, removed: np.ndarray) -> np.ndarray:
         # Before the fetch for t the evictions of 0 .. t-P-1 are out: held(t) = adds(0..t) - removes(0..t-P-1).
@@ -148,6 +143,52 @@ def holder_counts(steps: Iterable, batches: Iterable[np.ndarray], *, size: int, 
         return out
 
     return HolderCounts(size, held(fetched, evicted), held(adds, removes), lifetimes, holders)
+
+
+class _Lifetimes:
+    """The lifetimes in progress, one per row cached now: the row's users so far (a mask of trainers), the
+    iteration its lifetime started and its prefetch's index in the plan. Sorted by id, sized by the cache."""
+
+    def __init__(self) -> None:
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.mask = np.zeros(0, dtype=np.int64)
+        self.start = np.zeros(0, dtype=np.int64)
+        self.position = np.zeros(0, dtype=np.int64)
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if not len(self.ids):
+            return np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=bool)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return pos, self.ids[pos] == ids
+
+    def cached(self, ids: np.ndarray) -> np.ndarray:
+        """Per id: whether its lifetime is in progress."""
+        return self._find(ids)[1]
+
+    def begin(self, ids: np.ndarray, t: int, positions: np.ndarray) -> None:
+        """Lifetimes of ``ids`` (none in progress) start at ``t``, no users yet."""
+        order = np.argsort(ids, kind="stable")
+        ids, positions = ids[order], positions[order]
+        at = np.searchsorted(self.ids, ids)
+        self.ids = np.insert(self.ids, at, ids)
+        self.mask = np.insert(self.mask, at, 0)
+        self.start = np.insert(self.start, at, t)
+        self.position = np.insert(self.position, at, positions)
+
+    def add_users(self, ids: np.ndarray, users: np.ndarray) -> None:
+        """``ids`` (distinct, all in progress) are used by the trainers of ``users``."""
+        self.mask[self._find(ids)[0]] |= users
+
+    def end(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The lifetimes of ``ids`` (all in progress) end: their users, starts and prefetch indices, in the
+        order of ``ids``."""
+        pos = self._find(ids)[0]
+        out = self.mask[pos], self.start[pos], self.position[pos]
+        keep = np.ones(len(self.ids), dtype=bool)
+        keep[pos] = False
+        self.ids, self.mask, self.start, self.position = (a[keep] for a in (self.ids, self.mask, self.start,
+                                                                           self.position))
+        return out
 
 
 HOLDERS_FILE = "holders.json"
@@ -178,7 +219,7 @@ class LifetimeHolders:
 
 
 def write_lifetime_holders(directory: str | Path, steps: Callable[[], Iterable], batches: Iterable[np.ndarray], *,
-                           size: int, distance: int, total_rows: int, iterations: int, always: int = 0,
+                           size: int, distance: int, iterations: int, always: int = 0,
                            on_slices: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> LifetimeHolders:
     """Replay the plan (``steps()`` yields its iterations from 0; called twice: the first pass counts the
     prefetches) over ``batches`` as :func:`holder_counts` does and store every lifetime's holders in
@@ -193,7 +234,7 @@ def write_lifetime_holders(directory: str | Path, steps: Callable[[], Iterable],
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     masks = np.lib.format.open_memmap(directory / "masks.npy", mode="w+", dtype=mask_dtype(size),
                                       shape=(int(offsets[-1]),))
-    result = holder_counts(steps(), batches, size=size, distance=distance, total_rows=total_rows,
+    result = holder_counts(steps(), batches, size=size, distance=distance,
                            iterations=iterations, always=always, masks_out=masks, on_slices=on_slices)
     masks.flush()
     del masks

@@ -95,7 +95,7 @@ def prepare_trainers(setup: RunSetup, output: str | Path) -> RunSetup:
                 try:
                     write_lifetime_holders(directory, lambda: setup.plan.iterations(0, n), batches, size=size,
                                            distance=setup.plan.config.prefetch_distance,
-                                           total_rows=setup.spec.total_rows, iterations=n, always=always,
+                                           iterations=n, always=always,
                                            on_slices=writer.add)
                 except ValueError as exc:  # the plan does not fit these batches
                     raise PlanMismatchError(f"plan_dir: {setup.config.plan_dir}: {exc}") from None
