@@ -26,6 +26,10 @@ from typing import Any
 
 from dlrmflow.engine.errors import UserInputError
 
+# Rows per Parquet row group of a dataset's files: a reader reads the row groups that hold the rows it wants
+# (engine/batch_stream.py), so this bounds what one read holds.
+ROW_GROUP_ROWS = 1 << 16
+
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 

@@ -54,7 +54,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from dlrmflow.datasets.formats import ParsedBlock, RawFormat, get_format, parse_block
-from dlrmflow.datasets.meta import META_FILE, DatasetMeta, PartFile, write_meta
+from dlrmflow.datasets.meta import META_FILE, ROW_GROUP_ROWS, DatasetMeta, PartFile, write_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
 from dlrmflow.datasets.vocabulary import (
     ParentVocabulary,
@@ -698,7 +698,8 @@ def write_part(
     perm = np.random.default_rng([params.seed, 0x5348, part]).permutation(table.num_rows)
     table = table.take(pa.array(perm))
     # Dictionary pages cost 2-3x the write time and buy little for id columns.
-    pq.write_table(table, Path(out_dir) / name, compression="snappy", use_dictionary=False)
+    pq.write_table(table, Path(out_dir) / name, compression="snappy", use_dictionary=False,
+                   row_group_size=ROW_GROUP_ROWS)
     return name, table.num_rows
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dlrmflow.datasets.meta import DatasetMeta, PartFile, write_meta
+from dlrmflow.datasets.meta import ROW_GROUP_ROWS, DatasetMeta, PartFile, write_meta
 
 
 def arrow_table(
@@ -64,7 +64,7 @@ def write_array_dataset(
         hi = min(lo + rows_per_file, n)
         table = arrow_table(labels[lo:hi], dense[lo:hi], sparse[lo:hi], dense_columns, sparse_columns)
         name = f"part-{i:05d}.parquet"
-        pq.write_table(table, out / name)
+        pq.write_table(table, out / name, row_group_size=ROW_GROUP_ROWS)
         files.append(PartFile(name, hi - lo))
     for arr in (labels, dense, sparse):
         digest.update(np.ascontiguousarray(arr).tobytes())

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dlrmflow.datasets.meta import DatasetMeta, read_meta
+from dlrmflow.datasets.meta import ROW_GROUP_ROWS, DatasetMeta, read_meta
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ class Batch:
     dense: np.ndarray  # float32 [B, n_dense]
     sparse: np.ndarray  # int64 [B, n_tables], table-local ids
     labels: np.ndarray  # float32 [B]
+
+
+# Rows read per call: Parquet reads cost per call, and a block's arrays are what a reader holds (a trainer holds
+# one block of its slice's rows): a row group of the datasets dlrmflow writes.
+READ_ROWS = ROW_GROUP_ROWS
 
 
 def global_ids(sparse: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -55,14 +60,31 @@ def read_rows(
     while pos < stop:
         file_start = ends[i] - meta.files[i].rows
         lo, hi = pos - file_start, min(stop, ends[i]) - file_start
-        table = pq.read_table(Path(dataset_dir) / meta.files[i].name, columns=columns)
-        pieces.append(table.slice(lo, hi - lo))
+        pieces.append(_file_rows(Path(dataset_dir) / meta.files[i].name, lo, hi, columns))
         pos = file_start + hi
         i += 1
     if not pieces:
         schema = pq.read_schema(Path(dataset_dir) / meta.files[0].name)
         return pa.table({c: pa.array([], type=schema.field(c).type) for c in columns})
     return pa.concat_tables(pieces)
+
+
+def _file_rows(path: Path, lo: int, hi: int, columns: list[str]) -> pa.Table:
+    """Rows ``[lo, hi)`` of one Parquet file, reading only the row groups that hold them: a reader's memory
+    follows the rows it asks for, not the file's size."""
+    parquet = pq.ParquetFile(path)
+    row_groups = parquet.metadata
+    first = group_start = 0
+    wanted = []
+    for g in range(row_groups.num_row_groups):
+        group_rows = row_groups.row_group(g).num_rows
+        if group_start < hi and group_start + group_rows > lo:
+            if not wanted:
+                first = group_start
+            wanted.append(g)
+        group_start += group_rows
+    table = parquet.read_row_groups(wanted, columns=columns)
+    return table.slice(lo - first, hi - lo)
 
 
 def _matrix(table: pa.Table, columns: list[str], dtype: type) -> np.ndarray:
@@ -95,7 +117,7 @@ class BatchStream:
         start_row: int = 0,
         stop_row: int | None = None,
         sparse_only: bool = False,
-        read_rows_at_once: int = 1 << 20,
+        read_rows_at_once: int = READ_ROWS,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -112,7 +134,7 @@ class BatchStream:
         self.sparse_only = sparse_only
         self.slice_of = (0, 1)  # (rank, size): the whole batch (sliced)
         self.offsets = np.asarray(self.meta.table_offsets, dtype=np.int64)
-        # Read whole blocks of batches at a time: parquet reads are cheap per row, costly per call.
+        # Read blocks of whole batches at a time: parquet reads are cheap per row, costly per call.
         self._rows_at_once = max(batch_size, (read_rows_at_once // batch_size) * batch_size)
 
     def __len__(self) -> int:
