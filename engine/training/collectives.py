@@ -25,31 +25,91 @@ bytes a trainer sends to the others and receives from them are counted per kind 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import os
+import socket
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from dlrmflow.engine.errors import UserInputError
+
 # How long a collective may wait for a peer. A peer that dies closes its sockets and the others
 # fail at once; this bounds only a peer that hangs.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# How long the trainers may take to find each other: their Dask tasks start within seconds of each other, so a
+# trainer that cannot reach the others within this is misconfigured (an address or interface), not slow.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=60)
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"  # the interface gloo binds to: the user's setting wins
+
+
+class TrainersCannotConnect(UserInputError):
+    """The trainers could not connect to each other; the message names the addresses and the setting."""
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (an IP address or a host name) on this host, or None."""
+    import psutil
+
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(address, None)}
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] in ips for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_bound_to(address: str | None) -> Iterator[str | None]:
+    """While gloo creates its devices: bind them to the interface of ``address`` (the host's address its Dask
+    worker listens on, which the other trainers reach), unless the user set :data:`GLOO_INTERFACE`. Without
+    it gloo takes the address the host name resolves to, on many hosts a loopback address the other hosts
+    cannot reach. Yields the interface used (None: gloo's own choice)."""
+    user = os.environ.get(GLOO_INTERFACE)
+    interface = user or (interface_of(address) if address else None)
+    if user or interface is None:
+        yield interface
+        return
+    os.environ[GLOO_INTERFACE] = interface
+    try:
+        yield interface
+    finally:
+        del os.environ[GLOO_INTERFACE]
 
 
 class TrainerGroup:
     """One trainer's view of the W trainers (rank ``rank`` of ``size``); see the module docstring."""
 
-    def __init__(self, rank: int, size: int, init_method: str | None = None) -> None:
+    def __init__(self, rank: int, size: int, init_method: str | None = None, *, address: str | None = None) -> None:
+        """``init_method``: where the trainers meet (``tcp://HOST:PORT``, None: the default process group exists
+        already); ``address``: this trainer's host address that the others can reach (its Dask worker's)."""
         self.rank, self.size = rank, size
-        self.prefetch_group = None
+        self.group = self.prefetch_group = None
         if size > 1:  # a trainer alone has no one to talk to: no process group
-            if init_method is not None:
-                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                        timeout=COLLECTIVE_TIMEOUT)
-            self.prefetch_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+            with gloo_bound_to(address) as interface:
+                try:
+                    if init_method is not None:
+                        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                                timeout=RENDEZVOUS_TIMEOUT)
+                    # The training's collectives wait longer than the rendezvous may (a peer checkpointing).
+                    self.group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+                    self.prefetch_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+                except (RuntimeError, ValueError) as exc:  # torch's DistError and its subclasses included
+                    self.close()
+                    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise TrainersCannotConnect(
+                        f"trainer {rank} of {size} could not connect to the other trainers (meeting at "
+                        f"{init_method}, this trainer's address {address or 'unknown'} on interface "
+                        f"{interface or 'chosen by gloo'}): {cause}; set {GLOO_INTERFACE} on every trainer's host "
+                        "to the network interface the trainers' hosts reach each other on") from None
         self.bytes_sent: Counter[str] = Counter()  # kind of traffic -> bytes this trainer sent to the others
         self.bytes_received: Counter[str] = Counter()  # kind of traffic -> bytes it received from them
 
@@ -84,7 +144,7 @@ class TrainerGroup:
         """Every trainer's ``tensor`` (same shape on all), in rank order, on the host."""
         tensor = tensor.cpu()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor)
+        dist.all_gather(parts, tensor, group=self.group)
         self._count(kind, tensor, tensor.numel() * tensor.element_size() * (self.size - 1))
         return parts
 
@@ -105,7 +165,7 @@ class TrainerGroup:
         padded = rows if rows.shape[0] == most else torch.cat(
             [rows, rows.new_zeros((most - rows.shape[0], *rows.shape[1:]))])
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        group = self.prefetch_group if prefetch else None
+        group = self.prefetch_group if prefetch else self.group
         work = dist.all_gather(parts, padded.contiguous(), group=group, async_op=async_op)
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # this trainer may contribute no row
         self._count(kind, rows, (sum(counts) - counts[self.rank]) * row_bytes)
@@ -118,7 +178,7 @@ class TrainerGroup:
         (on the host), all at once; returns a :class:`PendingSends` whose :meth:`~PendingSends.wait`
         gives the rows received, by trainer. Both sides must agree on every count (a count of 0 sends nothing); ``tag``
         keeps apart sends that may be in flight together on one process group."""
-        group = self.prefetch_group if prefetch else None
+        group = self.prefetch_group if prefetch else self.group
         works, received, keep = [], {}, []
         for peer in range(self.size):
             if peer == self.rank:
@@ -136,7 +196,15 @@ class TrainerGroup:
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Trainer 0's ``obj`` (picklable), on every trainer."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
 
 
 class PendingSends:

@@ -95,7 +95,8 @@ def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, pro
             worker.log_event(progress_topic, {"done": done, "metrics": row})
             last_report[0] = time.perf_counter()
 
-    return train_rank(setup, TrainerGroup(rank, size, init_method), RunContext.on_worker(get_client()),
+    host = worker.address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return train_rank(setup, TrainerGroup(rank, size, init_method, address=host), RunContext.on_worker(get_client()),
                       report=report, worker=worker.address, device=device)
 
 
