@@ -226,7 +226,7 @@ def test_a_lost_member_differs_from_its_initial_rows_only_in_the_stripes_a_rebui
         write = held[rng.random(len(held)) < 0.6]
         rows = rng.standard_normal((len(write), spec.width)).astype(np.float32)
         same = rng.random(len(write)) < 0.2  # written back unchanged
-        rows[same] = group.checked_out.buf[group.checked_out.pos[write[same]]]
+        rows[same] = group.checked_out.peek(write[same])
         fetch = np.setdiff1d(np.unique(rng.integers(0, spec.total_rows, size=int(rng.integers(0, 12)))), held)
         group.exchange(write, rows, fetch)
         held = np.union1d(np.setdiff1d(held, write), fetch)
@@ -263,26 +263,60 @@ def test_a_group_started_from_checkpoint_rows_copies_every_stripe_in_a_rebuild(c
         restored.close()
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_checked_out_rows_match_a_dict(seed):
+    """Puts (an id put again: its later row), takes and failed takes against a dict, over tables of a few
+    rows to many (the index grows and shrinks through its rebuilds); the index holds only the ids checked
+    out, whatever the table."""
     rng = np.random.default_rng(seed)
-    total, width = 50, 3
-    store, reference = CheckedOutRows(total, width), {}
+    total, width = [50, 50, 5_000, 10**12][seed % 4], 3
+    store, reference, put = CheckedOutRows(width), {}, 0
     for _ in range(60):
         if reference and rng.random() < 0.4:
             ids = rng.choice(sorted(reference), size=int(rng.integers(1, len(reference) + 1)), replace=False)
             rows = store.take(ids)
             assert np.array_equal(rows, np.stack([reference.pop(int(i)) for i in ids]))
+        elif rng.random() < 0.2:
+            ids = rng.integers(0, total, size=int(rng.integers(1, 4)))
+            if not all(int(i) in reference for i in ids):
+                before = store.peek(np.array(sorted(reference), dtype=np.int64))
+                with pytest.raises(RuntimeError, match="never fetched"):
+                    store.take(ids)
+                assert np.array_equal(store.peek(np.array(sorted(reference), dtype=np.int64)), before)
         else:
-            ids = rng.choice(total, size=int(rng.integers(0, 10)), replace=False)
+            ids = rng.integers(0, total, size=int(rng.integers(0, min(total, 600))))
+            if rng.random() < 0.7:  # else some id may come twice
+                ids = rng.permutation(np.unique(ids))
             rows = rng.standard_normal((len(ids), width)).astype(np.float32)
             store.put(ids, rows)
-            reference.update({int(i): row for i, row in zip(ids, rows, strict=True)})
+            put = len(ids)
+            reference.update({int(i): row for i, row in zip(ids, rows, strict=True)})  # a repeated id: its last row
         assert len(store) == len(reference)
-    missing = np.array([i for i in range(total) if i not in reference][:1])
-    if len(missing):
-        with pytest.raises(RuntimeError, match="never fetched"):
-            store.take(missing)
+        held = np.array(sorted(reference), dtype=np.int64)
+        assert np.array_equal(store.peek(held), np.array([reference[int(i)] for i in held]).reshape(-1, width))
+        assert len(store.index.keys) <= max(16, 8 * (len(reference) + put))  # by the rows held (and last put)
+    missing = next(i for i in range(total + 1) if i not in reference)
+    if missing < total:
+        with pytest.raises(RuntimeError, match=f"write-back of row {missing}, which was never fetched"):
+            store.take(np.array([missing]))
+
+
+def test_a_read_does_not_check_rows_out():
+    """``read`` returns what ``fetch`` does, without keeping the rows as old rows of write-backs: a read
+    row written back without a fetch is refused, as a row never fetched is."""
+    spec = _spec(2)
+    group = _in_process_group(spec, 2, 1)
+    ids = np.array([0, 3, 7, 40], dtype=np.int64)
+    read = group.read(ids)
+    assert len(group.checked_out) == 0 and group.bytes_fetched == len(ids) * spec.row_bytes
+    out = np.empty((len(ids), spec.width), dtype=np.float32)
+    assert group.read(ids, out) is out and np.array_equal(out, read)
+    fetched = group.fetch(ids[:2])
+    assert np.array_equal(fetched, read[:2]) and len(group.checked_out) == 2
+    group.write_back(ids[:2], fetched + 1)
+    with pytest.raises(RuntimeError, match="write-back of row 7, which was never fetched"):
+        group.write_back(ids[2:], read[2:])
+    assert len(group.checked_out) == 0
 
 
 # ---- the write path's two directions, without Dask -------------------------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
-from dlrmflow.engine.coding.parity_batches import AwaitAcks, ParityBatching, SendParity
+from dlrmflow.engine.coding.parity_batches import AwaitAcks, ParityBatching, SendParity, WrittenRows
 from dlrmflow.engine.coding.rebuild_state import RebuildState
 
 WIDTH = 2  # float32 values per row
@@ -282,7 +282,7 @@ class System:
         assert state.write_batches == state.seq == len(self.batch_bytes)
         assert state.parity_messages == self.messages
         assert state.parity_bytes == sum(self.batch_bytes[seq] for seq in combined)
-        assert np.array_equal(state.written, self.written)
+        assert np.array_equal(state.written_rows(), np.flatnonzero(self.written))
 
     def run(self, event: str) -> None:
         if event == "write":
@@ -367,7 +367,7 @@ def test_a_message_every_parity_batches_batches_and_its_actions():
         assert not state.parity_due()
         assert state.batch_written(batch, rng.standard_normal((len(batch), WIDTH)).astype(np.float32)) == n
     assert state.parity_due() and state.write_batches == 2 and state.parity_bytes == 0
-    assert state.written.tolist() == [True, True, True, True, False, True]
+    assert state.written_rows().tolist() == [0, 1, 2, 3, 5]
     messages = state.send_begun([2, 3])
     assert [(m.member, m.seqs, m.gather) for m in messages] == [(2, (1, 2), False), (3, (1, 2), False)]
     assert [m.stripes[0].tolist() for m in messages] == [[0, 1]] * 2  # rows 0 and 3: stripes 0 and 1
@@ -408,3 +408,76 @@ def test_stripes_to_copy():
     assert state.stripes_to_copy([0]).tolist() == [3]
     assert state.stripes_to_copy([2]).tolist() == []
     assert state.stripes_to_copy([3]).tolist() == [0, 3]  # a parity shard: every stripe with a written row
+
+
+def test_stripes_to_copy_once_every_row_counts_as_written():
+    """A group started from checkpoint rows: every stripe a lost member holds is copied (a short data shard
+    has no row in the last stripe), whatever is written later."""
+    state = ParityBatching(ErasureCode(3, 1), 10, parity_batches=8)
+    state.mark_all_written()
+    state.batch_written(np.array([1]), np.zeros((1, WIDTH), np.float32))
+    assert state.stripes_to_copy([0]).tolist() == [0, 1, 2, 3]
+    assert state.stripes_to_copy([1, 2]).tolist() == [0, 1, 2]
+    assert state.stripes_to_copy([3]).tolist() == [0, 1, 2, 3]
+    assert state.written_rows().tolist() == list(range(10)) and state.written.nbytes == 0
+
+
+def _stripes_from_flags(written: np.ndarray, columns, k: int) -> np.ndarray:
+    """Stripes with a written row in one of ``columns``, from one flag per table row."""
+    copy = np.zeros(len(range(0, len(written), k)), dtype=bool)
+    for column in columns:
+        rows = written[column::k]
+        copy[: len(rows)] |= rows
+    return np.flatnonzero(copy)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_written_rows_match_a_flag_per_row(seed):
+    """Whatever rows are written (some twice, in one batch or more), in each of its forms (sorted ids,
+    merged now and then; a bitmap past ``sparse_limit``; nothing once every row is written): the rows and
+    the stripes of any columns are those a flag per row gives, the same arrays, dtype included."""
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(1, 5)) if seed % 4 == 0 else int(rng.integers(0, 300))
+    sparse_limit = [None, 0, 3, 40, 10**9][seed % 5]
+    rows = WrittenRows(total, sparse_limit)
+    rows.MERGE_MIN = [1, 4, 1 << 16][seed % 3]
+    flags = np.zeros(total, dtype=bool)
+    for _ in range(int(rng.integers(0, 25))):
+        if total and rng.random() < 0.95:
+            ids = rng.integers(0, total, size=int(rng.integers(1, max(2, total // 3))))
+            rows.add(ids)
+            flags[ids] = True
+        else:
+            rows.mark_all()
+            flags[:] = True
+        assert np.array_equal(rows.rows(), np.flatnonzero(flags))
+        for k in range(1, 6):
+            for columns in ([c] for c in range(k)):
+                assert_same_array(rows.stripes(columns, k), _stripes_from_flags(flags, columns, k))
+            columns = sorted(set(rng.integers(0, k, size=int(rng.integers(0, k + 1))).tolist()))
+            assert_same_array(rows.stripes(columns, k), _stripes_from_flags(flags, columns, k))
+            assert_same_array(rows.stripes(list(range(k)), k), _stripes_from_flags(flags, range(k), k))
+        if flags.all():
+            assert rows.all and rows.nbytes == 0
+        elif rows.bits is None:
+            assert rows.nbytes <= 8 * (2 * flags.sum() + rows.MERGE_MIN)  # ids merged, and as many recent
+        else:
+            assert rows.nbytes == (total + 7) // 8
+
+
+def test_written_rows_of_a_bitmap_spanning_several_chunks():
+    """The bitmap's stripes are found a chunk at a time: the same as from a flag per row for any K."""
+    total = (1 << 23) + 12345
+    for k in (1, 3, 8, 10):
+        rng = np.random.default_rng(k)
+        rows, flags = WrittenRows(total, sparse_limit=0), np.zeros(total, dtype=bool)
+        ids = rng.integers(0, total, 50_000)
+        rows.add(ids)
+        flags[ids] = True
+        assert rows.bits is not None
+        for columns in ([0], [k - 1], list(range(k))):
+            assert_same_array(rows.stripes(columns, k), _stripes_from_flags(flags, columns, k))
+
+
+def assert_same_array(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.dtype == expected.dtype and np.array_equal(got, expected), (got, expected)

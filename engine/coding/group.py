@@ -91,7 +91,7 @@ class CodedShardGroup(ShardGroup):
         # Batch numbers, rows written, pending deltas, unacknowledged parity messages, when one is due.
         self.batching = ParityBatching(code, spec.total_rows, parity_batches)
         self.worker_of = list(workers)  # the ShardGroup view of the member table (see _member_table_changed)
-        self.checked_out = CheckedOutRows(spec.total_rows, spec.width)
+        self.checked_out = CheckedOutRows(spec.width)
         self.lock = threading.RLock()
         self.degraded_rows = 0
         self.rebuild_chunk = rebuild_chunk
@@ -102,11 +102,11 @@ class CodedShardGroup(ShardGroup):
         self.shared_workers = False  # True when the cluster had fewer workers than members
         self.started_at = time.perf_counter()
 
-    @property
-    def written(self) -> np.ndarray:
-        """One flag per table row: written back (a group started from checkpoint rows sets them all;
-        :class:`ParityBatching` owns the flags)."""
-        return self.batching.written
+    def mark_all_written(self) -> None:
+        """Every row counts as written back (:meth:`ParityBatching.mark_all_written`): a group started from
+        checkpoint rows, any of which may differ from its initial value."""
+        with self.lock:
+            self.batching.mark_all_written()
 
     def _member_table_changed(self) -> None:
         self.actors = self.state.members[: self.code.k]
@@ -115,6 +115,17 @@ class CodedShardGroup(ShardGroup):
 
     # ---- the write-back path ------------------------------------------------------------------
     def exchange(self, write_ids, write_rows, fetch_ids, out=None):
+        return self._exchange(write_ids, write_rows, fetch_ids, out, check_out=True)
+
+    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids`` into ``out`` (or a new array), as :meth:`fetch` reads them, but not checked out:
+        for reads the trainer never writes back (evaluation, a mid-run view), which would otherwise keep a
+        copy of every row they read for the rest of the run. Counted as fetched bytes, as a fetch is."""
+        return self._exchange(np.zeros(0, dtype=np.int64), np.zeros((0, self.spec.width), dtype=np.float32), ids,
+                              out, check_out=False)
+
+    def _exchange(self, write_ids, write_rows, fetch_ids, out, *, check_out: bool) -> np.ndarray:
+        """:meth:`exchange`; ``check_out``: the fetched rows are kept as the old rows of their write-backs."""
         write_ids = np.asarray(write_ids, dtype=np.int64)
         fetch_ids = np.asarray(fetch_ids, dtype=np.int64)
         write_rows = np.asarray(write_rows, dtype=np.float32)
@@ -138,7 +149,7 @@ class CodedShardGroup(ShardGroup):
                     self.send_parity()
                 except LostMembersError as exc:
                     self.on_lost(exc.members, exc)
-            if len(fetch_ids):
+            if check_out and len(fetch_ids):
                 self.checked_out.put(fetch_ids, out)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
         self.bytes_fetched += len(fetch_ids) * self.spec.row_bytes

@@ -56,7 +56,7 @@ def start_coded_shards(client: Client, spec: RowSpec, num_shards: int, parity: i
                             parity_batches=parity_batches, rebuild_rate=rebuild_rate, recovery_runner=recovery_runner,
                             start_rebuild=start_rebuild_thread)
     if rows is not None:
-        group.written[:] = True  # rows from a checkpoint: any of them may differ from its initial value
+        group.mark_all_written()  # rows from a checkpoint: any of them may differ from its initial value
     group.shared_workers = shared
     group.state.standbys_set(start_standbys(client, spec, code, actors, workers))
     return group

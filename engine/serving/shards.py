@@ -284,6 +284,11 @@ class ShardGroup:
         """Rows of ``ids`` into ``out`` (or a new array) ``[len(ids), width]``, all shards at once."""
         return self.exchange(_NO_IDS, _no_rows(self.spec), ids, out)
 
+    def read(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids`` for a reader that will not write them back (an evaluation): :meth:`fetch` here; a
+        coded group keeps no old rows for them."""
+        return self.fetch(ids, out)
+
     def write_back(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Store ``rows`` for ``ids`` on their shards; returns once every shard acknowledged."""
         self.exchange(ids, rows, _NO_IDS)

@@ -71,9 +71,10 @@ class ShardHome:
         self.shards.held_by_trainer(ids, rows)
 
     def read(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        """The shards' rows of ``ids`` on ``device``, not counted (evaluation, a checkpoint's view)."""
+        """The shards' rows of ``ids`` on ``device``, not counted (evaluation, a checkpoint's view): read, not
+        fetched, so a coded group keeps no old rows of them (they are never written back)."""
         host = _host_buffer(len(ids), self.spec.width, device)
-        self.shards.fetch(ids, out=host.numpy())
+        self.shards.read(ids, out=host.numpy())
         return host.to(device)
 
     def all_rows(self) -> np.ndarray:
