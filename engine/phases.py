@@ -14,6 +14,11 @@ from contextlib import contextmanager
 logger = logging.getLogger("dlrmflow.engine.phases")
 
 
+def say(what: str) -> None:
+    """A fact about the work in progress, where the phases are reported (e.g. where its dashboard is)."""
+    logger.info("%s", what)
+
+
 @contextmanager
 def phase_reported(what: str) -> Iterator[None]:
     """Say that ``what`` starts, and once it ended, how long it took: a phase of seconds is never silent."""

@@ -40,7 +40,7 @@ from distributed import Client, LocalCluster, Nanny
 from distributed.core import Status
 from distributed.utils import get_mp_context
 
-from dlrmflow.engine.phases import phase_reported
+from dlrmflow.engine.phases import phase_reported, say
 from dlrmflow.engine.serving.placement import RESOURCE as SERVER_RESOURCE
 from dlrmflow.engine.serving.placement import TRAINER_RESOURCE
 from dlrmflow.engine.serving.shaped_link import ShapedLink, shaped_link
@@ -187,7 +187,19 @@ def dask_scheduler(address: str | None = None, *, n_workers: int | None = None, 
         yield address
         return
     with _reported(lambda: local_cluster(n_workers, trainers=trainers)) as cluster:
+        _say_dashboard(cluster.dashboard_link)
         yield cluster.scheduler_address
+
+
+_ANNOUNCED_DASHBOARDS: set[str] = set()  # said once per process: a flow's tasks join the cluster it started
+
+
+def _say_dashboard(link: str | None) -> None:
+    """Where the cluster's Dask dashboard is (users watch long work there): a LocalCluster's is on a free port."""
+    text = link or "none (the scheduler serves no dashboard)"
+    if text not in _ANNOUNCED_DASHBOARDS:
+        _ANNOUNCED_DASHBOARDS.add(text)
+        say(f"Dask dashboard: {text}")
 
 
 @contextmanager
@@ -226,6 +238,7 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None, tra
     if not address:
         with _reported(lambda: local_cluster(n_workers, trainers=trainers)) as cluster, \
                 Client(cluster, direct_to_workers=True) as client:
+            _say_dashboard(client.dashboard_link)
             yield client
         return
     try:
@@ -235,6 +248,7 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None, tra
 
         raise UserInputError(f"cannot reach the Dask scheduler at {address!r}: {exc}") from exc
     with client:
+        _say_dashboard(client.dashboard_link)
         yield client
 
 
