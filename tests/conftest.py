@@ -113,7 +113,8 @@ END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harne
 # modules in collection order, so these go first: started last, one of them alone would be the run's tail.
 # Out of date, this list costs only time (`pytest --durations=30` shows the slowest tests).
 LONGEST_MODULES = ["test_readme.py", "test_daily_deployment.py", "test_pipeline.py", "test_prefect_server.py",
-                   "test_external_dask.py", "test_fast_start.py", "test_recovery.py", "test_dataset_cli.py"]
+                   "test_external_dask.py", "test_hosts.py", "test_fast_start.py", "test_recovery.py",
+                   "test_dataset_cli.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
