@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -182,7 +183,7 @@ def test_evaluate_scores_a_run_on_the_next_days_data_as_training_would_see_it(da
     """Yesterday's model on today's data: the rows training's own evaluation reads (a continued run's
     start), so on the run's own held-out rows it agrees with the run's final evaluation; the constant
     prediction's log loss is the labels' entropy; new ids are counted."""
-    from dlrmflow.engine.training.metrics import log_loss
+    from dlrmflow.engine.training.metrics import log_loss_terms
     from dlrmflow.engine.training.scoring import evaluate_run
 
     run = train(config(days["ds0"], tmp_path / "day0", "local", eval_fraction=0.25, iterations=4))
@@ -199,7 +200,9 @@ def test_evaluate_scores_a_run_on_the_next_days_data_as_training_would_see_it(da
                              .BatchStream(days["ds1"], 512)])
     rate = labels.mean()
     assert next_day["constant_log_loss"] == pytest.approx(-(rate * np.log(rate) + (1 - rate) * np.log(1 - rate)))
-    assert next_day["constant_log_loss"] == log_loss(labels, np.full(len(labels), rate))
+    # Every scoring sums the per-row losses exactly (math.fsum's value), not with np.mean's pairwise sum.
+    terms = log_loss_terms(labels, np.full(len(labels), rate))
+    assert next_day["constant_log_loss"] == math.fsum(terms) / len(labels)
     # The batch size does not change the scores (same model, same rows): the same AUC bits.
     assert evaluate_run(tmp_path / "day0", days["ds1"], batch_size=333)["auc"] == next_day["auc"]
 

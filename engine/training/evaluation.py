@@ -1,7 +1,12 @@
-"""The held-out evaluation: AUC and log loss of the model on the rows a run holds out."""
+"""The held-out evaluation: AUC and log loss of the model on the rows a run holds out, in this process.
+
+Each pass leaves a mergeable summary of the scores (:class:`~.metrics.ScoreSummary`), not the scores:
+its memory is a chunk of rows and the distinct scores, and the same computation, run a part per Dask
+task (:mod:`.cluster_scoring`), merges into the same bits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -10,7 +15,7 @@ import torch
 from dlrmflow.engine.batch_stream import Batch, BatchStream, global_ids
 from dlrmflow.engine.phases import PhaseProgress
 from dlrmflow.engine.training.config import TrainConfig
-from dlrmflow.engine.training.metrics import log_loss, roc_auc
+from dlrmflow.engine.training.metrics import ScoreSummary, SummaryMerger
 from dlrmflow.engine.training.stores.base import RowStore
 
 
@@ -36,27 +41,43 @@ def evaluate(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.
 def _evaluate(setup: Any, config: TrainConfig, meta: Any, model: torch.nn.Module, read: Any,
               device: torch.device) -> dict[str, Any]:
     if setup.eval_start >= meta.rows:
-        return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
+        return held_out_metrics(None)
     stream = BatchStream(config.dataset_dir, config.eval_batch_size, start_row=setup.eval_start)
-    y, p = score_rows(stream, model, read, setup.spec.dim, device,
-                      PhaseProgress("final evaluation rows", meta.rows - setup.eval_start))
-    auc = roc_auc(y, p)
-    return {
-        "eval_rows": int(len(y)),
-        "eval_auc": None if np.isnan(auc) else auc,
-        "eval_log_loss": log_loss(y, p),
-    }
+    summary, _ = score_stream(stream, model, read, setup.spec.dim, device,
+                              PhaseProgress("final evaluation rows", meta.rows - setup.eval_start))
+    return held_out_metrics(summary)
 
 
-def score_rows(stream: BatchStream, model: torch.nn.Module, read: Any, dim: int, device: torch.device,
-               progress: Any, on_batch: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """The labels and the model's click probabilities of every row ``stream`` gives; ``read(ids)``: the
-    rows of sorted unique global ids as a tensor (their first ``dim`` values are the weights);
-    ``on_batch(batch)``: called with each batch, for figures of the data taken on the same pass."""
-    labels, probs, done = [], [], 0
+def held_out_metrics(summary: ScoreSummary | None) -> dict[str, Any]:
+    """The summary's evaluation fields from the merged scores of the held-out rows (None: no rows held out)."""
+    if summary is None or summary.rows == 0:
+        return {"eval_rows": 0, "eval_auc": None, "eval_log_loss": None}
+    return {"eval_rows": summary.rows, "eval_auc": summary.auc(), "eval_log_loss": summary.log_loss()}
+
+
+# Rows scored before their labels and probabilities are folded into a summary: the scores a pass keeps
+# are at most this many rows plus the distinct scores seen so far, whatever the number of rows.
+SUMMARY_CHUNK_ROWS = 1 << 20
+
+
+def score_stream(stream: BatchStream, model: torch.nn.Module, read: Any, dim: int, device: torch.device,
+                 progress: Any, *, known_rows: Sequence[int] | None = None) -> tuple[ScoreSummary, int]:
+    """Score every row ``stream`` gives: the mergeable summary of their labels and the model's click
+    probabilities (:class:`~.metrics.ScoreSummary`), and how many lookups (rows x tables) met an id at or
+    beyond ``known_rows[k]`` in its table ``k`` (0 without ``known_rows``).
+
+    ``read(ids)``: the rows of sorted unique global ids as a tensor (their first ``dim`` values are the
+    weights). Every way of scoring (in this process, or a part per Dask task) runs this on batches cut
+    alike from the same rows, so each row gets the same probability bits, and the summaries merge
+    exactly: the metrics do not depend on how the rows were split."""
+    merger = SummaryMerger()
+    labels: list[np.ndarray] = []
+    probs: list[np.ndarray] = []
+    pending = done = new_lookups = 0
+    had = None if known_rows is None else np.asarray(known_rows, np.int64)[None, :]
     for batch in stream:
-        if on_batch is not None:
-            on_batch(batch)
+        if had is not None:
+            new_lookups += int(np.count_nonzero(np.asarray(batch.sparse) >= had))
         ids = global_ids(batch.sparse, stream.offsets)
         uniq, inverse = np.unique(ids, return_inverse=True)
         weights = read(uniq)[:, :dim]
@@ -65,9 +86,15 @@ def score_rows(stream: BatchStream, model: torch.nn.Module, read: Any, dim: int,
         logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], dim))
         probs.append(torch.sigmoid(logits).cpu().numpy())
         labels.append(batch.labels)
+        pending += len(batch.labels)
+        if pending >= SUMMARY_CHUNK_ROWS:
+            merger.add(ScoreSummary.of(np.concatenate(labels), np.concatenate(probs)))
+            labels, probs, pending = [], [], 0
         done += len(batch.labels)
         progress(done)
-    return np.concatenate(labels), np.concatenate(probs)
+    if labels:
+        merger.add(ScoreSummary.of(np.concatenate(labels), np.concatenate(probs)))
+    return merger.result(), new_lookups
 
 
 def batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,15 +8,16 @@ met such a row.
 
 Reported: AUC, log loss, and the constant-prediction log loss (every row predicted at the data's click
 rate: the entropy of the labels, the baseline a model must beat; log loss / that = normalised entropy).
-The rows come from the run's shard files, memory-mapped, by id: no process holds the tables.
+The rows come from the run's shard files, memory-mapped, by id: no process holds the tables. With a
+Dask client the rows are scored a part per task on its workers and the parts' summaries merged exactly
+(:mod:`.cluster_scoring`); without, in this process, a chunk at a time: the same numbers either way.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from dlrmflow.datasets.meta import read_meta
@@ -24,23 +25,27 @@ from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.models import build_model, row_init_std
 from dlrmflow.engine.models.registry import config_of
 from dlrmflow.engine.phases import PhaseProgress
-from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.training.cluster_scoring import DenseModel, InitRows, score_on_cluster
 from dlrmflow.engine.training.continuation import InitFromError, parent_cardinalities, read_finished_run
 from dlrmflow.engine.training.dense import deterministic_torch
-from dlrmflow.engine.training.evaluation import score_rows
-from dlrmflow.engine.training.metrics import log_loss, roc_auc
+from dlrmflow.engine.training.evaluation import score_stream
+from dlrmflow.engine.training.metrics import LogLossSum
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 
-def constant_log_loss(labels: np.ndarray) -> float | None:
-    """Log loss of predicting every row at the labels' own positive rate (None without rows)."""
-    if len(labels) == 0:
-        return None
-    return log_loss(labels, np.full(len(labels), float(np.mean(labels))))
+def constant_log_loss(positives: int, rows: int) -> float | None:
+    """Log loss of predicting every one of ``rows`` rows at their own positive rate (None without rows)."""
+    return LogLossSum.constant(positives, rows).value() if rows else None
 
 
 def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, batch_size: int = 4096,
-                 device: str = "cpu") -> dict[str, Any]:
-    """Score the final model of ``run_dir`` on every row of ``dataset_dir`` (module docstring)."""
+                 device: str = "cpu", client: Client | None = None) -> dict[str, Any]:
+    """Score the final model of ``run_dir`` on every row of ``dataset_dir`` (module docstring): with
+    ``client``, a part of the rows per Dask task on its workers (:mod:`.cluster_scoring`), else in this
+    process; the same bits either way."""
     from dlrmflow.engine.run_state import load_dense
 
     run = read_finished_run(run_dir, option="RUN_DIR")
@@ -58,38 +63,34 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
                    table_offsets=tuple(meta.table_offsets), cardinalities=tuple(meta.cardinalities),
                    init_std=row_init_std(dense["model"]), earlier_cardinalities=meta.earlier_cardinalities,
                    start=run.starting_rows(cards))
-    torch_device = torch.device(device)
-
-    def read(ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(init_rows(spec, ids)).to(torch_device)
-
-    had = np.asarray(cards, np.int64)
-    new_lookups = [0]  # lookups (rows x tables) that meet an id beyond the run's rows of its table
-
-    def count_new_lookups(batch) -> None:
-        new_lookups[0] += int(np.count_nonzero(np.asarray(batch.sparse) >= had[None, :]))
-
-    stream = BatchStream(dataset_dir, batch_size)
-    with deterministic_torch(torch_device), torch.no_grad():
-        model = build_model(model_config).to(torch_device)
-        model.load_state_dict(dense["dense"])
-        model.eval()
-        labels, probs = score_rows(stream, model, read, spec.dim, torch_device,
-                                   PhaseProgress("evaluation rows", meta.rows), on_batch=count_new_lookups)
-    lookups = new_lookups[0]
-    auc = roc_auc(labels, probs)
+    progress = PhaseProgress("evaluation rows", meta.rows)
+    if client is not None:
+        summary, lookups = score_on_cluster(client, dataset_dir, 0, meta.rows, batch_size,
+                                            DenseModel(model_config, dense["dense"], spec.dim), InitRows(spec),
+                                            device_type=torch.device(device).type, progress=progress,
+                                            known_rows=cards)
+    else:
+        torch_device = torch.device(device)
+        read = InitRows(spec).reader(torch_device)
+        stream = BatchStream(dataset_dir, batch_size)
+        with deterministic_torch(torch_device), torch.no_grad():
+            model = build_model(model_config).to(torch_device)
+            model.load_state_dict(dense["dense"])
+            model.eval()
+            summary, lookups = score_stream(stream, model, read, spec.dim, torch_device, progress, known_rows=cards)
+    rows = summary.rows
     return {
         "run_dir": run.run_dir,
         "dataset": str(dataset_dir),
         "dataset_fingerprint": meta.fingerprint,
         "model": dense["model"],
         "run_iterations": run.steps,
-        "rows": int(len(labels)),
-        "positive_rate": float(np.mean(labels)) if len(labels) else None,
-        "auc": None if np.isnan(auc) else float(auc),
-        "log_loss": log_loss(labels, probs) if len(labels) else None,
-        "constant_log_loss": constant_log_loss(labels),
+        "rows": rows,
+        "positive_rate": summary.positives / rows if rows else None,
+        "auc": summary.auc(),
+        "log_loss": summary.log_loss(),
+        "constant_log_loss": constant_log_loss(summary.positives, rows),
         "new_ids": int(sum(meta.cardinalities) - sum(cards)),  # rows of this vocabulary the run never had
         "new_id_lookups": lookups,  # lookups (rows x tables) that met such a row
-        "new_id_lookup_share": lookups / (len(labels) * len(cards)) if len(labels) else 0.0,
+        "new_id_lookup_share": lookups / (rows * len(cards)) if rows else 0.0,
     }

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dlrmflow.engine.coding.erasure import TooManyErasuresError
 from dlrmflow.engine.coding.group import CodedShardGroup
@@ -29,6 +28,7 @@ from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
 from dlrmflow.engine.training.checkpoint import Checkpointer
 from dlrmflow.engine.training.checkpoint_format import cache_of, load_resume_point, restore_dense
+from dlrmflow.engine.training.cluster_scoring import final_evaluation
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.dense import collect_state, deterministic_torch, make_dense_optimizer, start_from_run
 from dlrmflow.engine.training.evaluation import evaluate
@@ -82,18 +82,17 @@ def share_servers(group: TrainerGroup, shards: ShardGroup | None, spec) -> Shard
     coded group has one client, trainer 0: the others get a group of no actors (they never call one)."""
     if group.size == 1:
         return shards
-    handle = [None]
-    if group.rank == 0:
-        handle = [None if isinstance(shards, CodedShardGroup) else
-                  ShardGroup(spec, list(shards.actors), worker_of=list(shards.worker_of))]
-    dist.broadcast_object_list(handle, src=0)
+    handle = None
+    if group.rank == 0 and not isinstance(shards, CodedShardGroup):
+        handle = ShardGroup(spec, list(shards.actors), worker_of=list(shards.worker_of))
+    handle = group.broadcast_object(handle)
     if group.rank == 0:
         return shards
-    if handle[0] is None:
+    if handle is None:
         return ShardGroup(spec, [])
-    for actor in handle[0].actors:
+    for actor in handle.actors:
         bind_actor(actor)  # here, in the task's thread: the prefetch thread cannot
-    return handle[0]
+    return handle
 
 
 def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, report: Report | None = None,
@@ -159,13 +158,15 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
                 "began_at": began_at, "ended_at": ended_at}
             if lead:
                 finish = outcome["finish"] = {}
-                with timed(finish, "evaluation"), phase_reported("final evaluation"):
-                    outcome["metrics"] = evaluate(setup, model, store, device)
                 with timed(finish, "state"), phase_reported("final state: the servers write their rows"):
                     if setup.whole_state:  # tests: the whole state gathered here, besides the shards' files
                         outcome["whole_state"] = collect_state(setup, model, optimizer, store)
                     outcome["state"] = write_final_state(setup, model, optimizer, store,
                                                          output if config.save_state else None)
+                # After the final state: the cluster's workers score the held-out rows from its staged files.
+                with timed(finish, "evaluation"), phase_reported("final evaluation"):
+                    outcome["metrics"] = final_evaluation(setup, model, store, device, context.client,
+                                                          outcome["state"])
                 kills = hooks.injector.log if hooks.injector else []
                 parity_files = None
                 if config.parity:
