@@ -204,13 +204,25 @@ def test_id_reader_equals_batch_stream(tmp_path, monkeypatch, block_rows):
 # ---- plans equal the naive reference, chunked equals sequential -------------------------------
 
 
+@pytest.fixture(params=["auto", "map", "map-switching"])
+def last_uses(request, monkeypatch):
+    """How a decision pass holds its last uses: as it chooses (these datasets are small: a dense array), or
+    a hash map from tiny tables (many rebuilds and expiries), alone or switching to the dense array where that
+    becomes the smaller (no allowance for a dense array), in the middle of a pass. Every way gives the same
+    plan."""
+    if request.param != "auto":
+        monkeypatch.setattr(lookahead.IdMap, "MIN_BITS", 2)
+        monkeypatch.setattr(lookahead, "DENSE_LAST_USES_BYTES", 0 if request.param == "map-switching" else None)
+    return request.param
+
+
 def capacity_bounds(batches, L: int, P: int) -> tuple[int, int]:
     """The fewest slots any plan needs (the rows of P + 1 consecutive batches) and the unbounded plan's peak."""
     need = max((len(set().union(*batches[u : u + P + 1])) for u in range(len(batches))), default=1)
     return need, naive_plan(batches, L, P, None)[4]
 
 
-def test_sequential_plan_equals_naive_reference(tmp_path):
+def test_sequential_plan_equals_naive_reference(tmp_path, last_uses):
     rng = np.random.default_rng(1)
     for i in range(40):
         dataset, B, L, P, drop_last = random_case(rng, tmp_path, i)
@@ -228,7 +240,7 @@ def test_sequential_plan_equals_naive_reference(tmp_path):
             replay_trainer(batches, plan)
 
 
-def test_chunked_plan_equals_sequential(tmp_path):
+def test_chunked_plan_equals_sequential(tmp_path, last_uses):
     rng = np.random.default_rng(2)
     for i in range(40):
         dataset, B, L, P, drop_last = random_case(rng, tmp_path, i)
@@ -351,16 +363,16 @@ def test_slot_assignment_rejects_a_prefetch_before_the_write_back():
 
     (po, pi), (eo, ei) = csr(prefetch), csr(evict)
     with pytest.raises(PlanConsistencyError, match=r"row 7 is prefetched for iteration 3.*after iteration 2"):
-        assign_slots(po, pi, eo, ei, distance=1, num_slots=2, num_rows=10)
+        assign_slots(po, pi, eo, ei, distance=1, num_slots=2)
     # Prefetched for 4 instead (issued when 3 starts, after 2's write-back): fine.
     prefetch, evict, T = {0: [7], 4: [7]}, {2: [7], 4: [7]}, 5
     (po, pi), (eo, ei) = csr(prefetch), csr(evict)
-    slots, peak = assign_slots(po, pi, eo, ei, distance=1, num_slots=2, num_rows=10)
+    slots, peak = assign_slots(po, pi, eo, ei, distance=1, num_slots=2)
     assert slots.tolist() == [0, 1] and peak == 1
     # Evicting a row that is not cached is refused too.
     (po, pi), (eo, ei) = csr({0: [1]}), csr({0: [1], 1: [2]})
     with pytest.raises(PlanConsistencyError, match="evicts row 2, which is not cached"):
-        assign_slots(po, pi, eo, ei, distance=1, num_slots=2, num_rows=10)
+        assign_slots(po, pi, eo, ei, distance=1, num_slots=2)
 
 
 # ---- plan directories ---------------------------------------------------------------------------
@@ -456,13 +468,104 @@ def test_plan_output_refuses_a_directory_that_is_not_a_plan(tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
-def test_last_use_table_epochs_never_leak_between_passes():
-    # Two passes in one thread with different windows: the second must not see the first's uses.
-    table = lookahead.LastUseTable.for_thread(50)
-    e1 = table.begin(10, 3)
-    table.last[[1, 2]] = e1 + 9
-    e2 = table.begin(5, 400)
-    assert e2 + 0 - (e1 + 9) > 400
+@pytest.mark.parametrize("min_bits", [1, 3, 10])
+def test_id_map_equals_a_dict(monkeypatch, min_bits):
+    """Adds (plain, and checked: none added when one is present), lookups (repeats and absent ids), value
+    updates and removals, through rebuilds and removed cells taken again, against a dict."""
+    monkeypatch.setattr(lookahead.IdMap, "MIN_BITS", min_bits)
+    rng = np.random.default_rng(min_bits)
+    for high in (40, 5000, 1 << 40):
+        m, want, most = lookahead.IdMap(), {}, 0
+        for step in range(150):
+            new = np.setdiff1d(np.unique(rng.integers(0, high, int(rng.integers(0, 120)))), list(want))
+            if step % 2:
+                m.add(new.astype(np.int64), new * 3)
+            else:
+                old = rng.permutation(sorted(want))[:2]
+                mixed = rng.permutation(np.concatenate([new, old])).astype(np.int64)
+                present = m.add_absent(mixed, mixed * 3)
+                assert sorted(mixed[present].tolist()) == sorted(old.tolist())  # then nothing is added
+                if len(old):
+                    assert m.add_absent(new.astype(np.int64), new * 3).size == 0
+            want.update(zip(new.tolist(), (new * 3).tolist(), strict=True))
+            most = max(most, len(want))
+            asked = rng.integers(0, high, 300).astype(np.int64)
+            at, values = m.lookup(asked, -1)
+            assert values.tolist() == [want.get(x, -1) for x in asked.tolist()]
+            m.set(at, values + 1)  # the absent ids' spare cell takes theirs
+            want = {x: v + 1 if x in set(asked.tolist()) else v for x, v in want.items()}
+            gone = rng.permutation(sorted(want))[: int(rng.integers(0, len(want) + 1))].astype(np.int64)
+            at, values = m.lookup(gone, -1)
+            assert (values >= 0).all()
+            m.remove(at)
+            for x in gone.tolist():
+                del want[x]
+            ids, values = m.entries()
+            assert dict(zip(ids.tolist(), values.tolist(), strict=True)) == want and m.size == len(want)
+            assert m.nbytes <= lookahead.IdMap.nbytes_for(most + 120)
+
+
+def test_a_decision_pass_holds_state_for_the_window_and_keeps_none(tmp_path, monkeypatch):
+    """Where the dense array is not the smaller, a pass's last uses are a hash map that follows the ids used
+    within the window, whatever the rows of the tables; nothing stays after the pass (no state per thread)."""
+    import gc
+    import tracemalloc
+
+    dataset = make_dataset(tmp_path / "ds", 5, 4000, [200_000, 300_000, 7], skew=1.4)
+    config = PlanConfig(40, 8, 2)
+    sizes = []
+    real = lookahead.LastUses.used_in
+
+    def used_in(self, lo, hi):
+        sizes.append(self.nbytes)
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(lookahead.LastUses, "used_in", used_in)
+    monkeypatch.setattr(lookahead, "DENSE_LAST_USES_BYTES", 0)  # no allowance: only where smaller
+    reference = plan_sequential(dataset, config)
+    window_ids = (config.lookahead + 1) * config.batch_size * 3
+    dense = 500_007 * 4
+    assert sizes[-1] <= lookahead.IdMap.nbytes_for(2 * window_ids) < dense // 4  # the map, sized by the window
+    monkeypatch.setattr(lookahead, "DENSE_LAST_USES_BYTES", None)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        stream = planner.open_stream(dataset, config)
+        before = tracemalloc.get_traced_memory()[0]
+        planner.decide_chunk(str(dataset), config, 0, len(stream), 0, 3)
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after - before < dense // 20  # nothing per row outlives the task
+    assert_same_plan(plan_sequential(dataset, config), reference)
+
+
+def test_slot_replay_holds_the_rows_cached(tmp_path, monkeypatch):
+    """The streamed slot replay maps the rows cached at once to their slots, not every embedding row."""
+    dataset = make_dataset(tmp_path / "ds", 6, 3000, [100_000, 250_000], skew=1.3)
+    config = PlanConfig(30, 6, 2, capacity=120)
+    seen = []
+    real = planner._SlotReplay.issue
+
+    def issue(self, t, ids, evict_ids):
+        slots = real(self, t, ids, evict_ids)
+        seen.append((self.cached.size, self.cached.nbytes))
+        return slots
+
+    monkeypatch.setattr(planner._SlotReplay, "issue", issue)
+    summary = make_plan(dataset, config, tmp_path / "plan")
+    assert len(seen) == summary["num_iterations"] and summary["num_slots"] == 120
+    assert max(size for size, _ in seen) == summary["counts"]["peak_occupancy"] <= 120
+    assert max(nbytes for _, nbytes in seen) <= lookahead.IdMap.nbytes_for(2 * 120)  # 350K rows: 1.4 MB dense
+
+
+def test_slot_assignment_rejects_a_row_prefetched_or_evicted_twice_at_once():
+    po, pi = np.array([0, 2]), np.array([4, 4])
+    with pytest.raises(PlanConsistencyError, match="row 4 is prefetched twice for iteration 0"):
+        assign_slots(po, pi, np.array([0, 1]), np.array([4]), distance=1, num_slots=2)
+    with pytest.raises(PlanConsistencyError, match="iteration 0 evicts row 4 twice"):
+        assign_slots(np.array([0, 1]), np.array([4]), np.array([0, 2]), np.array([4, 4]), distance=1, num_slots=2)
 
 
 # ---- the streamed plan --------------------------------------------------------------------------

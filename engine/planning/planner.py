@@ -44,16 +44,16 @@ from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.planning.lookahead import (
+    IdMap,
     PlanConsistencyError,
     RangeDecisions,
     assign_slots,
     coverage,
     decide_range,
     farthest_first_drops,
-    forget_slot_map,
     iter_id_batches,
     occupancy,
-    slot_map,
+    repeated_id,
 )
 from dlrmflow.engine.up_to_date import saved_result
 
@@ -401,17 +401,13 @@ def _stream_plan(
                     future.release()
             finally:
                 client.cancel([f for f in futures if f.key not in released])
-    try:
-        stats = assemble_stream(
-            config, n, stream.meta.total_embedding_rows, spool.pieces, spool.take, counts, sink,
-            iterations_per_file=iterations_per_file or ITERATIONS_PER_FILE,
-            capacity_error=lambda base: capacity_error(stream, config, base),
-            progress=(lambda c: progress(len(tasks) + c, total)) if progress else None,
-            pieces_of_chunk=spool.of_chunk,
-        )
-    except BaseException:
-        forget_slot_map()  # not all zero any more
-        raise
+    stats = assemble_stream(
+        config, n, spool.pieces, spool.take, counts, sink,
+        iterations_per_file=iterations_per_file or ITERATIONS_PER_FILE,
+        capacity_error=lambda base: capacity_error(stream, config, base),
+        progress=(lambda c: progress(len(tasks) + c, total)) if progress else None,
+        pieces_of_chunk=spool.of_chunk,
+    )
     return stream, stats
 
 
@@ -476,7 +472,7 @@ def assemble_plan(stream: BatchStream, config: PlanConfig, d: RangeDecisions) ->
     num_slots = capacity if capacity is not None else peak
     pf_offsets, ev_offsets = _offsets(pf_counts), _offsets(ev_counts)
     slots, replay_peak = assign_slots(
-        pf_offsets, pf_ids, ev_offsets, ev_ids, distance=distance, num_slots=num_slots, num_rows=num_rows
+        pf_offsets, pf_ids, ev_offsets, ev_ids, distance=distance, num_slots=num_slots
     )
     if replay_peak != peak:
         raise RuntimeError(f"slot replay peaks at {replay_peak} rows, the occupancy count at {peak}")
@@ -577,22 +573,21 @@ class _Counts:
 
 class _SlotReplay:
     """:func:`~dlrmflow.engine.planning.lookahead.assign_slots`, fed one iteration at a time: the same FIFO of
-    free slots (a ring of ``num_slots``) and the same order of steps, so the same slots."""
+    free slots (a ring of ``num_slots``) and the same order of steps, so the same slots. The rows cached map to
+    their slots in an :class:`IdMap`: what it holds follows the rows cached at once (at most ``num_slots``), not
+    the embedding rows, and it goes with the replay when the plan is written."""
 
-    def __init__(self, n: int, distance: int, num_slots: int, num_rows: int) -> None:
+    def __init__(self, n: int, distance: int, num_slots: int) -> None:
         self.n, self.distance, self.num_slots = n, distance, num_slots
-        self.slot_plus_one = slot_map(num_rows, num_slots)
+        self.cached = IdMap()  # row -> its slot, for the rows fetched and not yet written back
         self.ring = np.arange(num_slots + 1, dtype=np.int64)  # one spare: head == tail means empty
         self.head, self.free = 0, num_slots
         self.peak = 0
         self.evicts: dict[int, np.ndarray] = {}  # iterations issued, not yet written back
 
-    def _take(self, k: int) -> np.ndarray:
-        size = len(self.ring)
-        out = self.ring[(self.head + np.arange(k)) % size] if k else np.zeros(0, np.int64)
-        self.head = (self.head + k) % size
-        self.free -= k
-        return out
+    def _next_free(self, k: int) -> np.ndarray:
+        """The ``k`` slots at the front of the free queue (left there)."""
+        return self.ring[(self.head + np.arange(k)) % len(self.ring)] if k else np.zeros(0, np.int64)
 
     def _put(self, slots: np.ndarray) -> None:
         size = len(self.ring)
@@ -602,10 +597,13 @@ class _SlotReplay:
 
     def release(self, v: int) -> None:
         ids = self.evicts.pop(v)
-        held = self.slot_plus_one[ids].astype(np.int64) - 1
+        at, held = self.cached.lookup(ids, -1)
         if (held < 0).any():
             raise PlanConsistencyError(f"iteration {v} evicts row {int(ids[held < 0][0])}, which is not cached")
-        self.slot_plus_one[ids] = 0
+        twice = repeated_id(ids)
+        if twice is not None:
+            raise PlanConsistencyError(f"iteration {v} evicts row {twice} twice")
+        self.cached.remove(at)
         self._put(held)
 
     def issue(self, t: int, ids: np.ndarray, evict_ids: np.ndarray) -> np.ndarray:
@@ -613,9 +611,20 @@ class _SlotReplay:
         self.evicts[t] = evict_ids
         if t > self.distance:
             self.release(t - self.distance - 1)
-        cached = self.slot_plus_one[ids] != 0
-        if cached.any():
-            x = int(ids[cached][0])
+        twice = repeated_id(ids)
+        if twice is None and self.free >= len(ids):  # then one probe per id checks and places it
+            slots = self._next_free(len(ids))
+            present = self.cached.add_absent(ids, slots)
+            if not present.size:
+                self.head = (self.head + len(ids)) % len(self.ring)
+                self.free -= len(ids)
+                if t >= min(self.distance, self.n - 1):  # assign_slots' checkpoints: after 0..P, then each step
+                    self.peak = max(self.peak, self.num_slots - self.free)
+                return slots
+        else:
+            present = np.flatnonzero(self.cached.lookup(ids, -1)[1] >= 0)
+        if present.size:
+            x = int(ids[present.min()])
             after = [v for v in sorted(self.evicts) if v >= t - self.distance - 1 and x in self.evicts[v]]
             raise PlanConsistencyError(
                 f"row {x} is prefetched for iteration {t} (issued when iteration {t - self.distance} starts) "
@@ -623,13 +632,9 @@ class _SlotReplay:
                 + (f": it is written back only after iteration {after[0]}" if after else "")
                 + f"; with prefetch distance {self.distance} that fetch would read a stale row"
             )
-        if self.free < len(ids):
-            raise RuntimeError(f"iteration {t}: {len(ids)} prefetches but only {self.free} free slots")
-        slots = self._take(len(ids))
-        self.slot_plus_one[ids] = slots + 1
-        if t >= min(self.distance, self.n - 1):  # assign_slots' checkpoints: after 0..P, then after each step
-            self.peak = max(self.peak, self.num_slots - self.free)
-        return slots
+        if twice is not None:
+            raise PlanConsistencyError(f"row {twice} is prefetched twice for iteration {t}")
+        raise RuntimeError(f"iteration {t}: {len(ids)} prefetches but only {self.free} free slots")
 
     def finish(self) -> None:
         for v in sorted(self.evicts):
@@ -836,7 +841,6 @@ class _StreamAssembly:
         self,
         config: PlanConfig,
         n: int,
-        num_rows: int,
         pieces: list[tuple[int, int]],
         take_piece: Callable[[int], RangeDecisions],
         counts: _Counts,
@@ -853,7 +857,7 @@ class _StreamAssembly:
         self.counts = counts
         num_slots, over = _slots_from_counts(config, n, counts, capacity_error)
         self.bound = _BlockBound(over) if over is not None else None
-        self.replay = _SlotReplay(n, self.distance, num_slots, num_rows)
+        self.replay = _SlotReplay(n, self.distance, num_slots)
         self.pieces, self.take_piece = pieces, take_piece
         self.next_piece = 0  # the first piece not taken yet
         self.progress = progress
@@ -960,7 +964,6 @@ class _StreamAssembly:
 def assemble_stream(
     config: PlanConfig,
     n: int,
-    num_rows: int,
     pieces: list[tuple[int, int]],
     take_piece: Callable[[int], RangeDecisions],
     counts: _Counts,
@@ -977,13 +980,13 @@ def assemble_stream(
     once); ``progress(k)`` is called when the ``k``-th chunk (``pieces_of_chunk``) is taken whole. ``counts``
     holds every piece's per-iteration counts, so the capacity check and the unbounded plan's slot count come
     first, as in :func:`assemble_plan`. The driver holds the pieces that reach ``L`` iterations past the block
-    it bounds, the intervals kept across that block, the slot state and one row group of finished iterations:
-    nothing that grows with the stream but the counts.
+    it bounds, the intervals kept across that block, the slot state (sized by the rows cached, not the embedding
+    rows) and one row group of finished iterations: nothing that grows with the stream but the counts.
 
     Without a capacity nothing is dropped, so an iteration is final as soon as its piece is in. With one, each
     piece is a block of time for the bound (:class:`_BlockBound`), and the iterations it makes final follow.
     """
-    assembly = _StreamAssembly(config, n, num_rows, pieces, take_piece, counts, sink,
+    assembly = _StreamAssembly(config, n, pieces, take_piece, counts, sink,
                                iterations_per_file=iterations_per_file, capacity_error=capacity_error,
                                progress=progress, pieces_of_chunk=pieces_of_chunk)
     for a, b in pieces:
