@@ -41,7 +41,6 @@ cheaply what is missing, and a refused step raises :class:`HostsUnavailableError
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import itertools
 import os
@@ -50,8 +49,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +57,16 @@ from pathlib import Path
 import psutil
 
 # namespaces(): the names `ip netns` knows; root_links(): the root namespace's interfaces (re-exported).
-from dlrmflow.engine.serving.shaped_link import namespaces, root_links, token_bucket
+from dlrmflow.engine.serving.shaped_link import (
+    build_lock,
+    end_processes_inside,
+    free_subnet,
+    namespaces,
+    pid_alive,
+    root_links,
+    sigterm_raises,
+    token_bucket,
+)
 
 __all__ = ["DaskOnHosts", "Host", "HostNetwork", "HostsUnavailableError", "dask_on_hosts", "emulated_hosts",
            "hostname_addresses", "missing", "namespaces", "remove_stale", "root_links", "start_scheduler",
@@ -72,7 +78,6 @@ VETH_PREFIX = "dlfhv"  # + "<pid>-<n>" (shaped_link's root veths are "dlf<digits
 INSIDE_VETH = "eth0"
 MTU = 1500
 ADDRESS_POOL = ipaddress.ip_network("10.215.0.0/16")
-LOCK_FILE = Path(tempfile.gettempdir()) / "dlrmflow-emulated-hosts.lock"
 STOP_GRACE_S = 5.0  # a Dask worker closes in about a second on SIGTERM; then SIGKILL
 
 # The docs' command lines (docs/terabyte.md, "How to run it"), with this venv's `dask`.
@@ -121,76 +126,22 @@ def _run(argv: list[str], check: bool = True) -> str:
     return done.stdout
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_inside(namespace: str) -> None:
-    """SIGKILL every process still inside ``namespace`` (a namespace outlives its name while one runs)."""
-    for pid in _run([_ip(), "netns", "pids", namespace], check=False).split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-
-
 def remove_stale() -> list[str]:
     """Remove the namespaces, veths and bridges of this module named for process ids that no longer exist
     (a SIGKILLed run), killing the processes left inside; returns the names removed."""
     removed = []
     for name in namespaces():
         found = _NAMESPACE_RE.match(name)
-        if found and not _pid_alive(int(found.group(1))):
-            _kill_inside(name)
+        if found and not pid_alive(int(found.group(1))):
+            end_processes_inside(name)
             _run([_ip(), "netns", "del", name], check=False)
             removed.append(name)
     for name in root_links():
         found = _LINK_RE.match(name)
-        if found and not _pid_alive(int(found.group(1))):
+        if found and not pid_alive(int(found.group(1))):
             _run([_ip(), "link", "del", name], check=False)
             removed.append(name)
     return removed
-
-
-def _networks_in_use() -> list[ipaddress.IPv4Network]:
-    """The IPv4 networks of the root namespace's addresses and routes (the default route left out)."""
-    used = []
-    for line in _run([_ip(), "-4", "-o", "addr", "show"], check=False).splitlines():
-        found = re.search(r"\binet (\S+)", line)
-        if found:
-            used.append(ipaddress.ip_interface(found.group(1)).network)
-    for line in _run([_ip(), "-4", "route", "show", "table", "all"], check=False).splitlines():
-        words = line.split()
-        if words and words[0] in ("local", "broadcast", "unicast", "multicast", "blackhole", "unreachable"):
-            words = words[1:]
-        if words and words[0] != "default":
-            with contextlib.suppress(ValueError):
-                used.append(ipaddress.ip_network(words[0], strict=False))
-    return used
-
-
-def _free_subnet() -> ipaddress.IPv4Network:
-    """The first /24 of :data:`ADDRESS_POOL` that overlaps no address or route of the root namespace."""
-    used = _networks_in_use()
-    for subnet in ADDRESS_POOL.subnets(new_prefix=24):
-        if not any(subnet.overlaps(net) for net in used):
-            return subnet
-    raise HostsUnavailableError(f"cannot build the emulated hosts: every /24 of {ADDRESS_POOL} is in use")
-
-
-@contextlib.contextmanager
-def _build_lock() -> Iterator[None]:
-    """Two builders (pytest-xdist workers, other test runs) must not pick the same names or subnet."""
-    with open(LOCK_FILE, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -285,7 +236,7 @@ class HostNetwork:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         for host in self.hosts.values():
-            _kill_inside(host.namespace)
+            end_processes_inside(host.namespace)
         psutil.wait_procs(alive, timeout=10)
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -299,7 +250,7 @@ class HostNetwork:
 
 def _remove(bridge: str, hosts: list[Host]) -> None:
     for host in hosts:
-        _kill_inside(host.namespace)
+        end_processes_inside(host.namespace)
         _run([_ip(), "link", "del", host.veth], check=False)  # deletes both ends
         _run([_ip(), "netns", "del", host.namespace], check=False)
     _run([_ip(), "link", "del", bridge], check=False)
@@ -313,7 +264,7 @@ def _build(names: Sequence[str], log_dir: Path, rates: dict[str, int | None]) ->
         raise ValueError(f"host names must be distinct, 1 to 249 of them: {list(names)}")
     ip, pid = _ip(), os.getpid()
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _build_lock():
+    with build_lock():
         remove_stale()
         taken = set(namespaces()) | set(root_links())
 
@@ -325,7 +276,7 @@ def _build(names: Sequence[str], log_dir: Path, rates: dict[str, int | None]) ->
                 if f"{prefix}{pid}-{n}" not in taken:
                     return f"{prefix}{pid}-{n}", n
 
-        subnet = _free_subnet()
+        subnet = free_subnet(ADDRESS_POOL, 24)
         addresses = [str(a) for a in subnet.hosts()]
         bridge, _ = fresh(BRIDGE_PREFIX)
         network = HostNetwork(bridge, addresses[0], subnet, {})
@@ -354,36 +305,13 @@ def _build(names: Sequence[str], log_dir: Path, rates: dict[str, int | None]) ->
     return network
 
 
-class _TerminatedError(SystemExit):
-    """SIGTERM, raised in the main thread so that the ``with`` block removes what it built."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While the block runs in the main thread with SIGTERM at its default action (which would end the process
-    without cleanup), SIGTERM raises SystemExit instead; any other handler is left alone."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise _TerminatedError(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 @contextlib.contextmanager
 def emulated_hosts(names: Sequence[str], log_dir: Path,
                    rates: dict[str, int | None] | None = None) -> Iterator[HostNetwork]:
     """Hosts ``names`` on one bridge for the length of the block (module docstring); ``rates``: a host's link
     rate in bits/s (missing, None or 0: unshaped). Raises :class:`HostsUnavailableError` (one line) where
     they cannot be built, leaving nothing behind."""
-    with _sigterm_raises():
+    with sigterm_raises():
         network = _build(names, Path(log_dir), rates or {})
         try:
             yield network

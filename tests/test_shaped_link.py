@@ -157,7 +157,7 @@ def test_after_sigkill_the_next_build_removes_the_dead_runs_namespace_and_its_pr
     proc, namespace, root_veth, inside_pid = start_builder()
     # Under the build lock, so that no other process's build (which first removes dead runs' links, as
     # this test's does below) removes the dead run's link before it is seen left behind.
-    with link_module._build_lock():
+    with link_module.build_lock():
         proc.kill()
         proc.wait()
         assert left_behind(namespace, root_veth) == [namespace, root_veth]  # nothing ran after SIGKILL

@@ -158,7 +158,7 @@ def has_net_admin() -> bool:
     return bool(found) and bool(int(found.group(1), 16) >> CAP_NET_ADMIN & 1)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -186,19 +186,19 @@ def remove_stale() -> list[str]:
     removed = []
     for name in namespaces():
         found = _NAMESPACE_RE.match(name)
-        if found and not _pid_alive(int(found.group(1))):
-            _end_processes_inside(name)
+        if found and not pid_alive(int(found.group(1))):
+            end_processes_inside(name)
             _run([_tool(IP_COMMAND), "netns", "del", name], check=False)
             removed.append(name)
     for name in root_links():
         found = _ROOT_VETH_RE.match(name)
-        if found and not _pid_alive(int(found.group(1))):
+        if found and not pid_alive(int(found.group(1))):
             _run([_tool(IP_COMMAND), "link", "del", name], check=False)
             removed.append(name)
     return removed
 
 
-def _networks_in_use() -> list[ipaddress.IPv4Network]:
+def networks_in_use() -> list[ipaddress.IPv4Network]:
     """The IPv4 networks of the root namespace's addresses and routes (the default route excluded)."""
     used = []
     for line in _run([_tool(IP_COMMAND), "-4", "-o", "addr", "show"], check=False).splitlines():
@@ -215,18 +215,20 @@ def _networks_in_use() -> list[ipaddress.IPv4Network]:
     return used
 
 
-def free_subnet() -> ipaddress.IPv4Network:
-    """The first /30 of :data:`ADDRESS_POOL` that overlaps no address or route of the root namespace."""
-    used = _networks_in_use()
-    for subnet in ADDRESS_POOL.subnets(new_prefix=30):
+def free_subnet(pool: ipaddress.IPv4Network = ADDRESS_POOL, prefix: int = 30) -> ipaddress.IPv4Network:
+    """The first subnet of ``prefix`` bits in ``pool`` that overlaps no address or route of the root namespace
+    (the emulated hosts of the tests take a /24 of a pool of their own)."""
+    used = networks_in_use()
+    for subnet in pool.subnets(new_prefix=prefix):
         if not any(subnet.overlaps(net) for net in used):
             return subnet
-    raise LinkUnavailableError(f"cannot build the shaped link: every /30 of {ADDRESS_POOL} is in use")
+    raise LinkUnavailableError(f"cannot build the network: every /{prefix} of {pool} is in use")
 
 
 @contextlib.contextmanager
-def _build_lock() -> Iterator[None]:
-    """Serialise builds across processes: two builds must not pick the same names or subnet."""
+def build_lock() -> Iterator[None]:
+    """Serialise builds across processes (shaped links and the tests' emulated hosts): two builds must not
+    pick the same names or subnet."""
     with open(LOCK_FILE, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -235,7 +237,7 @@ def _build_lock() -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _end_processes_inside(namespace: str) -> None:
+def end_processes_inside(namespace: str) -> None:
     """SIGKILL the processes still inside ``namespace``: while any lives, the namespace outlasts its name."""
     for pid in _run([_tool(IP_COMMAND), "netns", "pids", namespace], check=False).split():
         with contextlib.suppress(ProcessLookupError, ValueError):
@@ -245,7 +247,7 @@ def _end_processes_inside(namespace: str) -> None:
 def _remove(namespace: str, root_veth: str) -> None:
     """Remove a link: the processes left inside, the veth (deleting one end deletes both), the namespace.
     Parts already gone are fine."""
-    _end_processes_inside(namespace)
+    end_processes_inside(namespace)
     _run([_tool(IP_COMMAND), "link", "del", root_veth], check=False)
     _run([_tool(IP_COMMAND), "netns", "del", namespace], check=False)
 
@@ -255,7 +257,7 @@ def _build(rate_bits_per_s: int | None) -> ShapedLink:
         raise LinkUnavailableError("a shaped link needs root or CAP_NET_ADMIN (network namespaces, veth, tc)")
     ip = _tool(IP_COMMAND)
     _tool(TC_COMMAND)
-    with _build_lock():
+    with build_lock():
         remove_stale()
         taken = set(namespaces()) | set(root_links())
         while True:
@@ -287,7 +289,7 @@ class _TerminatedError(SystemExit):
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def sigterm_raises() -> Iterator[None]:
     """While the block runs: SIGTERM raises SystemExit in the main thread, when SIGTERM has its default
     action there (which would end the process without cleanup); any other handler is left alone."""
     if threading.current_thread() is not threading.main_thread() or \
@@ -309,7 +311,7 @@ def _sigterm_raises() -> Iterator[None]:
 def shaped_link(rate_bits_per_s: int | None = None) -> Iterator[ShapedLink]:
     """A namespace joined to this one by a veth shaped at ``rate_bits_per_s`` both ways (None or 0: unshaped),
     removed when the block ends. Raises :class:`LinkUnavailableError` (one line) where it cannot be built."""
-    with _sigterm_raises():
+    with sigterm_raises():
         link = _build(rate_bits_per_s)
         try:
             yield link
