@@ -1,9 +1,11 @@
 """The whole pipeline at real cardinalities (generator scale 1.0), for several row counts, each stage run
 through the CLI as a user runs it; its time, rows/s and peak memory, and a linear extrapolation to
-Criteo Kaggle's 45,840,617 rows.
+Criteo Kaggle's 45,840,617 rows. Or, with ``--scales``, one row count at several cardinality scales:
+what each stage's largest process holds per embedding row of the table.
 
     .venv/bin/python benchmarks/scale.py [--rows 1000000 4000000 16000000] [--iterations 100]
-        [--batch-size 4096] [--shards 2] [--parity 1] [--trainers 1] [--work-dir DIR] [--keep]
+        [--batch-size 4096] [--shards 2] [--parity 1] [--trainers 1] [--repeats 1] [--work-dir DIR] [--keep]
+    .venv/bin/python benchmarks/scale.py --rows 1000000 --scales 0.001 1.0 [--trainers 1] [--repeats 1] ...
 
 Stages, for each row count N: ``dlrmflow generate --rows N --scale 1.0``, ``preprocess``, ``profile``,
 ``plan``, ``train --mode oracle`` for a fixed number of iterations (``--iterations`` x
@@ -23,11 +25,29 @@ The extrapolation is a least-squares line through the measured (rows, value) poi
 (with two row counts, the line through them): it assumes cost linear in rows, which holds for
 the streaming stages and overstates nothing that grows slower; a stage whose memory does not grow
 with rows shows a flat line.
+
+``--scales S1 S2 ...`` runs the pipeline at one row count (``--rows N``, default 1,000,000) once per
+generator scale: the same rows, batches and held-out rows (the rows' count, the plan's iterations and
+the tenth held out do not depend on the scale), only the embedding tables differ (at 1M rows, scale 0.001
+shows 133,121 embedding rows, scale 1.0 996,385). Per stage it prints the largest process's peak at
+each scale and which process it was, the embedding rows at each scale (preprocess's count), and the
+bytes per added embedding row: the least-squares slope of the peak over the embedding rows (with two
+scales, the difference of the peaks over the difference of the embedding rows), for the largest process
+and for all processes summed; then the same for the largest process of each kind (the command, a Dask
+worker, the Prefect server), since the largest process can be of another kind at another scale. What a
+stage holds per embedding row of the table is that slope; what it holds per row or batch cancels out.
+
+``--repeats K`` runs each point (row count, or scale) K times and keeps, per stage, the least of the K
+peaks (each peak separately: the largest process's, the sum's and each kind's; the time and the process
+named are those of the run with the least largest-process peak). One run's peak can move by tens of MiB
+(up to ~150 MiB), which over the 863,264 embedding rows added between scales 0.001 and 1.0 at 1M rows is
+tens of bytes a row.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -57,6 +77,9 @@ class Measured:
     output_bytes: int | None = None  # what the stage wrote to disk (its output file or directory; None: not measured)
     load: float | None = None  # the 1-minute load average when the stage ended (other work on the machine)
     largest: str | None = None  # which process was the largest: the command itself, a Dask worker, ...
+    scale: float | None = None  # the generator's cardinality scale (None: not recorded)
+    peaks: list[int] | None = None  # with --repeats K > 1: each run's largest-process peak (the least is kept)
+    role_peaks: dict[str, int] | None = None  # the largest RssAnon of one process of each kind (see _role)
 
     @property
     def rows_per_second(self) -> float:
@@ -81,6 +104,8 @@ class TreeMemory:
         self.pid, self.interval = pid, interval
         self.peak_sum = self.peak_one = self.processes = 0
         self.largest = ""  # the role of the process of peak_one
+        self.role_peaks: dict[str, int] = {}  # the largest RssAnon of one process of each role
+        self._roles: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -99,6 +124,11 @@ class TreeMemory:
                 return
             sizes = [_rss_anon(pid) for pid in pids]
             self.peak_sum = max(self.peak_sum, sum(sizes))
+            for pid, size in zip(pids, sizes, strict=True):
+                role = self._roles.get(pid)
+                if role in (None, "other", "?"):  # new, or maybe not yet exec'd: a fork shows its parent's line
+                    role = self._roles[pid] = _role(pid, self.pid)
+                self.role_peaks[role] = max(self.role_peaks.get(role, 0), size)
             if max(sizes) > self.peak_one:
                 self.peak_one = max(sizes)
                 self.largest = _role(pids[sizes.index(self.peak_one)], self.pid)
@@ -156,18 +186,26 @@ def run_stage(stage: str, argv: list[str], rows: int, log: Path) -> Measured:
     lines = out.strip().splitlines()
     result = json.loads(lines[-1]) if lines else {}
     return Measured(stage, rows, seconds, memory.peak_sum, memory.peak_one, memory.processes, result,
-                    load=os.getloadavg()[0], largest=memory.largest)
+                    load=os.getloadavg()[0], largest=memory.largest, role_peaks=dict(memory.role_peaks))
 
 
-def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
-    """Every stage for ``rows`` rows, in order, each on the previous one's output."""
-    raw, ds, plan, run = (work / f"criteo-{rows}.tsv", work / f"ds-{rows}", work / f"plan-{rows}",
-                          work / f"run-{rows}")
+def pipeline(rows: int, work: Path, args: argparse.Namespace, scale: float | None = None,
+             repeat: int | None = None) -> list[Measured]:
+    """Every stage for ``rows`` rows at generator scale ``scale`` (default ``args.scale``), in order, each on
+    the previous one's output; ``repeat``: which of the ``--repeats`` runs (it names the logs)."""
+    scale = args.scale if scale is None else scale
+    point = f"{rows}" if not args.scales else f"{rows}-scale{scale:g}"
+    label = f"{rows:,} rows" if not args.scales else f"{rows:,} rows, scale {scale:g}"
+    if repeat is not None and args.repeats > 1:
+        label += f", run {repeat + 1}/{args.repeats}"
+    log_name = point if repeat is None or args.repeats == 1 else f"{point}-run{repeat + 1}"
+    raw, ds, plan, run = (work / f"criteo-{point}.tsv", work / f"ds-{point}", work / f"plan-{point}",
+                          work / f"run-{point}")
     for path in (ds, plan, run):
         shutil.rmtree(path, ignore_errors=True)
     raw.unlink(missing_ok=True)
     argvs = {
-        "generate": ["--rows", str(rows), "--scale", str(args.scale), "--output", str(raw)],
+        "generate": ["--rows", str(rows), "--scale", str(scale), "--output", str(raw)],
         "preprocess": [str(raw), "--output", str(ds)],
         "profile": [str(ds)],
         "plan": [str(ds), "--batch-size", str(args.batch_size), "--lookahead", str(args.lookahead),
@@ -181,10 +219,11 @@ def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
     stages = [s for s in STAGES if s != "verify" or args.parity > 0]
     measured = []
     for stage in stages:
-        print(f"{rows:,} rows: dlrmflow {stage} ...", file=sys.stderr, flush=True)
-        m = run_stage(stage, argvs[stage], rows, work / "logs" / f"{rows}-{stage}.log")
+        print(f"{label}: dlrmflow {stage} ...", file=sys.stderr, flush=True)
+        m = run_stage(stage, argvs[stage], rows, work / "logs" / f"{log_name}-{stage}.log")
         m.output_bytes = disk_bytes(outputs[stage]) if stage in outputs else None
-        print(f"{rows:,} rows: dlrmflow {stage}: {m.seconds:.1f} s, peak {m.peak_anon_bytes / 2**20:,.0f} MiB "
+        m.scale = scale
+        print(f"{label}: dlrmflow {stage}: {m.seconds:.1f} s, peak {m.peak_anon_bytes / 2**20:,.0f} MiB "
               f"(largest process {m.peak_process_bytes / 2**20:,.0f} MiB: {m.largest})", file=sys.stderr, flush=True)
         measured.append(m)
     if not args.keep:
@@ -192,6 +231,28 @@ def pipeline(rows: int, work: Path, args: argparse.Namespace) -> list[Measured]:
             shutil.rmtree(path, ignore_errors=True)
         raw.unlink(missing_ok=True)
     return measured
+
+
+def least_peaks(runs: list[list[Measured]]) -> list[Measured]:
+    """Per stage, the least peaks of several runs of one point: the run with the least largest-process peak,
+    with the least summed peak of all runs and every run's largest-process peak (``peaks``)."""
+    if len(runs) == 1:
+        return runs[0]
+    kept = []
+    for same in zip(*runs, strict=True):
+        best = min(same, key=lambda m: m.peak_process_bytes)
+        best.peaks = [m.peak_process_bytes for m in same]
+        best.peak_anon_bytes = min(m.peak_anon_bytes for m in same)
+        if all(m.role_peaks for m in same):
+            roles = set().union(*(m.role_peaks for m in same))
+            best.role_peaks = {role: min(m.role_peaks[role] for m in same if role in m.role_peaks) for role in roles}
+        kept.append(best)
+    return kept
+
+
+def measure(rows: int, work: Path, args: argparse.Namespace, scale: float | None = None) -> list[Measured]:
+    """The pipeline ``args.repeats`` times at one point, each stage's least peaks."""
+    return least_peaks([pipeline(rows, work, args, scale, k) for k in range(args.repeats)])
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -244,16 +305,102 @@ def table(results: dict[int, list[Measured]], target: int = KAGGLE_ROWS) -> str:
     return "\n".join(out)
 
 
+def scales_table(results: dict[float, list[Measured]]) -> str:
+    """One row count at several scales, per stage side by side: the largest process's peak at each scale and
+    which process it was, the embedding rows at each scale, and the bytes per added embedding row."""
+    mib = 2**20
+    scales = sorted(results)
+    emb = {s: embedding_rows(results[s]) for s in scales}
+    head = ["stage"]
+    for s in scales:
+        head += [f"largest process MiB at {s:g}", f"process at {s:g}"]
+    head += [f"embedding rows at {s:g}" for s in scales]
+    head += ["bytes per added embedding row (largest process)", "bytes per added embedding row (all processes)"]
+    head += [f"wall s at {s:g}" for s in scales]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|---|" * len(scales) + "---:|" * (len(scales) + 2)
+           + "---:|" * len(scales)]
+    by_stage = {s: {m.stage: m for m in results[s]} for s in scales}
+    fit = len(scales) >= 2 and all(emb[s] is not None for s in scales) and len(set(emb.values())) > 1
+    for stage in [m.stage for m in results[scales[0]]]:
+        points = [by_stage[s].get(stage) for s in scales]
+        if any(m is None for m in points):
+            continue
+        cells = [stage]
+        for m in points:
+            spread = ""
+            if m.peaks and len(m.peaks) > 1:
+                spread = f" (of {', '.join(format(p / mib, ',.0f') for p in m.peaks)})"
+            cells += [f"{m.peak_process_bytes / mib:,.0f}{spread}", m.largest or "?"]
+        cells += ["?" if emb[s] is None else f"{emb[s]:,}" for s in scales]
+        if fit:
+            xs = [float(emb[s]) for s in scales]
+            cells += [f"{linear_fit(xs, [float(m.peak_process_bytes) for m in points])[1]:,.1f}",
+                      f"{linear_fit(xs, [float(m.peak_anon_bytes) for m in points])[1]:,.1f}"]
+        else:
+            cells += ["-", "-"]
+        cells += [f"{m.seconds:.1f}" for m in points]
+        out.append("| " + " | ".join(cells) + " |")
+    rows = {m.rows for s in scales for m in results[s]}
+    out += ["", f"{', '.join(f'{n:,}' for n in sorted(rows))} rows; bytes per added embedding row: "
+            + ("the least-squares slope of the peak over the embedding rows (two scales: the difference of the "
+               "peaks over the difference of the embedding rows)" if fit else
+               "none (it needs two scales with different embedding rows)")]
+    # The largest process of each kind, so that a stage whose largest process changes kind between scales
+    # still shows what each kind grows by.
+    kinds = ["| stage | process | " + " | ".join(f"MiB at {s:g}" for s in scales)
+             + " | bytes per added embedding row |", "|---|---|" + "---:|" * (len(scales) + 1)]
+    for stage in [m.stage for m in results[scales[0]]]:
+        points = [by_stage[s].get(stage) for s in scales]
+        if any(m is None or not m.role_peaks for m in points):
+            continue
+        for role in sorted(set().union(*(m.role_peaks for m in points))):
+            peaks = [m.role_peaks.get(role) for m in points]
+            if max(p or 0 for p in peaks) < mib:  # a short-lived helper process (under 1 MiB)
+                continue
+            cells = [stage, role, *("-" if p is None else format(p / mib, ",.0f") for p in peaks)]
+            if fit and all(p is not None for p in peaks):
+                cells.append(format(linear_fit([float(emb[s]) for s in scales], [float(p) for p in peaks])[1],
+                                    ",.1f"))
+            else:
+                cells.append("-")
+            kinds.append("| " + " | ".join(cells) + " |")
+    if len(kinds) > 2:
+        out += ["", "The largest process of each kind:", "", *kinds]
+    return "\n".join(out)
+
+
+def read_results(paths: list[str]) -> tuple[dict[int, list[Measured]], dict[float, list[Measured]]]:
+    """Earlier runs' --json files: row-count runs ({rows: [...]}) and scale runs ({"scales": {scale: [...]}})."""
+    by_rows: dict[int, list[Measured]] = {}
+    by_scale: dict[float, list[Measured]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if "scales" in data:
+            for scale, measured in data["scales"].items():
+                by_scale[float(scale)] = [Measured(**m) for m in measured]
+        else:
+            for rows, measured in data.items():
+                by_rows[int(rows)] = [Measured(**m) for m in measured]
+    return by_rows, by_scale
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000])
-    ap.add_argument("--scale", type=float, default=1.0, help="generator cardinality scale (default 1.0)")
+    ap.add_argument("--rows", type=int, nargs="+",
+                    help="row counts (default 1000000 4000000 16000000; with --scales one, default 1000000)")
+    scale = ap.add_mutually_exclusive_group()
+    scale.add_argument("--scale", type=float, default=1.0, help="generator cardinality scale (default 1.0)")
+    scale.add_argument("--scales", type=float, nargs="+", metavar="S",
+                       help="run one row count at each of these generator scales and print the bytes per added "
+                            "embedding row of each stage")
     ap.add_argument("--iterations", type=int, default=100, help="training iterations (default 100)")
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--lookahead", type=int, default=200)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--trainers", type=int, default=1, help="data-parallel trainers of the train stage (default 1)")
     ap.add_argument("--parity", type=int, default=1, help="parity shards (0: no verify stage; default 1)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per point; each stage's least peak of them is kept (default 1)")
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "dlrmflow-scale"))
     ap.add_argument("--keep", action="store_true", help="keep each row count's files (default: delete them)")
     ap.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
@@ -261,19 +408,37 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure nothing: print the table of earlier runs' --json files together")
     args = ap.parse_args(argv)
     if args.table:
-        results = {}
-        for path in args.table:
-            for rows, measured in json.loads(Path(path).read_text()).items():
-                results[int(rows)] = [Measured(**m) for m in measured]
-        print(table(results))
+        by_rows, by_scale = read_results(args.table)
+        print("\n\n".join(([table(by_rows)] if by_rows else []) + ([scales_table(by_scale)] if by_scale else [])))
         return
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    if args.scales:
+        args.rows = args.rows or [1_000_000]
+        if len(args.rows) != 1:
+            ap.error("--scales runs one row count: give --rows N")
+        if len(set(args.scales)) != len(args.scales):
+            ap.error("--scales: each scale once")
+    args.rows = args.rows or [1_000_000, 4_000_000, 16_000_000]
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
+    spec = importlib.util.find_spec("dlrmflow")
+    scales = ", ".join(f"{s:g}" for s in args.scales) if args.scales else f"{args.scale:g}"
     print(f"{os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the start; "
-          f"scale {args.scale:g}; train: oracle, {args.iterations} iterations of batch {args.batch_size}, "
-          f"{args.shards} shards, parity {args.parity}", flush=True)
-    results = {rows: pipeline(rows, work, args) for rows in sorted(args.rows)}
+          f"scale {scales}; train: oracle, {args.iterations} iterations of batch {args.batch_size}, "
+          f"{args.shards} shards, parity {args.parity}, {args.trainers} trainer(s); {args.repeats} run(s) per "
+          f"point; {' '.join(dlrmflow_command())} (dlrmflow from {spec.origin if spec else '?'})", flush=True)
+    if args.scales:
+        by_scale = {scale: measure(args.rows[0], work, args, scale) for scale in args.scales}
+        load = os.getloadavg()
+        print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end\n")
+        if args.json:  # first: the measurements outlive a failure of the table
+            Path(args.json).write_text(json.dumps(
+                {"scales": {str(s): [vars(m) for m in measured] for s, measured in by_scale.items()}}, indent=1))
+        print(scales_table(by_scale))
+        return
+    results = {rows: measure(rows, work, args) for rows in sorted(args.rows)}
     load = os.getloadavg()
     print(f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end\n")
     print(table(results))

@@ -40,6 +40,7 @@ def test_tree_memory_counts_the_children_of_the_command(scale):
     assert memory.processes == 2
     assert memory.peak_one >= 200 * 2**20 and memory.largest == "other"  # the child's, not the parent's
     assert memory.peak_sum >= memory.peak_one
+    assert memory.role_peaks["other"] == memory.peak_one and memory.role_peaks["command"] < 200 * 2**20
 
 
 def test_the_extrapolation_is_the_least_squares_line(scale):
@@ -55,3 +56,21 @@ def test_the_extrapolation_is_the_least_squares_line(scale):
     assert "| generate | 10.00 | 10.0 | 110 |" in text  # s per 1M rows, fixed s, wall s at 10M rows
     assert "| **all stages** | | | 165 | | |" in text
     assert "no extrapolation" in scale.table({1_000_000: results[1_000_000]})
+
+
+def test_the_scales_table_gives_the_bytes_per_added_embedding_row(scale):
+    def run(s: float, emb: int, peak: int) -> list:
+        return [scale.Measured("preprocess", 1000, 1.0, 3 * peak, peak, 4, {"embedding_rows": emb},
+                               largest="dask worker", scale=s),
+                scale.Measured("train", 1000, 2.0, 3 * peak + 12 * emb, peak + 4 * emb, 4, largest="command", scale=s,
+                               role_peaks={"command": peak + 4 * emb, "dask worker": peak // 2 + 8 * emb})]
+
+    # two runs of scale 0.001: the least peak of each kind is kept, with every run's largest-process peak
+    least = scale.least_peaks([run(0.001, 50_000, 2**30), run(0.001, 50_000, 2**29)])
+    assert [m.peak_process_bytes for m in least] == [2**29, 2**29 + 200_000]
+    assert least[0].peaks == [2**30, 2**29]
+    text = scale.scales_table({0.001: least, 1.0: run(1.0, 1_050_000, 2**29)})
+    assert ("| preprocess | 512 (of 1,024, 512) | dask worker | 512 | dask worker | 50,000 | 1,050,000 | 0.0 | 0.0 |"
+            in text)
+    assert "| train | 512 (of 1,024, 512) | command | 516 | command | 50,000 | 1,050,000 | 4.0 | 12.0 |" in text
+    assert "| train | dask worker | 256 | 264 | 8.0 |" in text  # each kind's largest process
