@@ -89,8 +89,13 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, ad
                             lookahead=config.lookahead, prefetch_distance=config.prefetch_distance),
               dask_address=address)
     evaluation = None
-    if previous is not None:  # yesterday's model on today's data, before it trains on it
-        evaluation = evaluate_task(*untraced(previous["run_dir"], str(dataset), config.batch_size))
+    if previous is not None:  # yesterday's model on today's data, before it trains on it; on the night's
+        # cluster when the day is large enough to gain from it (scoring.scores_on_cluster's rows)
+        from dlrmflow.engine.training.cluster_scoring import CLUSTER_MIN_ROWS
+
+        score_on = "cluster" if meta.rows >= CLUSTER_MIN_ROWS else "process"
+        evaluation = evaluate_task(*untraced(previous["run_dir"], str(dataset), config.batch_size, "cpu", address,
+                                             score_on))
     summary = train_flow(_train_config(config, dataset, plan, run, previous["run_dir"] if previous else None),
                          address)
     total_ids = sum(meta.cardinalities)

@@ -17,16 +17,26 @@ from dlrmflow.tasks.reporting import (
 
 
 @task(name="evaluate")
-def evaluate_task(run_dir: str, dataset_dir: str, batch_size: int = 4096, device: str = "cpu") -> dict[str, Any]:
-    """AUC, log loss and the constant-prediction log loss of ``run_dir``'s final model on ``dataset_dir``."""
-    from dlrmflow.engine.training.scoring import evaluate_run
+def evaluate_task(run_dir: str, dataset_dir: str, batch_size: int = 4096, device: str = "cpu",
+                  dask_address: str | None = None, score_on: str = "auto") -> dict[str, Any]:
+    """AUC, log loss and the constant-prediction log loss of ``run_dir``'s final model on ``dataset_dir``: on the
+    Dask cluster at ``dask_address`` (else a LocalCluster) or in this process, as ``score_on`` says
+    (:func:`~dlrmflow.engine.training.scoring.scores_on_cluster`)."""
+    from contextlib import nullcontext
+
+    from dlrmflow.datasets.meta import read_meta
+    from dlrmflow.engine.serving.cluster import dask_client
+    from dlrmflow.engine.training.scoring import evaluate_run, scores_on_cluster
 
     logger = get_run_logger()
-    with engine_events_to_run_log(logger):  # the scoring pass's progress ("evaluation rows: ...")
-        result = evaluate_run(run_dir, dataset_dir, batch_size=batch_size, device=device)
-    logger.info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows", dataset_label(run_dir),
+    on_cluster = scores_on_cluster(score_on, read_meta(dataset_dir).rows, dask_address)
+    with engine_events_to_run_log(logger), \
+            (dask_client(dask_address) if on_cluster else nullcontext(None)) as client:  # progress, dashboard
+        result = evaluate_run(run_dir, dataset_dir, batch_size=batch_size, device=device, client=client)
+    logger.info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows scored in %s", dataset_label(run_dir),
                 dataset_label(dataset_dir), _fixed(result["auc"]), _fixed(result["log_loss"]),
-                _fixed(result["constant_log_loss"]), f"{result['rows']:,}")
+                _fixed(result["constant_log_loss"]), f"{result['rows']:,}",
+                "parts on the Dask cluster" if result["scored_on"] == "cluster" else "this process")
     return result
 
 

@@ -20,7 +20,7 @@ from dlrmflow.engine.serving.cluster import local_cluster
 from dlrmflow.engine.training import cluster_scoring
 from dlrmflow.engine.training.cluster_scoring import PartScoringError, split_rows
 from dlrmflow.engine.training.job import train
-from dlrmflow.engine.training.scoring import evaluate_run
+from dlrmflow.engine.training.scoring import evaluate_run, scores_on_cluster
 
 WORKERS = 2
 
@@ -89,10 +89,46 @@ def test_evaluate_on_the_cluster_equals_evaluate_in_process(client, tmp_path):
     train(small_config(dataset, tmp_path / "run", "local", iterations=8))
     alone = evaluate_run(tmp_path / "run", dataset, batch_size=50)
     clustered = evaluate_run(tmp_path / "run", dataset, batch_size=50, client=client)
+    assert (alone.pop("scored_on"), clustered.pop("scored_on")) == ("process", "cluster")
     assert clustered == alone
     assert alone["rows"] == 400 and 0 < alone["auc"] < 1
     # Other cuts of the rows (other batch sizes, so other parts) merge into the same AUC.
     assert evaluate_run(tmp_path / "run", dataset, batch_size=33, client=client)["auc"] == alone["auc"]
+
+
+def test_where_evaluate_scores_its_rows(monkeypatch):
+    """``--score-on auto``: on a cluster when the user named one (the option or the environment) or the rows are
+    many, else in this process; ``cluster`` and ``process`` as they say."""
+    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+    many = cluster_scoring.CLUSTER_MIN_ROWS
+    assert not scores_on_cluster("auto", many - 1, None)
+    assert scores_on_cluster("auto", many, None)
+    assert scores_on_cluster("auto", 10, "tcp://10.0.0.1:8786")
+    assert scores_on_cluster("cluster", 10, None) and not scores_on_cluster("process", many, "tcp://10.0.0.1:8786")
+    monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", "tcp://10.0.0.1:8786")
+    assert scores_on_cluster("auto", 10, None)
+    with pytest.raises(ValueError, match="score_on: expected one of auto, cluster, process"):
+        scores_on_cluster("gpu", 10, None)
+
+
+def test_evaluate_on_the_command_line_scores_on_the_named_cluster(client, tmp_path, capsys, prefect_harness,
+                                                                   scored_parts):
+    """``dlrmflow evaluate --dask-address`` scores parts on that cluster, with the numbers of the scoring in
+    the command's own process (``--score-on process``)."""
+    import json
+
+    from dlrmflow.cli import main
+
+    dataset = make_dataset(tmp_path / "data", 8)
+    train(small_config(dataset, tmp_path / "run", "local", iterations=4))
+    results = {}
+    for where in (["--dask-address", client.scheduler.address], ["--score-on", "process"]):
+        assert main(["evaluate", str(tmp_path / "run"), str(dataset), "--batch-size", "50", *where, "--json"]) == 0
+        results[where[0]] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored_parts == [400]  # the cluster's parts, once
+    on_cluster, in_process = results["--dask-address"], results["--score-on"]
+    assert (on_cluster.pop("scored_on"), in_process.pop("scored_on")) == ("cluster", "process")
+    assert on_cluster == in_process and on_cluster["rows"] == 400
 
 
 def test_a_part_that_fails_is_one_error_naming_the_part(client, tmp_path):
@@ -128,7 +164,8 @@ def test_parts_run_only_on_workers_with_a_free_thread(client, tmp_path):
         while busy_worker not in {w for w, keys in client.processing().items() if keys}:
             time.sleep(0.05)  # until the scheduler placed it
         assert busy_worker not in cluster_scoring.free_workers(client)
-        assert evaluate_run(tmp_path / "run", dataset, batch_size=50, client=client) == alone
+        on_cluster = evaluate_run(tmp_path / "run", dataset, batch_size=50, client=client)
+        assert on_cluster == {**alone, "scored_on": "cluster"}
     finally:
         release.set()
         held.result()

@@ -19,6 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dataset_dir", metavar="DATASET_DIR", help="a preprocessed dataset directory")
     parser.add_argument("--batch-size", type=int, default=4096, metavar="B", help="rows per step (default 4096)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--score-on", choices=("auto", "cluster", "process"), default="auto",
+                        help="where the rows are scored: parts as Dask tasks on the cluster, or this process "
+                             "(default auto: the cluster when --dask-address or $DLRMFLOW_DASK_ADDRESS is set or "
+                             "the dataset has at least 524,288 rows; below that a LocalCluster's start costs more "
+                             "than it saves)")
+    from dlrmflow.cli import add_dask_argument
+
+    add_dask_argument(parser)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -36,7 +44,8 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dlrmflow.flows.evaluate import evaluate_flow
 
-    return evaluate_flow(args.run_dir, args.dataset_dir, args.batch_size, args.device)
+    return evaluate_flow(args.run_dir, args.dataset_dir, args.batch_size, args.device, args.dask_address,
+                         args.score_on)
 
 
 def summarize(r: dict[str, Any]) -> str:
@@ -44,7 +53,8 @@ def summarize(r: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
     return "\n".join([
-        f"evaluate {r['run_dir']} on {r['dataset']}: {r['rows']:,} rows",
+        f"evaluate {r['run_dir']} on {r['dataset']}: {r['rows']:,} rows"
+        f"{' (parts on the Dask cluster)' if r.get('scored_on') == 'cluster' else ''}",
         f"  AUC                          {fixed(r['auc'])}",
         f"  log loss                     {fixed(r['log_loss'])}",
         f"  constant-prediction log loss {fixed(r['constant_log_loss'])} "

@@ -11,6 +11,7 @@ rate: the entropy of the labels, the baseline a model must beat; log loss / that
 The rows come from the run's shard files, memory-mapped, by id: no process holds the tables. With a
 Dask client the rows are scored a part per task on its workers and the parts' summaries merged exactly
 (:mod:`.cluster_scoring`); without, in this process, a chunk at a time: the same numbers either way.
+:func:`scores_on_cluster` is the rule the command and the daily loop follow.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dlrmflow.engine.models import build_model, row_init_std
 from dlrmflow.engine.models.registry import config_of
 from dlrmflow.engine.phases import PhaseProgress
 from dlrmflow.engine.serving.embedding_rows import RowSpec
-from dlrmflow.engine.training.cluster_scoring import DenseModel, InitRows, score_on_cluster
+from dlrmflow.engine.training import cluster_scoring
+from dlrmflow.engine.training.cluster_scoring import DenseModel, InitRows
 from dlrmflow.engine.training.continuation import InitFromError, parent_cardinalities, read_finished_run
 from dlrmflow.engine.training.dense import deterministic_torch
 from dlrmflow.engine.training.evaluation import score_stream
@@ -39,6 +41,24 @@ if TYPE_CHECKING:
 def constant_log_loss(positives: int, rows: int) -> float | None:
     """Log loss of predicting every one of ``rows`` rows at their own positive rate (None without rows)."""
     return LogLossSum.constant(positives, rows).value() if rows else None
+
+
+SCORE_ON = ("auto", "cluster", "process")  # where `dlrmflow evaluate --score-on` scores the rows
+
+
+def scores_on_cluster(score_on: str, rows: int, address: str | None) -> bool:
+    """Whether a scoring of ``rows`` rows runs on a Dask cluster: ``cluster`` always, ``process`` never,
+    ``auto`` when a scheduler's address is given (the option or $DLRMFLOW_DASK_ADDRESS: the user has a
+    cluster) or there are at least :data:`~.cluster_scoring.CLUSTER_MIN_ROWS` rows (below that, starting a
+    LocalCluster and each worker's first part cost more than they save)."""
+    from dlrmflow.engine.serving.cluster import resolve_address
+    from dlrmflow.engine.training.cluster_scoring import CLUSTER_MIN_ROWS
+
+    if score_on not in SCORE_ON:
+        raise ValueError(f"score_on: expected one of {', '.join(SCORE_ON)}, got {score_on!r}")
+    if score_on != "auto":
+        return score_on == "cluster"
+    return resolve_address(address) is not None or rows >= CLUSTER_MIN_ROWS
 
 
 def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, batch_size: int = 4096,
@@ -65,10 +85,9 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
                    start=run.starting_rows(cards))
     progress = PhaseProgress("evaluation rows", meta.rows)
     if client is not None:
-        summary, lookups = score_on_cluster(client, dataset_dir, 0, meta.rows, batch_size,
-                                            DenseModel(model_config, dense["dense"], spec.dim), InitRows(spec),
-                                            device_type=torch.device(device).type, progress=progress,
-                                            known_rows=cards)
+        summary, lookups = cluster_scoring.score_on_cluster(
+            client, dataset_dir, 0, meta.rows, batch_size, DenseModel(model_config, dense["dense"], spec.dim),
+            InitRows(spec), device_type=torch.device(device).type, progress=progress, known_rows=cards)
     else:
         torch_device = torch.device(device)
         read = InitRows(spec).reader(torch_device)
@@ -82,6 +101,7 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
     return {
         "run_dir": run.run_dir,
         "dataset": str(dataset_dir),
+        "scored_on": "cluster" if client is not None else "process",
         "dataset_fingerprint": meta.fingerprint,
         "model": dense["model"],
         "run_iterations": run.steps,
