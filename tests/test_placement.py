@@ -23,6 +23,8 @@ from dlrmflow.engine.serving.placement import (
     eligible_workers,
     least_loaded_worker,
     place,
+    shared_host_warning,
+    where_placed,
 )
 
 
@@ -141,3 +143,24 @@ def test_host_comes_from_the_address_when_the_info_has_none():
     assert sorted(placed.hosts) == ["::1", "node-b.example"] and not placed.shares_host
     # A rebuild avoids the host of a live member, even one whose worker the scheduler no longer lists.
     assert choose_rebuild_worker(info, ["tcp://[::1]:5999"]) == "tls://node-b.example:7000"
+
+
+def test_the_log_says_which_host_runs_each_member_and_warns_only_on_a_cluster_of_hosts():
+    """The run's log names each member's host, grouped by host; members sharing a host are a warning when
+    the cluster spans hosts (a machine's failure takes several), never on a one-host LocalCluster."""
+    names = ["data shard 0", "data shard 1", "parity shard 0"]
+    two_hosts = {"tcp://10.0.0.2:1": {"host": "10.0.0.2", "resources": {RESOURCE: 1}},
+                 "tcp://10.0.0.3:1": {"host": "10.0.0.3", "resources": {RESOURCE: 1}},
+                 "tcp://10.0.0.4:1": {"host": "10.0.0.4", "resources": {"trainer": 1}}}
+    placed = place(two_hosts, 3)
+    assert where_placed(names, placed.workers, two_hosts) == \
+        "2 hosts: 10.0.0.2 (data shard 0, parity shard 0), 10.0.0.3 (data shard 1)"
+    assert shared_host_warning(placed, two_hosts) == \
+        "3 embedding-server members on 2 workers: one worker failure can take several members"
+    three = {**two_hosts, "tcp://10.0.0.5:1": {"host": "10.0.0.5", "resources": {RESOURCE: 1}}}
+    assert shared_host_warning(place(three, 3), three) is None
+    local = {f"tcp://127.0.0.1:{port}": {"host": "127.0.0.1", "resources": {}} for port in (41001, 41002, 41003)}
+    placed = place(local, 3)
+    assert where_placed(names, placed.workers, local) == \
+        "1 host: 127.0.0.1 (data shard 0, data shard 1, parity shard 0)"
+    assert placed.shares_host and shared_host_warning(placed, local) is None

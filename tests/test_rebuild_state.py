@@ -46,6 +46,7 @@ from dlrmflow.engine.coding.rebuild_state import (
     StartOver,
     StartRebuild,
 )
+from dlrmflow.engine.serving.placement import choose_rebuild_worker, least_loaded_worker
 
 Blocked = Callable[[], bool] | None  # what a step yields: None (done a step) or "run me again once this is true"
 
@@ -177,11 +178,7 @@ class System:
                 step = state.attempt_begun()
             elif isinstance(step, PlaceReplacements):
                 yield None  # placing replacements (no lock)
-                placed = {}
-                for s in step.need:
-                    replica = Replica(self.initial[s])
-                    self.replicas[replica] = s
-                    placed[s] = (f"spare{next(self.ids)}", None, replica)
+                placed = {s: self.place(s) for s in step.need}
                 step = state.replacements_started(step, placed, 0.0)
             elif isinstance(step, PrepareCopy):
                 yield None
@@ -215,6 +212,12 @@ class System:
                 raise AssertionError(f"not an instruction to carry out without the lock: {step}")
             step = self.in_hold(step)
         self.thread = None
+
+    def place(self, s: int) -> tuple[str, None, Replica]:
+        """A replacement for member ``s``, started on a worker of its own."""
+        replica = Replica(self.initial[s])
+        self.replicas[replica] = s
+        return f"spare{next(self.ids)}", None, replica
 
     def in_hold(self, step: RebuildStep) -> RebuildStep:
         """Carry out the instructions the state wants done in the current lock hold."""
@@ -292,6 +295,59 @@ class System:
 
     def busy(self) -> bool:
         return self.thread is not None or bool(self.tasks)
+
+
+class OnWorkers(System):
+    """A System whose members run on named workers, as on a LocalCluster: a standby replacement of every
+    member on a spare worker, a killed worker's nanny starting it again under a new address, and
+    replacements placed as ``rebuild.py`` places them (the member's standby when its worker lives, else
+    :func:`choose_rebuild_worker`'s worker, else :func:`least_loaded_worker`'s)."""
+
+    def __init__(self, k: int, r: int, n_stripes: int, **kw) -> None:
+        super().__init__(k, r, n_stripes, **kw)
+        self.listed = {f"w{s}": {"host": "127.0.0.1"} for s in range(k + r)} | {"spare": {"host": "127.0.0.1"}}
+        self.killed: list[str] = []
+        standbys = {}
+        for s in range(k + r):
+            replica = Replica(self.initial[s])
+            self.replicas[replica] = s
+            standbys[s] = ("spare", None, replica)
+        self.state.standbys_set(standbys)
+
+    def worker_hosting(self, s: int) -> str | None:
+        """The worker of member ``s``'s live actor: its own, or its replacement's (None: none placed)."""
+        state = self.state
+        if s not in state.lost:
+            return state.worker_of[s]
+        return state.replacement_workers[s] if s in state.replacement else None
+
+    def kill_worker(self, worker: str) -> set[int]:
+        """SIGKILL ``worker``: every member and replacement on it is lost (the trainer notices, here at
+        once); its nanny starts a worker again, under a new address. The members lost."""
+        on_it = {s for s in range(self.k + self.r) if self.worker_hosting(s) == worker}
+        del self.listed[worker]
+        self.killed.append(worker)
+        self.listed[f"{worker}+{len(self.killed)}"] = {"host": "127.0.0.1"}
+        if on_it:
+            self.lose(on_it)
+        return on_it
+
+    def place(self, s: int) -> tuple[str, None, Replica]:
+        """Member ``s``'s standby, else a new replacement; never on a worker that died, nor on one that
+        hosts another member while a free one is listed."""
+        state = self.state
+        standby = state.take_standby(s)
+        if standby is not None and standby[0] in self.listed:
+            placed = standby
+        else:
+            busy, dead = state.busy_workers(), state.dead_workers
+            worker = choose_rebuild_worker(self.listed, busy, dead) or least_loaded_worker(self.listed, busy, dead)
+            assert worker is not None
+            replica = Replica(self.initial[s])
+            self.replicas[replica] = s
+            placed = (worker, None, replica)
+        assert placed[0] not in self.killed and placed[0] not in state.busy_workers(), (s, placed[0])
+        return placed
 
 
 class Driver:
@@ -517,6 +573,96 @@ def test_random_traces_end_exact(seed):
                 break
     driver.run_out()
     assert not system.state.lost and system.finished >= 1
+
+
+def _check_hosts(system: OnWorkers) -> None:
+    """Every member is rebuilt, on a live worker: every recovery record names the workers it chose, the
+    latest ones are the members' workers, and no worker this system killed hosts a member again."""
+    state = system.state
+    assert not state.lost and not state.replacement and state.rebuilt is None
+    assert set(system.killed) <= state.dead_workers
+    assert all(record.rebuilt_at is not None for record in state.recoveries)
+    for s, worker in enumerate(state.worker_of):
+        assert worker in system.listed and worker not in state.dead_workers, (s, worker)
+        latest = [record.workers[s] for record in state.recoveries if s in record.workers]
+        assert not latest or latest[-1] == worker
+    for record in state.recoveries:
+        assert sorted(record.workers) == record.members
+
+
+def test_a_member_lost_again_after_its_rebuild_is_rebuilt_again_on_a_live_worker():
+    """K = 2, R = 1: data shard 0's worker is killed, the standby on the spare worker takes its place;
+    then the spare is killed (shard 0 lost again): a second recovery of its own, on a worker started
+    since, never one that died; both rebuilds exact, with batches before, between and during them."""
+    system = OnWorkers(2, 1, 8, chunk=2, fix_up_every_chunk=True, seed=3)
+    for _ in range(3):
+        system.write(4)
+    system.deliver()
+    driver = Driver(system)
+    assert system.kill_worker("w0") == {0}
+    for _ in range(5):
+        driver.step_system()
+    system.write(5)
+    driver.run_out()
+    state = system.state
+    (first,) = state.recoveries
+    assert first.members == [0] and first.workers == {0: "spare"} and first.restarts == 0
+    assert state.worker_of == ["spare", "w1", "w2"] and state.dead_workers == {"w0"}
+    system.write(6)
+    system.deliver()
+    assert system.kill_worker("spare") == {0}  # the replacement's worker: shard 0 is lost again
+    assert state.lost == {0} and state.dead_workers == {"w0", "spare"}
+    for _ in range(4):
+        driver.step_system()
+        system.write(3)
+    driver.run_out()
+    first_again, second = state.recoveries
+    assert first_again is first and first.workers == {0: "spare"}  # the first record is left as it was
+    assert second.members == [0] and second.restarts == 0 and second.rebuilt_at is not None
+    assert second.workers[0] in {"w0+1", "spare+2"}  # started since; the standbys died with the spare
+    assert state.worker_of == [second.workers[0], "w1", "w2"] and system.finished == 2
+    _check_hosts(system)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_members_killed_again_and_again_are_rebuilt_exactly_each_time(seed):
+    """Random rounds of kills (K = 2, R = 1; K = 2, R = 2; K = 3, R = 2), each of up to R workers, most
+    of them the worker of a member already rebuilt (its replacement's), some during a rebuild (a member
+    or the replacement being built dies), with random writes, deliveries and steps between: every round
+    starts a recovery of its own, every rebuild ends exact, and no member is ever placed on a worker that
+    died."""
+    rng = np.random.default_rng(2000 + seed)
+    k, r = [(2, 1), (2, 2), (3, 2)][seed % 3]
+    system = OnWorkers(k, r, 6, chunk=int(rng.integers(1, 4)), fix_up_every_chunk=bool(rng.integers(0, 2)),
+                       seed=seed)
+    for _ in range(2):
+        system.write(4)
+    system.deliver()
+    driver = Driver(system)
+    again = 0
+    for round_ in range(5):
+        first = int(rng.integers(0, k + r)) if round_ == 0 or rng.random() < 0.3 else again
+        before = len(system.state.recoveries)
+        system.kill_worker(system.worker_hosting(first))
+        for _ in range(int(rng.integers(0, 30))):
+            roll = rng.random()
+            if roll < 0.3:
+                system.write(int(rng.integers(1, 5)))
+            elif roll < 0.4:
+                system.deliver()
+            elif roll < 0.45 and len(system.state.lost) < r:  # a further loss: the same recovery restarts
+                worker = system.worker_hosting(int(rng.integers(0, k + r)))
+                if worker is not None:
+                    system.kill_worker(worker)
+            else:
+                ready = driver.ready()
+                if ready:
+                    driver.advance(ready[int(rng.integers(0, len(ready)))])
+        driver.run_out()
+        assert first in system.state.recoveries[before].members  # a recovery of its own (a further loss
+        _check_hosts(system)  # after it was rebuilt: another)
+        again = first
+    assert len(system.state.recoveries) >= 5 and system.finished >= 5
 
 
 # ---- the rebuild thread's instructions, with random outcomes ----------------------------------------

@@ -180,8 +180,9 @@ def test_one_kill_rule():
         # The same rule, through every way kills are given.
         with pytest.raises(FaultSpecError, match=match):
             TrainConfig(**REQUIRED, parity=1, iterations=4, kills=[spec])
-    with pytest.raises(FaultSpecError, match="same shard twice"):
-        check_kills(["shard:0@1", "shard:0@2"], num_shards=2, parity=1, iterations=None)
+    with pytest.raises(FaultSpecError, match="same kill twice"):
+        check_kills(["shard:0@1", "shard:0@1"], num_shards=2, parity=1, iterations=None)
+    assert len(check_kills(["shard:0@1", "shard:0@2"], num_shards=2, parity=1, iterations=None)) == 2  # again
     assert check_kills(["shard:0@99"], num_shards=2, parity=1, iterations=None)  # the count is not known yet
 
 

@@ -123,6 +123,25 @@ class Placement:
         return None
 
 
+def where_placed(names: list[str], workers: list[str], worker_info: WorkerInfo) -> str:
+    """Which host each of ``names`` runs on (``workers``: each one's worker address), by host:
+    ``2 hosts: 10.0.0.2 (data shard 0, parity shard 0), 10.0.0.3 (data shard 1)``: what the run's log says
+    so that a user knows which machine's failure takes what."""
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for name, worker in zip(names, workers, strict=True):
+        by_host[host_of(worker, worker_info)].append(name)
+    hosts = ", ".join(f"{host} ({', '.join(on)})" for host, on in sorted(by_host.items()))
+    return f"{len(by_host)} host{'s' if len(by_host) != 1 else ''}: {hosts}"
+
+
+def shared_host_warning(placement: Placement, worker_info: WorkerInfo) -> str | None:
+    """:meth:`Placement.warning` on a cluster that spans several hosts; None on a one-host cluster (a
+    LocalCluster), where every member shares the machine and the user knows it."""
+    if len({host_of(w, worker_info) for w in worker_info}) < 2:
+        return None
+    return placement.warning()
+
+
 def place(worker_info: WorkerInfo, n: int, resource: str = RESOURCE) -> Placement:
     """Workers for ``n`` members: eligible ones only, distinct hosts first, then distinct workers."""
     if n < 1:

@@ -23,6 +23,7 @@ gathers everything, for tests and small tables only.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -46,7 +47,9 @@ from dlrmflow.engine.row_files import (
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
 from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
-from dlrmflow.engine.serving.placement import WORKER_LOG, Placement, place
+from dlrmflow.engine.serving.placement import WORKER_LOG, Placement, place, shared_host_warning
+
+EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
 
 
 class EmbeddingShard:
@@ -533,9 +536,14 @@ def start_placed_actors(client: Client, n: int, submit: Callable[[int, str], Fut
         warm_up_workers(client, warm_up, workers=sorted(set(placement.workers)) if chosen_only else None)
         futures = [submit(i, worker) for i, worker in enumerate(placement.workers)]
         try:
-            return placement, futures, started_actors(client, futures, placement.workers, what)
+            actors = started_actors(client, futures, placement.workers, what)
         except WorkerLeftError as exc:
             gone.add(exc.worker)
+            continue
+        warning = shared_host_warning(placement, cluster_workers(client)) if avoid is None else None
+        if warning:
+            EVENTS.warning("placement: %s", warning)
+        return placement, futures, actors
 
 
 def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
@@ -544,8 +552,8 @@ def start_shards(client: Client, spec: RowSpec, num_shards: int) -> ShardGroup:
     when a chosen worker leaves the cluster first)."""
     if num_shards < 1:
         raise ValueError(f"need at least one shard, got {num_shards}")
-    _, futures, actors = start_placed_actors(
+    placement, futures, actors = start_placed_actors(
         client, num_shards,
         lambda k, worker: client.submit(EmbeddingShard, spec, k, num_shards, actor=True, workers=[worker], pure=False),
         "an embedding server")
-    return ShardGroup(spec, actors, futures)
+    return ShardGroup(spec, actors, futures, worker_of=list(placement.workers))

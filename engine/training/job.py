@@ -86,6 +86,8 @@ def _record(setup: RunSetup, output: Path, results: list[dict[str, Any]]) -> dic
     summary["peak_cached_rows"] = max(r["peak_cached_rows"] for r in results)  # per trainer: "trainers"
     if len(results) > 1:
         summary["trainers"] = trainers_report(results, log)
+    if lead.get("servers"):
+        summary["servers"] = lead["servers"]  # each member's worker and host at the end (after rebuilds)
     for section in ("parity", "checkpoint"):
         if section in lead:
             summary[section] = lead[section]
@@ -121,6 +123,13 @@ def run_dir_for(output: Path, what: str):
                 parent.rmdir()
 
 
+def worker_host(address: str | None) -> str | None:
+    """The host part of a worker's address (None for the trainer that ran in the command's process)."""
+    from distributed.comm import get_address_host
+
+    return None if address is None else get_address_host(address)
+
+
 def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[str, Any]:
     """Per trainer: where it ran and what it moved; totals of the traffic between trainers by kind."""
     between: dict[str, int] = {}
@@ -134,7 +143,8 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
         "sync_fraction": float(np.sum(results[0]["sync_seconds"]) / iteration_seconds) if iteration_seconds else 0.0,
         # Per trainer: the most rows its cache held at once; the bytes it received from the other trainers
         # (rows, gradients, dense gradients) and from the servers (bytes_fetched).
-        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "device": r["device"], "threads": r["threads"],
+        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "host": worker_host(r["worker"]),
+                         "device": r["device"], "threads": r["threads"],
                          "peak_cached_rows": r["peak_cached_rows"], "bytes_from_trainers": r["bytes_from_trainers"],
                          "bytes_from_servers": r["bytes_fetched"],
                          "bytes_fetched": r["bytes_fetched"], "bytes_written_back": r["bytes_written"],

@@ -31,7 +31,7 @@ import torch
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.serving.cluster import cluster_workers
-from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers
+from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers, where_placed
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.run_context import RunContext
 from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE, resume_command
@@ -118,7 +118,9 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
     if client is None:
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers
-    workers = place_trainers(cluster_workers(client), size, gpu=setup.config.device.startswith("cuda"))
+    info = cluster_workers(client)
+    workers = place_trainers(info, size, gpu=setup.config.device.startswith("cuda"))
+    EVENTS.info("trainers on %s", where_placed([f"trainer {r}" for r in range(size)], workers, info))
     setup = prepare_trainers(setup, setup.config.output_dir)
     port = client.submit(_free_port, workers=[workers[0]], pure=False).result()
     host = workers[0].split("://", 1)[-1].rsplit(":", 1)[0]

@@ -9,6 +9,7 @@ carries the state SHA-256. The other trainers get a handle on trainer 0's server
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import time
 from pathlib import Path
@@ -18,12 +19,15 @@ import torch
 
 from dlrmflow.engine.coding.erasure import TooManyErasuresError
 from dlrmflow.engine.coding.group import CodedShardGroup
+from dlrmflow.engine.coding.members import member_name
 from dlrmflow.engine.coding.start import start_coded_shards
 from dlrmflow.engine.coding.verify import parity_report
 from dlrmflow.engine.models import build_model
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.row_files import ShardedRows
+from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import bind_actor
+from dlrmflow.engine.serving.placement import host_of, where_placed
 from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
 from dlrmflow.engine.training.checkpoint import Checkpointer
@@ -44,6 +48,8 @@ from dlrmflow.engine.training.shard_restore import start_placed_shards
 from dlrmflow.engine.training.timing import timed
 from dlrmflow.engine.training.train_log import TrainLog
 
+EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
+
 
 def start_servers(setup: RunSetup, context: RunContext, rows: ShardedRows | None) -> ShardGroup | None:
     """Trainer 0's embedding servers (None for a mode without servers), started through ``context.client``:
@@ -56,7 +62,25 @@ def start_servers(setup: RunSetup, context: RunContext, rows: ShardedRows | None
         raise ValueError(f"--mode {config.mode} needs a Dask client to host the embedding servers")
     with phase_reported(f"embedding servers: initialising {config.num_shards} shards"
                         f"{f' and {config.parity} parity shards' if config.parity else ''}"):
-        return _start_servers(setup, context, rows)
+        shards = _start_servers(setup, context, rows)
+    EVENTS.info("embedding servers on %s", where_placed(server_names(config.num_shards, config.parity),
+                                                         shards.worker_of, cluster_workers(context.client)))
+    return shards
+
+
+def server_names(k: int, r: int) -> list[str]:
+    """The members of a group of ``k`` data shards and ``r`` parity shards, as the run's reports name them."""
+    return [member_name(s, k) for s in range(k + r)]
+
+
+def server_hosts(shards: ShardGroup | None, k: int, r: int, client: Any) -> list[dict[str, str]] | None:
+    """For the run's summary: each member's worker and host at the end of the run (after any rebuild, the
+    replacement's)."""
+    if shards is None or not shards.worker_of:
+        return None
+    info = cluster_workers(client)
+    return [{"member": name, "worker": worker, "host": host_of(worker, info)}
+            for name, worker in zip(server_names(k, r), shards.worker_of, strict=True)]
 
 
 def _start_servers(setup: RunSetup, context: RunContext, rows: ShardedRows | None) -> ShardGroup:
@@ -157,6 +181,8 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
                 "peak_cached_rows": int(store.peak_cached_rows),
                 "began_at": began_at, "ended_at": ended_at}
             if lead:
+                outcome["servers"] = server_hosts(getattr(store, "shards", None), config.num_shards, config.parity,
+                                                  context.client)
                 finish = outcome["finish"] = {}
                 with timed(finish, "state"), phase_reported("final state: the servers write their rows"):
                     if setup.whole_state:  # tests: the whole state gathered here, besides the shards' files
@@ -175,6 +201,9 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
                         report_ = parity_report(store.shards, staged)
                         parity_files = report_.pop("files", None)
                     outcome["parity"] = {**report_, "kills": kills_since(kills, store.shards.started_at)}
+                    if hooks.injector and hooks.injector.missed:  # kills that came while their shard had no worker
+                        outcome["parity"]["missed_kills"] = kills_since(hooks.injector.missed,
+                                                                        store.shards.started_at)
                 seal_final_state(outcome["state"], parity_files)
                 if hooks.checkpoints is not None:
                     outcome["checkpoint"] = {**hooks.checkpoints.report,
