@@ -94,7 +94,6 @@ class PrefetchWorker:
         distance: int,
         cache: torch.Tensor,
         home: Any,
-        total_rows: int,
         *,
         start: int = 0,
         cached: tuple[np.ndarray, np.ndarray] | None = None,
@@ -106,7 +105,7 @@ class PrefetchWorker:
         ``start``, whose write-backs are all applied; ``spare_slots``: the last rows of ``cache``, beyond the
         plan's slots, for rows fetched early (the state's)."""
         self.spare_slots = spare_slots
-        self.state = self._new_state(iterations, distance, total_rows, cache.shape[0] - spare_slots, start, cached)
+        self.state = self._new_state(iterations, distance, cache.shape[0] - spare_slots, start, cached)
         self.plans = plan_iterations
         self.cache = cache
         self.home = home
@@ -123,9 +122,9 @@ class PrefetchWorker:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="dlrmflow-prefetch", daemon=True)
 
-    def _new_state(self, iterations: int, distance: int, total_rows: int, num_slots: int, start: int,
+    def _new_state(self, iterations: int, distance: int, num_slots: int, start: int,
                    cached: tuple[np.ndarray, np.ndarray] | None) -> PrefetchState:
-        return PrefetchState(iterations, distance, total_rows, num_slots, start=start, cached=cached,
+        return PrefetchState(iterations, distance, num_slots, start=start, cached=cached,
                              spare_slots=self.spare_slots)
 
     def cached(self) -> tuple[np.ndarray, np.ndarray]:
@@ -319,9 +318,9 @@ class PartitionedPrefetchWorker(PrefetchWorker):
         self.group, self.gateway = group, gateway
         super().__init__(*args, **kwargs)
 
-    def _new_state(self, iterations: int, distance: int, total_rows: int, num_slots: int, start: int,
+    def _new_state(self, iterations: int, distance: int, num_slots: int, start: int,
                    cached: tuple[np.ndarray, np.ndarray] | None) -> PartitionedPrefetchState:
-        return PartitionedPrefetchState(iterations, distance, total_rows, num_slots, size=self.group.size,
+        return PartitionedPrefetchState(iterations, distance, num_slots, size=self.group.size,
                                         rank=self.group.rank, gateway=self.gateway, start=start, cached=cached)
 
     def _exchange(self, t: int | None, exchange: SharedExchange, write_rows: np.ndarray) -> torch.cuda.Event | None:

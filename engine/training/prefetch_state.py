@@ -39,8 +39,14 @@ The rules, for prefetch distance ``P`` (docs/planner.md argues them):
   plan fetches on time always find a slot.
 
 :class:`PartitionedPrefetchState` adds the rules of one of W trainers holding the same slots (the
-LRPP cache): which trainer fetches each row (the one that last wrote it home, else ``id % W``;
-``gateway``: trainer 0) and which evicted rows this trainer writes home (those ``Done.writers`` gives it).
+LRPP cache): which trainer fetches each row (the one that last wrote it home while that write may still be
+on its way, else ``id % W``; ``gateway``: trainer 0) and which evicted rows this trainer writes home (those
+``Done.writers`` gives it). A write is on its way only briefly: the evictions of ``u`` go home in the writer's
+exchange for ``u + P + 1``, and trainer ``B`` issues its exchange for ``t`` only after computing ``t - P - 1``,
+whose dense-gradient collective every trainer joins only with its exchange for ``t - P - 1`` done (exchanges
+are sequential). So a write of ``u``'s evictions is home before any exchange for ``t >= u + 2P + 2`` is
+issued, and the state remembers the writers of the last ``2 * (2P + 1)`` iterations' evictions (twice what
+the argument needs), not one per embedding row: O(window), and a fetch after that may go to any trainer.
 It neither fetches early nor holds write-backs: which rows a trainer could fetch early would depend on its
 own slots, and its fetches are handed to other trainers in collectives that all of them issue alike.
 """
@@ -189,7 +195,7 @@ class PrefetchState:
 
     fetches_early = True  # fetch rows of t + 1 .. t + P - 1 in t's exchange, hold write-backs (module docstring)
 
-    def __init__(self, iterations: int, distance: int, total_rows: int, num_slots: int, *, start: int = 0,
+    def __init__(self, iterations: int, distance: int, num_slots: int, *, start: int = 0,
                  cached: tuple[np.ndarray, np.ndarray] | None = None, spare_slots: int = 0) -> None:
         if distance < 1:
             raise ValueError(f"prefetch distance must be >= 1, got {distance}")
@@ -452,24 +458,41 @@ class PartitionedPrefetchState(PrefetchState):
 
     fetches_early = False  # (module docstring)
 
-    def __init__(self, iterations: int, distance: int, total_rows: int, num_slots: int, *, size: int, rank: int,
+    def __init__(self, iterations: int, distance: int, num_slots: int, *, size: int, rank: int,
                  gateway: bool = False, start: int = 0, cached: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        super().__init__(iterations, distance, total_rows, num_slots, start=start, cached=cached)
+        super().__init__(iterations, distance, num_slots, start=start, cached=cached)
         self.size, self.rank, self.gateway = size, rank, gateway
-        self.last_writer = np.full(total_rows, -1, dtype=np.int16)  # -1: never written home by a trainer
+        # The writers of the evictions of the last ``remembered`` iterations, oldest first: (u, ids, writers).
+        # Before ``start`` nothing is on its way (a run starts, resumes or restarts with every write home).
+        self.remembered = 2 * (2 * distance + 1)
+        self.recent_writes: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
 
     def fetchers(self, ids: np.ndarray) -> np.ndarray:
-        """The trainer that fetches each of ``ids``: the one that last wrote it home, else ``id % W``
+        """The trainer that fetches each of ``ids`` in the exchange for ``t``: the one that wrote it home last
+        if that was among the evictions of the last :attr:`remembered` iterations, else ``id % W``
         (``gateway``: trainer 0, always). A trainer's write and its own later fetch go to the same server
-        in order, so no fetch overtakes the write it must see, whatever the other trainers' timing."""
+        in order, so no fetch overtakes the write it must see, whatever the other trainers' timing; an
+        older write is home already (module docstring)."""
+        fetcher = ids % self.size
         if self.gateway:
             return np.zeros(len(ids), dtype=np.int64)
-        last = self.last_writer[ids]
-        return np.where(last >= 0, last, ids % self.size)
+        while self.recent_writes and self.recent_writes[0][0] < self.t - self.remembered:
+            self.recent_writes.popleft()
+        if not self.recent_writes or not len(ids):
+            return fetcher
+        written = np.concatenate([w[1] for w in self.recent_writes])[::-1]  # newest first
+        writers = np.concatenate([w[2] for w in self.recent_writes])[::-1]
+        unique, newest = np.unique(written, return_index=True)  # each id's newest write
+        at = np.minimum(np.searchsorted(unique, ids), len(unique) - 1)
+        found = unique[at] == ids
+        fetcher[found] = writers[newest[at[found]]]
+        return fetcher
 
     def _writes_of(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
         evicted = done.evict_ids if done.evicted is None else done.evicted
-        self.last_writer[evicted] = done.writers
+        if len(evicted):
+            self.recent_writes.append((done.t, np.asarray(evicted, dtype=np.int64),
+                                       np.asarray(done.writers, dtype=np.int64)))
         mine = evicted[done.writers == self.rank]
         slots = self.directory.lookup(mine)
         if (slots < 0).any():

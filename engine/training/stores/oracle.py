@@ -8,9 +8,11 @@ too), known before the run (:func:`~dlrmflow.engine.training.trainer_slices.prep
 holds only the rows it is a holder of, in slots of its own cache (as large as the most it holds at once).
 
 - Fetching: each prefetched row is fetched from its server by one trainer, the one that last wrote it home
-  (``id % W`` before any write; with parity trainer 0), and handed point to point to its other holders, so
-  server reads do not grow with W. A trainer's write and its own later fetch of the row go to the same
-  server in order, so no fetch can overtake the write it must see, whatever the other trainers' timing.
+  while that write may be on its way (else ``id % W``; with parity trainer 0:
+  :class:`~dlrmflow.engine.training.prefetch_state.PartitionedPrefetchState`), and handed point to point to
+  its other holders, so server reads do not grow with W. A trainer's write and its own later fetch of the
+  row go to the same server in order, so no fetch can overtake the write it must see, whatever the other
+  trainers' timing.
 - Gradients, after backward at ``t``: a row's users send their gradients of it to its holders (a row
   with one holder is never synced); a row evicted after ``t`` only to its writer, its lowest user at
   ``t`` (with parity trainer 0), which updates it and writes it home; the other copies are dropped.
@@ -197,7 +199,7 @@ class OracleRows(RowStore):
     def _make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         return PrefetchWorker(
             self.plan.iterations(t), self.iterations, self.plan.config.prefetch_distance, self.cache.rows, self.home,
-            self.spec.total_rows, start=t, cached=(ids, slots), spare_slots=self.spare,
+            start=t, cached=(ids, slots), spare_slots=self.spare,
         )
 
     @property
@@ -280,7 +282,7 @@ class LrppRows(RowStore):
     def _make_worker(self, t: int, ids: np.ndarray, slots: np.ndarray) -> PrefetchWorker:
         return PartitionedPrefetchWorker(
             self._held_steps(t), self.iterations, self.plan.config.prefetch_distance, self.cache.rows, self.home,
-            self.spec.total_rows, start=t, cached=(ids, slots), group=self.group, gateway=self.gateway)
+            start=t, cached=(ids, slots), group=self.group, gateway=self.gateway)
 
     def _cached_at(self, t: int, directory: SlotDirectory) -> tuple[np.ndarray, np.ndarray]:
         """The rows this trainer holds before iteration ``t`` (the plan and the holders of ``0 .. t-1``
