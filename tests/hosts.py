@@ -16,6 +16,10 @@ link (both directions at one rate, with :func:`dlrmflow.engine.serving.shaped_li
 bucket and queue). The bridge has an address too, so the test process in the root namespace reaches
 every host (a Dask client, the CLI's ``--dask-address``).
 
+A host fails as a machine does (:meth:`Host.fail`): its link goes down on both ends, then every process
+inside it is SIGKILLed; the others learn of it only from their own timeouts, as from a machine that lost
+power.
+
 Host names. Processes run with the machine's own host name (``ip netns exec`` keeps the UTS
 namespace). Inside a host that name can never resolve to the host's bridge address (nothing maps
 10.215.N.x to it): it resolves to a loopback address (this machine's /etc/hosts maps it to 127.0.0.1)
@@ -78,6 +82,7 @@ VETH_PREFIX = "dlfhv"  # + "<pid>-<n>" (shaped_link's root veths are "dlf<digits
 INSIDE_VETH = "eth0"
 MTU = 1500
 ADDRESS_POOL = ipaddress.ip_network("10.215.0.0/16")
+NETNS_DIR = Path("/var/run/netns")  # where `ip netns add` names a namespace (a bind mount of its nsfs file)
 STOP_GRACE_S = 5.0  # a Dask worker closes in about a second on SIGTERM; then SIGKILL
 
 # The docs' command lines (docs/terabyte.md, "How to run it"), with this venv's `dask`.
@@ -172,7 +177,48 @@ class Host:
                                     start_new_session=True)
         self.processes.append(proc)
         self.logs[label] = log
+        self._wait_inside(proc)
         return proc
+
+    def _wait_inside(self, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+        """Until ``proc`` (``ip netns exec``, which enters the namespace, then execs) is inside this host or
+        ended: before that, ``ip netns pids`` does not list it, so a removal or :meth:`fail` at that moment
+        would leave it running in a namespace nobody names any more (seen on 2 busy cores)."""
+        inside = os.stat(NETNS_DIR / self.namespace).st_ino
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if os.stat(f"/proc/{proc.pid}/ns/net").st_ino == inside:
+                    return
+            except FileNotFoundError:
+                return
+            time.sleep(0.005)
+
+    def pids_inside(self) -> list[int]:
+        """The processes inside this host now (``ip netns pids``)."""
+        return [int(p) for p in _run([_ip(), "netns", "pids", self.namespace], check=False).split()]
+
+    def fail(self, timeout_s: float = 10.0) -> float:
+        """The host fails as a machine does when it loses power: its link goes down first on both ends, so that
+        nothing its processes send while they die gets out (no FIN, no RST: the other hosts learn of it only
+        from their own timeouts, and packets to it are dropped), then every process inside is SIGKILLed, until
+        none is left. The namespace stays (the network's removal takes it). Returns the ``time.monotonic()``
+        at which the link went down."""
+        _run([_ip(), "link", "set", self.veth, "down"])
+        went_down = time.monotonic()
+        _run([_ip(), "-n", self.namespace, "link", "set", INSIDE_VETH, "down"])
+        deadline = time.monotonic() + timeout_s
+        while pids := self.pids_inside():  # a nanny may start a process while its group dies: until none is left
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"host {self.name}: processes {pids} still inside {timeout_s} s after SIGKILL")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        for proc in self.processes:  # reap them (each was an `ip netns exec`, exec'd into the command)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+        return went_down
 
     def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
         """Run ``argv`` inside this host to its end; its output captured."""

@@ -1,21 +1,30 @@
 """Training across emulated hosts (issue 43): each Dask process on a network namespace of its own.
 
 Why: on one machine every Dask process reaches every other through loopback, so nothing shows whether
-the trainers of ``--trainers W`` can meet across machines. Here (tests/hosts.py) a scheduler host, three
-embedding-server hosts (K = 2 data shards + 1 parity) and two trainer hosts sit on one bridge, each
-started with docs/terabyte.md's command lines, with no ``GLOO_SOCKET_IFNAME`` anywhere, and the machine's
-host name, which inside a host never resolves to the host's bridge address: left to itself, gloo would
-bind each trainer to loopback, which the other trainer's host cannot reach. The trainers must instead
-bind gloo to their Dask worker's interface and train to the same bits as a LocalCluster run.
+the trainers of ``--trainers W`` can meet across machines, nor what a machine's failure does to a run.
+Here (tests/hosts.py) a scheduler host, four embedding-server hosts (K = 2 data shards + 1 parity + a
+spare for a rebuild) and two trainer hosts sit on one bridge, each started with docs/terabyte.md's
+command lines, with no ``GLOO_SOCKET_IFNAME`` anywhere, and the machine's host name, which inside a host
+never resolves to the host's bridge address: left to itself, gloo would bind each trainer to loopback,
+which the other trainer's host cannot reach. The trainers must instead bind gloo to their Dask worker's
+interface and train to the same bits as a LocalCluster run; and when the host of a data shard fails
+mid-run (its link down, every process on it SIGKILLed), the run must rebuild that shard on the spare
+host from the survivors and still end in those bits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -36,16 +45,28 @@ from dlrmflow.cli import main
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness"),
               pytest.mark.skipif(missing() is not None, reason=f"no emulated hosts here: {missing()}")]
 
-SERVERS = ["server0", "server1", "server2"]  # K = 2 data shards + 1 parity
+SERVERS = ["server0", "server1", "server2", "server3"]  # K = 2 data shards + 1 parity + 1 spare for a rebuild
 TRAINERS = ["trainer0", "trainer1"]
 WORKERS = {**{name: "embedding_server=1" for name in SERVERS}, **{name: "trainer=1" for name in TRAINERS}}
 SEED = "3"
+# 20,000 rows hold 70 batches of 256 before the held-out tenth. Every run of the module trains the same
+# iterations (one LocalCluster run is the oracle of all). The failed-host test fails its host once the run
+# reports KILL_AFTER of them: the rest (about 0.1 s each here) outlast the failing (well under a second),
+# and training then waits for the loss to be noticed (about 30 s: Dask's TCP timeout).
+ITERATIONS = 60
+KILL_AFTER = 5
+RUN_TIMEOUT_S = 420
+
+
+def host_of(address: str) -> str:
+    """``tcp://10.215.3.4:40123`` -> ``10.215.3.4``."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """The module's one harness: the six hosts, the scheduler and the five workers (starting them is most
-    of the module's time, so every test shares them)."""
+    """The module's one harness: the seven hosts, the scheduler and the six workers (starting them is most
+    of the module's time, so every test shares them; the failed-host test, last, takes one down)."""
     home = tmp_path_factory.mktemp("hosts")
     try:
         with emulated_hosts(["scheduler", *SERVERS, *TRAINERS], home / "logs") as network, \
@@ -55,49 +76,192 @@ def cluster(tmp_path_factory):
         pytest.skip(f"no emulated hosts here: {exc}")
 
 
-def run_json(capsys, argv: list[str], cluster=None) -> dict:
+def cli_json(argv: list[str], cluster=None) -> dict:
     """``dlrmflow ARGV --json`` in this process (the root namespace); stdout must be one JSON object. On a
-    failure the message carries the command's stderr and, with ``cluster``, its hosts' log tails."""
-    capsys.readouterr()
-    code = main([*argv, "--json"])
-    out, err = capsys.readouterr()
+    failure the message carries, with ``cluster``, its hosts' log tails (pytest shows the stderr)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*argv, "--json"])
     logs = f"\nhost logs:\n{cluster.log_tails()}" if cluster is not None else ""
-    assert code == 0, f"dlrmflow {' '.join(argv)} exited {code}:\n{err[-4000:]}{logs}"
-    lines = out.strip().splitlines()
+    assert code == 0, f"dlrmflow {' '.join(argv)} exited {code}{logs}"
+    lines = out.getvalue().strip().splitlines()
     assert len(lines) == 1, f"stdout must be one JSON line, got {lines!r}"
     return json.loads(lines[0])
 
 
-def test_trainers_on_two_hosts_end_in_the_bits_of_a_local_cluster(cluster, tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+@dataclass
+class Workload:
+    dataset: Path
+    plan: Path
+    train: list[str]  # `dlrmflow train ...` without --output and --dask-address
+
+
+@pytest.fixture(scope="module")
+def workload(cluster, tmp_path_factory) -> Workload:
+    """The dataset and plan, made on the hosts' cluster, and the W = 2 oracle parity-1 run every test trains."""
+    home = tmp_path_factory.mktemp("workload")
+    on_hosts = ["--dask-address", cluster.address]
+    raw, dataset, plan = home / "x.tsv", home / "ds", home / "plan"
+    with without_cluster_settings():
+        cli_json(["generate", "--rows", "20000", "--scale", "0.01", "--seed", "1", "--output", str(raw), *on_hosts],
+                 cluster)
+        cli_json(["preprocess", str(raw), "--output", str(dataset), *on_hosts], cluster)
+        cli_json(["plan", str(dataset), "--batch-size", "256", "--output", str(plan), *on_hosts], cluster)
+    train = ["train", str(dataset), "--mode", "oracle", "--plan", str(plan), "--trainers", "2", "--shards", "2",
+             "--parity", "1", "--iterations", str(ITERATIONS), "--batch-size", "256", "--seed", SEED,
+             "--metrics-every", "5"]
+    return Workload(dataset, plan, train)
+
+
+@pytest.fixture(scope="module")
+def local_run(workload, tmp_path_factory) -> dict:
+    """The oracle: the same run on dlrmflow's own LocalCluster (every process on loopback)."""
+    with without_cluster_settings():
+        return cli_json([*workload.train, "--output", str(tmp_path_factory.mktemp("local") / "run")])
+
+
+@contextlib.contextmanager
+def without_cluster_settings():
+    """No GLOO_SOCKET_IFNAME (it would hide the bug) nor DLRMFLOW_DASK_ADDRESS in this process meanwhile."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+        patch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+        yield
+
+
+def test_trainers_on_two_hosts_end_in_the_bits_of_a_local_cluster(cluster, workload, local_run, tmp_path):
     network = cluster.network
     # The premise: inside a trainer host the host name does not name the host's own address, so gloo's
     # default (the host name's address, else loopback) is not one the other trainer can reach.
     for name in TRAINERS:
         assert network[name].address not in hostname_addresses(network[name])
 
-    on_hosts = ["--dask-address", cluster.address]
-    raw, dataset, plan = tmp_path / "x.tsv", tmp_path / "ds", tmp_path / "plan"
-    run_json(capsys, ["generate", "--rows", "20000", "--scale", "0.01", "--seed", "1", "--output", str(raw),
-                      *on_hosts], cluster)
-    run_json(capsys, ["preprocess", str(raw), "--output", str(dataset), *on_hosts], cluster)
-    run_json(capsys, ["plan", str(dataset), "--batch-size", "256", "--output", str(plan), *on_hosts], cluster)
-    train = ["train", str(dataset), "--mode", "oracle", "--plan", str(plan), "--trainers", "2", "--shards", "2",
-             "--parity", "1", "--iterations", "20", "--batch-size", "256", "--seed", SEED]
-
-    across = run_json(capsys, [*train, "--output", str(tmp_path / "run-hosts"), *on_hosts], cluster)
+    with without_cluster_settings():
+        across = cli_json([*workload.train, "--output", str(tmp_path / "run-hosts"), "--dask-address",
+                           cluster.address], cluster)
     trainer_hosts = {network[name].address for name in TRAINERS}
     per_trainer = across["trainers"]["per_trainer"]
-    on = [t["worker"].split("://", 1)[-1].rsplit(":", 1)[0] for t in per_trainer]
+    on = [host_of(t["worker"]) for t in per_trainer]
     assert len(on) == 2 and set(on) == trainer_hosts, per_trainer  # one trainer on each trainer host
+    assert [t["host"] for t in per_trainer] == on, per_trainer  # the summary names each trainer's host
     members = across["parity"]["member_workers"]  # the 2 data shards and the parity shard: on server hosts
     server_hosts = {network[name].address for name in SERVERS}
-    assert len(members) == 3 and {w.split("://", 1)[-1].rsplit(":", 1)[0] for w in members.values()} <= \
-        server_hosts, members
+    assert len(members) == 3 and len({host_of(w) for w in members.values()}) == 3, members  # one per host
+    assert {host_of(w) for w in members.values()} <= server_hosts, members
+    # The summary's servers: each member, its worker (the parity section's) and that worker's host.
+    assert [s["member"] for s in across["servers"]] == ["data shard 0", "data shard 1", "parity shard 0"]
+    assert {s["member"]: s["worker"] for s in across["servers"]} == members, across["servers"]
+    assert all(s["host"] == host_of(s["worker"]) for s in across["servers"]), across["servers"]
+    assert {s["host"] for s in across["servers"]} <= server_hosts, across["servers"]
+    assert across["parity"]["recoveries"] == []
 
-    local = run_json(capsys, [*train, "--output", str(tmp_path / "run-local")])
-    assert across["state_sha256"] == local["state_sha256"]
+    assert across["state_sha256"] == local_run["state_sha256"]
+
+
+PROGRESS = re.compile(r"training iterations: (\d+)/\d+|iterations? (?:[\d,]+–)?([\d,]+): loss")
+
+
+class WatchedRun:
+    """``dlrmflow ARGV --json`` as a subprocess of the root namespace, its stderr read as it comes: each line
+    with its ``time.monotonic()``, the iterations done as the progress lines say."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.done = 0
+        self.changed = threading.Condition()
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "dlrmflow.cli", *argv, "--json"], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.stdout = ""
+        self.readers = [threading.Thread(target=self._read_stderr, daemon=True),
+                        threading.Thread(target=self._read_stdout, daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read_stdout(self) -> None:
+        self.stdout = self.proc.stdout.read()
+
+    def _read_stderr(self) -> None:
+        with open(self.log, "w") as log:
+            for line in self.proc.stderr:
+                now = time.monotonic()
+                log.write(f"{now:.3f} {line}")
+                log.flush()
+                found = PROGRESS.search(line)
+                with self.changed:
+                    self.lines.append((now, line.rstrip("\n")))
+                    if found:
+                        self.done = max(self.done, int((found.group(1) or found.group(2)).replace(",", "")))
+                    self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait_for(self, predicate, timeout_s: float) -> bool:
+        """Until ``predicate(self)`` holds (True), the command ended or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not predicate(self):
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self.readers[0].is_alive()):
+                    return False
+                self.changed.wait(min(left, 0.5))
+        return True
+
+    def finish(self, timeout_s: float) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        for reader in self.readers:
+            reader.join(30)
+        return code
+
+    def stop(self) -> None:
+        """Whatever happened: the command and what it started gone."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def first(self, pattern: str) -> tuple[float, str] | None:
+        return next(((at, line) for at, line in self.lines if re.search(pattern, line)), None)
+
+    def stderr_tail(self, n: int = 60) -> str:
+        return "\n".join(line for _, line in self.lines[-n:])
+
+
+def server_actors(cluster, servers: list[str]) -> dict[str, tuple[str, str]]:
+    """The coded-shard actors the server hosts' workers hold now: task key -> (host address, member name); a
+    data shard is a CodedShard (``shard``), a parity shard a ParityShard (``p``)."""
+    def held(dask_worker) -> dict[str, str]:
+        names = {"CodedShard": lambda a: f"data shard {a.shard}", "ParityShard": lambda a: f"parity shard {a.p}"}
+        return {str(key): names[type(a).__name__](a) for key, a in dask_worker.state.actors.items()
+                if type(a).__name__ in names}
+
+    addresses = {cluster.network[name].address for name in servers}
+    workers = [w for w in cluster.client.scheduler_info()["workers"] if host_of(w) in addresses]
+    return {key: (host_of(worker), name) for worker, actors in cluster.client.run(held, workers=workers).items()
+            for key, name in actors.items()}
+
+
+def member_hosts(actors: dict[str, tuple[str, str]]) -> tuple[dict[str, str], str]:
+    """Each member's host address and the spare's, from one run's :func:`server_actors`: a member's worker
+    holds that member alone, the spare's worker a standby for every member."""
+    on: dict[str, list[str]] = {}
+    for host, name in actors.values():
+        on.setdefault(host, []).append(name)
+    members = {names[0]: host for host, names in on.items() if len(names) == 1}
+    spares = [host for host, names in on.items() if len(names) > 1]
+    assert len(spares) == 1 and sorted(on[spares[0]]) == sorted(members), on  # standbys for every member
+    return members, spares[0]
+
+
+def placed_on_stderr(run: WatchedRun, what: str) -> dict[str, str] | None:
+    """``{name: host}`` from the run's log line ``WHAT on N hosts: 10.x.y.z (NAME, ...), ...``; None without one."""
+    found = run.first(rf"{what} on \d+ hosts?: ")
+    if found is None:
+        return None
+    listed = found[1].split(f"{what} on ", 1)[1].split(": ", 1)[1]
+    return {name.strip(): host for host, names in re.findall(r"([\d.]+) \(([^)]*)\)", listed)
+            for name in names.split(",")}
 
 
 KILLED_BUILDER = """
@@ -113,12 +277,19 @@ with emulated_hosts(["a"], Path(sys.argv[2])) as network:
 """
 
 
-def ended(pid: int) -> bool:
-    """Whether process ``pid`` ended (a zombie too: an orphan's new parent may not have reaped it yet)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def ended(pid: int, timeout_s: float = 5.0) -> bool:
+    """Whether process ``pid`` ended within ``timeout_s`` (a zombie too: an orphan's new parent may not have
+    reaped it yet). A SIGKILL takes effect when the process next runs: on busy cores not at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -157,3 +328,71 @@ def test_a_build_removes_what_a_killed_run_left_and_shapes_both_ends(tmp_path):
             os.kill(child.pid, signal.SIGKILL)
             child.wait()
         remove_stale()
+
+
+def test_a_server_host_failing_mid_run_is_rebuilt_on_the_spare_host_to_the_same_bits(cluster, workload, local_run,
+                                                                                     tmp_path):
+    """Last in the module: it takes a server host down for good. The run goes on the hosts' cluster as a user
+    runs it (a command in the root namespace); after KILL_AFTER iterations the host of data shard 0 fails
+    (its link down, every process on it SIGKILLed). The run must notice, rebuild the shard on the spare
+    host from the survivors while it trains, end with exit status 0 in the LocalCluster run's bits, and
+    say so in its summary: the recovery, the replacement's worker and host."""
+    from prefect.settings import PREFECT_API_URL
+
+    network = cluster.network
+    by_address = {network[name].address: network[name] for name in SERVERS}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "DLRMFLOW_DASK_ADDRESS")}
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()
+    run_dir = tmp_path / "run"
+    earlier = server_actors(cluster, SERVERS)  # an earlier run's, if its servers outlived it
+    run = WatchedRun([*workload.train, "--output", str(run_dir), "--dask-address", cluster.address], env,
+                     tmp_path / "stderr.log")
+    try:
+        began = time.monotonic()
+        if not run.wait_for(lambda r: r.done >= KILL_AFTER, RUN_TIMEOUT_S):
+            pytest.fail(f"the run did not reach iteration {KILL_AFTER} (exit {run.proc.poll()}):\n"
+                        f"{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
+        reached = run.done
+        actors = server_actors(cluster, SERVERS)
+        placed, spare = member_hosts({key: actors[key] for key in set(actors) - set(earlier)})
+        assert set(placed) == {"data shard 0", "data shard 1", "parity shard 0"}, placed
+        assert len({*placed.values(), spare}) == 4, (placed, spare)  # each on a server host of its own
+        victim = by_address[placed["data shard 0"]]
+        failed_at = victim.fail()
+        assert reached < ITERATIONS and run.proc.poll() is None, "the run ended before the host failed"
+        code = run.finish(max(1.0, RUN_TIMEOUT_S - (time.monotonic() - began)))
+        ended_at = time.monotonic()
+        assert code == 0, f"the run exited {code}:\n{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}"
+    finally:
+        run.stop()
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be one JSON line, got {lines!r}"
+    summary = json.loads(lines[0])
+
+    parity = summary["parity"]
+    (recovery,) = parity["recoveries"]  # one loss, one recovery
+    assert recovery["lost"] == ["data shard 0"] and recovery["rebuilt_s"] is not None, recovery
+    replacement = recovery["new_workers"]["data shard 0"]
+    assert host_of(replacement) == spare, (recovery, spare)
+    assert parity["member_workers"]["data shard 0"] == replacement, parity["member_workers"]
+    assert parity["verify"]["ok"], parity["verify"]
+    servers = {s["member"]: s for s in summary["servers"]}
+    assert servers["data shard 0"]["worker"] == replacement and servers["data shard 0"]["host"] == spare, servers
+    assert {servers[m]["host"] for m in ("data shard 1", "parity shard 0")} == \
+        {placed["data shard 1"], placed["parity shard 0"]}, servers
+    assert summary["state_sha256"] == local_run["state_sha256"]
+    # The run's log says where the trainers ran (and, where it shows it, where the servers did).
+    trainers = {f"trainer {t['rank']}": t["host"] for t in summary["trainers"]["per_trainer"]}
+    assert placed_on_stderr(run, "trainers") == trainers, run.stderr_tail()
+    assert set(trainers.values()) == {network[name].address for name in TRAINERS}, trainers
+    servers_line = placed_on_stderr(run, "embedding servers")
+    assert servers_line in (None, placed), (servers_line, placed)
+
+    # The group's clock is trainer 0's perf_counter, this test's time.monotonic: on Linux both CLOCK_MONOTONIC.
+    detected = parity["clock_origin"] + recovery["detected_s"] - failed_at
+    print(f"\n{victim.name} ({victim.address}, data shard 0) failed after iteration {reached}; the loss was "
+          f"detected {detected:.1f} s later ({'; '.join(recovery['causes'])}), rebuilt on {spare} in "
+          f"{recovery['seconds']:.2f} s ({recovery['rows_rebuilt']} rows, {recovery['chunks']} chunks, training "
+          f"waited {recovery['locked_seconds']:.3f} s); the run ended {ended_at - failed_at:.1f} s after the "
+          f"failure; `embedding servers on` on the run's stderr: {servers_line is not None}; actors of earlier "
+          f"runs still on the server hosts at its start: {sorted(earlier.values())}")
