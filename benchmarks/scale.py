@@ -209,7 +209,7 @@ def pipeline(rows: int, work: Path, args: argparse.Namespace, scale: float | Non
         "preprocess": [str(raw), "--output", str(ds)],
         "profile": [str(ds)],
         "plan": [str(ds), "--batch-size", str(args.batch_size), "--lookahead", str(args.lookahead),
-                 "--output", str(plan)],
+                 *(["--capacity", str(args.capacity)] if args.capacity else []), "--output", str(plan)],
         "train": [str(ds), "--mode", "oracle", "--plan", str(plan), "--output", str(run),
                   "--batch-size", str(args.batch_size), "--iterations", str(args.iterations),
                   "--shards", str(args.shards), "--parity", str(args.parity), "--trainers", str(args.trainers)],
@@ -345,6 +345,20 @@ def scales_table(results: dict[float, list[Measured]]) -> str:
             + ("the least-squares slope of the peak over the embedding rows (two scales: the difference of the "
                "peaks over the difference of the embedding rows)" if fit else
                "none (it needs two scales with different embedding rows)")]
+    caches = [(sc, by_stage[sc].get("train")) for sc in scales]
+    if all(m is not None and m.result.get("capacity") for _, m in caches):
+        out += ["", "train's cache rows (the plan's slots, what one trainer holds at most, O(cache)): "
+                + ", ".join(f"{m.result['capacity']:,} at {sc:g}" for sc, m in caches)
+                + (" (the cache grows with the scale: its rows count in the bytes per added embedding row)"
+                   if len({m.result['capacity'] for _, m in caches}) > 1 else "")]
+    trainers = [(sc, (m.result.get("trainers") or {}).get("per_trainer")) for sc, m in caches if m is not None]
+    if len(trainers) == len(scales) and all(t and all("peak_rss_bytes" in r for r in t) for _, t in trainers):
+        peaks = [max(r["peak_rss_bytes"] for r in t) for _, t in trainers]
+        slope = f"{linear_fit([float(emb[sc]) for sc in scales], [float(v) for v in peaks])[1]:,.1f}" if fit else "-"
+        out += ["", "train's largest trainer, by its own peak resident memory (ru_maxrss of its Dask worker, which "
+                "runs nothing else; the Dask workers above include the servers, which hold the table): "
+                + ", ".join(f"{v / mib:,.0f} MiB at {sc:g}" for v, sc in zip(peaks, scales, strict=True))
+                + f"; {slope} bytes per added embedding row"]
     # The largest process of each kind, so that a stage whose largest process changes kind between scales
     # still shows what each kind grows by.
     kinds = ["| stage | process | " + " | ".join(f"MiB at {s:g}" for s in scales)
@@ -396,6 +410,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iterations", type=int, default=100, help="training iterations (default 100)")
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--lookahead", type=int, default=200)
+    ap.add_argument("--capacity", type=int, default=None, metavar="ROWS",
+                    help="the plan's cache rows (default: unbounded). With --scales, a bound the plans reach at "
+                         "every scale keeps the trainer's cache the same size, so that the bytes per added "
+                         "embedding row are the table's alone: unbounded, the cache grows with the distinct ids "
+                         "of the lookahead window, which grow with the scale")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--trainers", type=int, default=1, help="data-parallel trainers of the train stage (default 1)")
     ap.add_argument("--parity", type=int, default=1, help="parity shards (0: no verify stage; default 1)")

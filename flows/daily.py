@@ -9,7 +9,7 @@ The state directory holds everything a later night needs::
 
     STATE/days/<day>/dataset, plan, run     one per day file (<day>: the file name without extensions)
     STATE/history.json                      one row per trained day, in order (written after each day)
-    STATE/next_day_auc.png                  the plot
+    STATE/plots/next_day_auc-<night>.png    each night's plot (<night>: its start and days, as its run name)
 
 A day counts as done once its row is in history.json; a night that stopped midway redoes that day (its
 preprocess and plan are skipped when up to date). A night with nothing new says so and ends.
@@ -33,7 +33,7 @@ from dlrmflow.flows.daily_config import DailyConfig, DailyConfigError, day_name
 from dlrmflow.flows.dataset import preprocess_flow
 from dlrmflow.flows.plan import plan_flow
 from dlrmflow.flows.prefect_internals import untraced
-from dlrmflow.flows.run_names import daily_run_name, tag_this_run
+from dlrmflow.flows.run_names import daily_run_name, daily_tags, night_label, night_start, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.daily import publish_daily_report_task
 from dlrmflow.tasks.evaluate import evaluate_task
@@ -63,6 +63,12 @@ def new_days(config: DailyConfig, history: list[dict[str, Any]]) -> list[Path]:
     """The landing's day files not in ``history``, in order."""
     done = {row["day"] for row in history}
     return [p for p in config.day_files() if day_name(p) not in done]
+
+
+def days_to_train(config: DailyConfig | dict[str, Any]) -> list[str]:
+    """The names of the days a night would train now (:func:`new_days`): what its run name carries."""
+    config = config if isinstance(config, DailyConfig) else DailyConfig(**config)
+    return [day_name(p) for p in new_days(config, read_history(config.state_dir))]
 
 
 def _train_config(config: DailyConfig, dataset: Path, plan: Path, run: Path, init_from: str | None) -> TrainConfig:
@@ -113,23 +119,35 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, ad
 
 @flow(name="daily", flow_run_name=daily_run_name)
 def daily_flow(config: DailyConfig) -> dict[str, Any]:
-    """Process every day file of ``config.landing`` not yet in ``config.state_dir`` (module docstring)."""
+    """Process every day file of ``config.landing`` not yet in ``config.state_dir`` (module docstring).
+
+    The run is named for the state directory, the night and the days it trains
+    (``daily-<state>-2026-11-29T0200Z-day_1-day_2``: :func:`~dlrmflow.flows.run_names.daily_name`), so no two
+    nights share a name, and tagged ``night:<date>`` and ``day:<day>`` for each day it trains."""
     logger = get_run_logger()
     state = Path(config.state_dir)
-    tag_this_run(["daily", f"state:{run_dir_label(state)}", f"model:{config.model}"])
     history = read_history(state)
     todo = new_days(config, history)
+    names = [day_name(p) for p in todo]
+    when = night_start()
+    night = night_label(when, names)
+    tag_this_run(daily_tags(config, when, names))
     if not todo:
         logger.info("nothing new in %s: %d day(s) processed, the latest %s", config.landing, len(history),
                     history[-1]["day"] if history else "none")
-        return {"state_dir": str(state), "new_days": [], "days": history, "report": None}
-    logger.info("%d new day(s) in %s: %s", len(todo), config.landing, ", ".join(day_name(p) for p in todo))
+        return {"state_dir": str(state), "new_days": [], "days": history, "report": None, "night": night}
+    logger.info("%d new day(s) in %s: %s", len(todo), config.landing, ", ".join(names))
     state.mkdir(parents=True, exist_ok=True)
     workers = coded_cluster_workers(config.shards, config.parity)  # one cluster for the night, as train's own
     with reported_dask_scheduler(config.dask_address, n_workers=workers) as address:
         for path in todo:
             with tags(f"day:{day_name(path)}", f"state:{run_dir_label(state)}"):  # the day's subflow runs
-                history.append(run_day(config, path, history[-1] if history else None, address))
+                row = run_day(config, path, history[-1] if history else None, address)
+            history.append(row)
             write_history(state, history)
-    report = publish_daily_report_task(*untraced(history, str(state)))  # the rows hold subflows' results
-    return {"state_dir": str(state), "new_days": [day_name(p) for p in todo], "days": history, "report": report}
+            logger.info("day %s: trained %s iterations in %.1f s%s (final train loss %.4f)", row["day"],
+                        f"{row['iterations']:,}", row["train_seconds"],
+                        f" from {history[-2]['day']}'s model" if len(history) > 1 else " from scratch",
+                        row["final_train_loss"])
+    report = publish_daily_report_task(*untraced(history, str(state), night))  # the rows hold subflows' results
+    return {"state_dir": str(state), "new_days": names, "days": history, "report": report, "night": night}

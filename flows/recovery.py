@@ -27,6 +27,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from dlrmflow.engine.coding.record import rebuild_start_sentence, recovery_sentence
 from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
 from dlrmflow.flows.run_names import recover_run_name, recover_tags, tag_this_run, verify_run_name
 from dlrmflow.tasks.recovery import publish_recovery_task
@@ -50,21 +51,28 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
     tag_this_run(recover_tags(lost))
     with _LOCK:
         rebuild = _REBUILDS.pop(recovery_id)
-    logger.info("lost %s: rebuilding %d stripes on fresh workers (those some live member touched are copied, "
-                "in chunks of %d; the others are generated from the seed)", ", ".join(lost), stripes, chunk)
-    start = time.perf_counter()
-    progress = FlowProgress(f"rebuild of {', '.join(lost)} (stripes)", min_interval_s=0.5)
+    logger.info("%s", report_timing(rebuild, ", ".join(lost), stripes, chunk))
+    progress = FlowProgress(f"rebuild of {', '.join(lost)}: stripes copied from the survivors", min_interval_s=0.5)
     result = rebuild(progress)
-    logger.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, %.3f s after detection "
-                "(%d restarts)", ", ".join(result["lost"]), result["rows_rebuilt"], result["chunks"],
-                result["stripes_generated"], result["seconds"] or time.perf_counter() - start, result["restarts"])
+    logger.info("%s", recovery_sentence(result))
     logger.info("bulk copy %.3f s: %.3f s in the copy tasks on the new shards' worker (%.3f s waiting for the "
-                "survivors, %.3f s decoding and installing); training waited %.3f s for the fix-ups",
-                result["copy_seconds"], result["copy_task_seconds"], result["copy_read_wait_seconds"],
-                result["copy_install_seconds"], result["locked_seconds"])
+                "survivors, %.3f s decoding and installing)", result["copy_seconds"], result["copy_task_seconds"],
+                result["copy_read_wait_seconds"], result["copy_install_seconds"])
     progress.finish()
     publish_recovery_task(result, run)
     return result
+
+
+def report_timing(rebuild: Callable[..., dict[str, Any]], lost: str, stripes: int, chunk: int) -> str:
+    """Whose time this flow run's is: the rebuild started when the loss was noticed, before this run (a flow
+    run takes a while to start), and may have ended already; the run waits for it and reports it."""
+    started_at = getattr(rebuild, "started_at", None)
+    if started_at is None:
+        return rebuild_start_sentence([lost], stripes, chunk)
+    ended = getattr(rebuild, "finished", lambda: False)()
+    return (f"the rebuild of {lost} ({stripes:,} stripes) started {time.perf_counter() - started_at:.3f} s before "
+            f"this flow run, as soon as the loss was noticed, and {'had already ended' if ended else 'is running'}: "
+            f"this run reports it, so its own duration is not the rebuild's ('Rebuilt after detection' is)")
 
 
 Runner = Callable[[Callable[..., dict[str, Any]], dict[str, Any]], dict[str, Any]]

@@ -10,6 +10,8 @@ come from a deployment: :func:`_field` reads both). Tags go on the run with :fun
 
 from __future__ import annotations
 
+import re
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +145,47 @@ def evaluate_run_name() -> str:
                         dataset_label(params.get("dataset_dir", "")))
 
 
+def night_label(when: datetime, days: list[str] | None) -> str:
+    """What tells one night of the daily loop from another: the night's start, UTC, to the minute, and the days
+    it trains (``2026-11-29T0200Z-day_1-day_2``; more than three: ``day_0-to-day_23``; none: ``nothing-new``).
+    Also the stem of the night's plot file, so its characters are safe in a file name."""
+    stamp = when.astimezone(UTC).strftime("%Y-%m-%dT%H%MZ")
+    if days is None:  # not known (the landing cannot be read: the run fails and says why)
+        return stamp
+    if not days:
+        trained = "nothing-new"
+    elif len(days) <= 3:
+        trained = "-".join(days)
+    else:
+        trained = f"{days[0]}-to-{days[-1]}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stamp}-{trained}")
+
+
+def night_start() -> datetime:
+    """When this flow run was due to start (a deployment's schedule: 02:00 UTC; a run started by hand: then),
+    in UTC; now outside a run."""
+    when = flow_run.scheduled_start_time if flow_run.get_id() else None
+    return datetime.now(UTC) if when is None else datetime.fromtimestamp(when.timestamp(), UTC)
+
+
+def daily_name(config: Any, when: datetime, days: list[str] | None) -> str:
+    """``daily-<state dir label>-<night>``: ``daily-ui-state-75b85f-2026-11-29T0200Z-day_1-day_2``."""
+    return f"daily-{run_dir_label(_field(config, 'state_dir', ''))}-{night_label(when, days)}"
+
+
+def daily_tags(config: Any, when: datetime, days: list[str]) -> list[str]:
+    """``daily``, ``state:<label>``, ``model:<model>``, ``night:<date>`` and ``day:<day>`` for each day trained."""
+    return ["daily", f"state:{run_dir_label(_field(config, 'state_dir', ''))}", f"model:{_field(config, 'model')}",
+            f"night:{when.astimezone(UTC):%Y-%m-%d}", *(f"day:{day}" for day in days)]
+
+
 def daily_run_name() -> str:
-    """``daily-<state dir label>``."""
-    return artifact_key("daily", run_dir_label(_field(_params().get("config"), "state_dir", "")))
+    """:func:`daily_name` of this run: its config, its start, the landing's days not yet in the history."""
+    from dlrmflow.flows.daily import days_to_train
+
+    config = _params().get("config")
+    try:
+        days = days_to_train(config)
+    except Exception:  # a bad landing or history: the run itself fails and says why; its name names no day
+        days = None
+    return daily_name(config, night_start(), days)

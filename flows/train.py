@@ -86,7 +86,8 @@ def train_flow(config: TrainConfig, dask_address: str | None = None) -> dict[str
     # task, by wait_for on its state with a stand-in for its data (Prefect looks into a state's data too).
     publish_train_report_task(*untraced(summary), wait_for=[trained.model_copy(update={"data": True})])
     done = train_summary(summary)
-    auc = "none" if done.eval_auc is None else f"{done.eval_auc:.4f}"
+    auc = f"{done.eval_auc:.4f}" if done.eval_auc is not None else \
+        "none (no rows held out)" if not summary.get("eval_rows") else "undefined (one class held out)"
     logger.info("done: %.2f ms/iteration, stall %.1f%%, eval AUC %s; state SHA-256 %s",
                 done.mean_iteration_ms, 100 * done.stall_fraction, auc, done.state_sha256[:16], extra=PROGRESS)
     return summary

@@ -9,25 +9,34 @@ from prefect import task
 
 from dlrmflow.tasks.reporting import artifact_key, publish_markdown, publish_plot, run_dir_label
 
-AUC_PLOT = "next_day_auc.png"
+PLOTS_DIR = "plots"  # STATE/plots/next_day_auc-<night>.png: one file per night, so every version keeps its plot
+NO_MODEL = "—"  # a next-day cell of the first day: no model was trained before it (the note under the table)
 
 
 def _fixed(x: float | None, digits: int = 4) -> str:
-    return "" if x is None else f"{x:.{digits}f}"
+    return NO_MODEL if x is None else f"{x:.{digits}f}"
 
 
 def daily_table(days: list[dict[str, Any]]) -> str:
-    """The history as a markdown table: one row per day, next-day metrics of the model trained up to the day
-    before (none on the first day)."""
-    lines = ["| day | rows | new ids | next-day AUC | next-day log loss | constant log loss | lookups of new ids "
-             "| iterations | training s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for d in days:
+    """The history as a markdown table, one row per day, and the notes that say what its next-day columns are:
+    the model trained through the day before (its own column names it), scored on the day before training on
+    it; the first day has none."""
+    lines = ["| day | rows | new ids | model scored | next-day AUC | next-day log loss | constant log loss "
+             "| lookups of new ids | iterations | training s |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for n, d in enumerate(days):
         share = d.get("new_id_lookup_share")
-        lines.append(f"| {d['day']} | {d['rows']:,} | {d['new_ids']:,} | {_fixed(d['next_day_auc'])} | "
+        scored = f"{days[n - 1]['day']}'s model" if n else "none: the first day"
+        lines.append(f"| {d['day']} | {d['rows']:,} | {d['new_ids']:,} | {scored} | {_fixed(d['next_day_auc'])} | "
                      f"{_fixed(d['next_day_log_loss'])} | {_fixed(d['next_day_constant_log_loss'])} | "
-                     f"{'' if share is None else f'{100 * share:.2f}%'} | {d['iterations']:,} | "
+                     f"{NO_MODEL if share is None else f'{100 * share:.2f}%'} | {d['iterations']:,} | "
                      f"{d['train_seconds']:.1f} |")
+    if days:
+        first = days[0]["day"]
+        example = f" {days[1]['day']}'s row is {first}'s model on {days[1]['day']}." if len(days) > 1 else ""
+        lines += ["", f"Next-day columns: the model trained through the day before (*model scored*), scored on the "
+                      f"day's rows before it trains on them (progressive validation).{example} {first} has no model "
+                      f"before it: its next-day cells are {NO_MODEL}."]
     return "\n".join(lines)
 
 
@@ -58,13 +67,23 @@ def plot_next_day_auc(days: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+def plot_path(state_dir: str | Path, night: str) -> Path:
+    """The night's plot file: ``STATE/plots/next_day_auc-<night>.png``."""
+    return Path(state_dir) / PLOTS_DIR / f"next_day_auc-{night}.png"
+
+
 @task(name="publish-daily-report")
-def publish_daily_report_task(days: list[dict[str, Any]], state_dir: str) -> dict[str, str]:
-    """The day-by-day table and the next-day AUC plot as artifacts keyed by the state directory."""
+def publish_daily_report_task(days: list[dict[str, Any]], state_dir: str, night: str) -> dict[str, str]:
+    """The day-by-day table and the next-day AUC plot as artifacts keyed by the state directory; ``night``
+    (:func:`~dlrmflow.flows.run_names.night_label`) names this night's version and its plot's own file."""
     label = run_dir_label(state_dir)
-    keys = {"table": publish_markdown(artifact_key("daily", label), "### Day by day\n\n" + daily_table(days),
-                                      f"the daily loop in {state_dir}")}
+    trained = f"the daily loop in {state_dir}, night {night}"
+    keys = {"table": publish_markdown(artifact_key("daily", label),
+                                      f"### Day by day, after the night {night}\n\n" + daily_table(days), trained)}
     if any(d["next_day_auc"] is not None for d in days):
-        png = plot_next_day_auc(days, Path(state_dir) / AUC_PLOT)
-        keys["plot"] = publish_plot(artifact_key("daily-auc", label), png, "next-day AUC over the days")
+        png = plot_path(state_dir, night)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        plot_next_day_auc(days, png)
+        keys["plot"] = publish_plot(artifact_key("daily-auc", label), png,
+                                    f"next-day AUC over the days, night {night}")
     return keys

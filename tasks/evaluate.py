@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
 
 from dlrmflow.tasks.reporting import (
+    PHASES_LOGGER,
     artifact_key,
     dataset_label,
     engine_events_to_run_log,
@@ -30,14 +32,23 @@ def evaluate_task(run_dir: str, dataset_dir: str, batch_size: int = 4096, device
 
     logger = get_run_logger()
     on_cluster = scores_on_cluster(score_on, read_meta(dataset_dir).rows, dask_address)
-    with engine_events_to_run_log(logger), \
+    # The scoring's progress and phases in this task's log (inside the nightly run too, which sends its own there)
+    with engine_events_to_run_log(logger), engine_events_to_run_log(logger, name=PHASES_LOGGER), \
             (dask_client(dask_address) if on_cluster else nullcontext(None)) as client:  # progress, dashboard
         result = evaluate_run(run_dir, dataset_dir, batch_size=batch_size, device=device, client=client)
-    logger.info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows scored in %s", dataset_label(run_dir),
+    logger.info("%s on %s: AUC %s, log loss %s (constant prediction %s), %s rows scored in %s", model_label(run_dir),
                 dataset_label(dataset_dir), _fixed(result["auc"]), _fixed(result["log_loss"]),
                 _fixed(result["constant_log_loss"]), f"{result['rows']:,}",
                 "parts on the Dask cluster" if result["scored_on"] == "cluster" else "this process")
     return result
+
+
+def model_label(run_dir: str | Path) -> str:
+    """Whose model a run directory holds, as a log line names it: ``day_1's model`` for the daily loop's
+    ``STATE/days/day_1/run``, ``oracle's model`` for ``runs/oracle``."""
+    path = Path(run_dir)
+    name = path.name or path.resolve().name
+    return f"{path.parent.name if name == 'run' and path.parent.name else name}'s model"
 
 
 def _fixed(x: float | None) -> str:

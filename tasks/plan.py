@@ -40,7 +40,7 @@ def plan_key(base: str, dataset_dir: str, batch_size: int, lookahead: int | None
 
 @task(name="plan-lookahead-cache")
 def plan_task(config: PlanJobConfig, dask_address: str | None) -> PlanResult:
-    progress = FlowProgress("plan chunks done")
+    progress = FlowProgress("plan: tasks decided, then chunks assembled")  # in_stages: the planner
     with dask_client(dask_address) as client:
         started = time.perf_counter()
         record = make_plan(config.dataset_dir, config.settings(), config.output_dir, client=client,

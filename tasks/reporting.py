@@ -226,15 +226,34 @@ class FlowProgress:
         self.percent = 0.0
         self.updates = 0
         self._last = time.monotonic()
+        self.stages: list[tuple[str, int]] = []
+
+    def in_stages(self, stages: Sequence[tuple[str, int]]) -> None:
+        """The work's steps are stages of their own units, in order (the plan: ``("plan tasks decided", 4)``,
+        then ``("plan chunks assembled", 1)``): each line then counts its stage's units (``plan tasks
+        decided: 3/4 (75%)``), the last of each stage always; the artifact still counts every step."""
+        self.stages = [(what, int(count)) for what, count in stages]
+
+    def _stage_of(self, done: int) -> tuple[str, int, int]:
+        """(what, done, total) of the stage step ``done`` falls in (the whole work without stages)."""
+        before = 0
+        for n, (what, count) in enumerate(self.stages):
+            if done <= before + count or n == len(self.stages) - 1:
+                return what, done - before, count
+            before += count
+        return self.what, done, before
 
     def __call__(self, done: int, total: int) -> None:
         percent = 100.0 * done / total if total else 100.0
         now = time.monotonic()
-        if percent < 100.0 and now - self._last < self.min_interval_s and percent - self.percent < self.min_step:
+        what, stage_done, stage_total = self._stage_of(done) if self.stages else (self.what, done, total)
+        stage_end = stage_done == stage_total
+        if not stage_end and now - self._last < self.min_interval_s and percent - self.percent < self.min_step:
             return
         self._last = now
         self._update(percent)
-        self.logger.info("%s: %d/%d (%.0f%%)", self.what, done, total, percent, extra=PROGRESS)
+        self.logger.info("%s: %d/%d (%.0f%%)", what, stage_done, stage_total,
+                         100.0 * stage_done / stage_total if stage_total else 100.0, extra=PROGRESS)
 
     def _update(self, percent: float) -> None:
         if percent == self.percent and self.updates:
@@ -274,10 +293,16 @@ def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None, *,
     killed, a shard lost, a rebuild done) go to ``run_logger`` (default: this run's Prefect logger),
     from whatever thread reports them; the Prefect logger carries the run's ids, so the lines land in
     that run's log even from threads without a Prefect context. ``name``: those of one engine logger only
-    (``PHASES_LOGGER``: the phases, e.g. of a flow's Dask cluster)."""
+    (``PHASES_LOGGER``: the phases, e.g. of a flow's Dask cluster). A block inside another one on the same
+    logger (a subflow's inside its parent's) takes its lines over: they go to the inner run only."""
     handler = _ToRunLogger(run_logger or get_run_logger())
     engine = logging.getLogger(name)
     previous, propagate = engine.level, engine.propagate
+    # Nested (a train flow inside the nightly daily run, both sending the phases): the inner run takes the lines
+    # over until its block ends, so each line lands in one run's log and the CLI prints it once.
+    outer = [h for h in engine.handlers if isinstance(h, _ToRunLogger)]
+    for h in outer:
+        engine.removeHandler(h)
     engine.addHandler(handler)
     engine.propagate = False  # the run logger prints them too: not twice on the console
     if engine.getEffectiveLevel() > logging.INFO:
@@ -286,6 +311,8 @@ def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None, *,
         yield
     finally:
         engine.removeHandler(handler)
+        for h in outer:
+            engine.addHandler(h)
         engine.setLevel(previous)
         engine.propagate = propagate
 

@@ -9,6 +9,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from dlrmflow.engine.coding.record import recovery_figures
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.faults import parse_kill
@@ -44,13 +45,6 @@ SUMMARY_ITEMS = [
 PARITY_ITEMS = [
     ("Parity shards", "parity_shards", "count"), ("Write-back batches", "write_back_batches", "count"),
     ("Parity sent", "parity_bytes_sent", "MB"), ("Degraded rows read", "degraded_rows_read", "count"),
-]
-RECOVERY_ITEMS = [
-    ("lost", "lost", ""), ("detected after the shards started", "detected_s", "s"),
-    ("rebuilt after detection", "seconds", "s"), ("rows copied", "rows_rebuilt", "count"),
-    ("chunks", "chunks", "count"), ("stripes generated from the seed", "stripes_generated", "count"),
-    ("bulk copy", "copy_seconds", "s"), ("training waited for fix-ups", "locked_seconds", "s"),
-    ("restarts", "restarts", "count"),
 ]
 # Iterations count from 0, as in iterations.csv, the plots and a kill's ``shard:I@ITER``: a metrics row covers
 # iterations ``lo..hi`` (the engine's row says how many were done: ``hi + 1``); an evaluation is made after
@@ -131,12 +125,35 @@ def train_task(setup: RunSetup, dask_address: str | None, recovery_runner: Calla
     return summary
 
 
+def _summary_items(summary: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """The summary's figures of :data:`SUMMARY_ITEMS`: a row only for a figure with a value, or one that says why
+    there is none (a mode without a cache; no rows held out: one row for the evaluation's three)."""
+    items = []
+    held_out = bool(summary.get("eval_rows")) or summary.get("eval_auc") is not None
+    for what, key, unit in SUMMARY_ITEMS:
+        value = summary.get(key)
+        if key == "capacity" and value is None:
+            mode = summary.get("mode", "")
+            if mode in MODES and not MODES[mode].capacity:
+                items.append((what, f"none: {mode} mode has no cache", ""))
+        elif key in ("eval_auc", "eval_log_loss", "best_evaluation_iteration") and not held_out:
+            if key == "eval_auc":
+                items.append(("Held-out evaluation", "none: no rows held out (eval fraction 0)", ""))
+        elif key == "eval_auc" and value is None:
+            items.append((what, "undefined: the held-out rows have one class only", ""))
+        elif value is not None:
+            items.append((what, value, unit))
+    return items
+
+
 def summary_table(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The train-summary table: one row per figure; with parity, its figures, the kills and each recovery."""
-    items = [(what, summary.get(key), unit) for what, key, unit in SUMMARY_ITEMS]
+    """The train-summary table: one row per figure; with parity, its figures, the kills and each recovery (the
+    brief form of :func:`~dlrmflow.engine.coding.record.recovery_figures`, which its recover-shard run shows
+    in full). No row is blank: a figure without a value is left out or says why."""
+    items = _summary_items(summary)
     parity = summary.get("parity")
     if parity:
-        items += [(what, parity.get(key), unit) for what, key, unit in PARITY_ITEMS]
+        items += [(what, parity.get(key), unit) for what, key, unit in PARITY_ITEMS if parity.get(key) is not None]
         verify = parity.get("verify") or {}
         items.append(("Parity verified", "OK" if verify.get("ok") else
                       f"MISMATCH in stripes {verify.get('mismatched_stripes')}", ""))
@@ -145,7 +162,8 @@ def summary_table(summary: dict[str, Any]) -> list[dict[str, Any]]:
             items.append((f"Killed {kill.target} (iteration {kill.iteration}), after the shards started",
                           record.get("at_s"), "s"))
         for n, record in enumerate(parity.get("recoveries", []), start=1):
-            items += [(f"Recovery {n}: {what}", record.get(key), unit) for what, key, unit in RECOVERY_ITEMS]
+            items += [(f"Recovery {n}: {what}", value, unit)
+                      for what, value, unit in recovery_figures(record, brief=True)]
     return metric_table(items)
 
 

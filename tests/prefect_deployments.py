@@ -1,8 +1,9 @@
 """A real Prefect server, the README's deployment commands and a process worker, for the deployment tests.
 
-The README's deployment block, run as written: ``prefect server start`` on a free loopback port with its own
-PREFECT_HOME (so it never touches ~/.prefect, nor the session's ``prefect_harness`` server), the children given
-PREFECT_API_URL in their environment (for the README's ``prefect config set``); then the README's next lines
+The README's deployment block, run as written: its ``prefect server start --port 4200`` on a free loopback port
+instead, with its own PREFECT_HOME (so it never touches ~/.prefect, nor the session's ``prefect_harness`` server),
+the server and the children given PREFECT_API_URL in their environment (what the README's ``prefect config set``,
+first, puts in the profile: the server's UI then talks to that API, :func:`ui_api_url`); then the README's next lines
 verbatim in a shell with the venv's ``bin`` first on PATH (what ``source .venv/bin/activate`` does): ``prefect
 work-pool create``, ``prefect deploy --all``, ``prefect worker start``. tests/conftest.py makes a server and a
 worker per test module (``prefect_server``, ``prefect_worker``), so that two modules' long runs go on in parallel.
@@ -70,6 +71,21 @@ def readme_command(prefix: str) -> str:
     return command
 
 
+def readme_server_command(port: int) -> list[str]:
+    """The README's ``prefect server start --port 4200`` as words, on ``port`` instead."""
+    words = shell_words(readme_command("prefect server start"))
+    return [str(port) if n and words[n - 1] == "--port" else word for n, word in enumerate(words)]
+
+
+def ui_api_url(base_url: str) -> str:
+    """The API URL that the server at ``base_url`` gives its UI (its ``/ui-settings``, which the UI's page
+    reads first): where the UI looks for flow runs."""
+    import json
+
+    with urllib.request.urlopen(f"{base_url}/ui-settings", timeout=10) as response:
+        return json.loads(response.read())["api_url"]
+
+
 def shell_words(command: str) -> list[str]:
     """The words a POSIX shell makes of ``command`` (a backslash-newline joins two lines)."""
     return shlex.split(command.replace("\\\n", ""))
@@ -133,8 +149,9 @@ def running_server(base: Path, database: Path | None = None) -> Iterator[Prefect
     server's database (a migrated one saves the migration)."""
     port = _free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = _child_env(base / "home")
-    server = PrefectServer(api_url, {**env, "PREFECT_API_URL": api_url}, base, _project_copy(base))
+    # The README sets PREFECT_API_URL before it starts the server, which tells the server's UI where its API is.
+    env = {**_child_env(base / "home"), "PREFECT_API_URL": api_url}
+    server = PrefectServer(api_url, env, base, _project_copy(base))
     if database is not None:
         server.database.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(database, server.database)
@@ -142,9 +159,12 @@ def running_server(base: Path, database: Path | None = None) -> Iterator[Prefect
     with open(log, "wb") as out:
         # --no-scheduler: the nightly schedule must not create runs on the test server (one at 02:00 UTC
         # would start the full-size pipeline in the project directory).
-        proc = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                 str(port), "--no-ui", "--analytics-off", "--no-scheduler"],
-                                cwd=base, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # The README's command on this port (``--port 4200`` replaced; the README gives it, so that a user who
+        # changes the port sees both places), loopback only, without building the UI's files.
+        command = [str(VENV_BIN / "prefect"), *readme_server_command(port)[1:], "--host", "127.0.0.1", "--no-ui",
+                   "--analytics-off", "--no-scheduler"]
+        proc = subprocess.Popen(command, cwd=base, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

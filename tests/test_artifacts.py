@@ -68,17 +68,83 @@ def test_a_recovery_record_is_several_readable_rows():
     assert by_metric["Lost"]["Value"] == "data shard 0"
     assert by_metric["Rebuilt after detection"] == {"Metric": "Rebuilt after detection", "Value": 12.3, "Unit": "ms"}
     assert by_metric["Rows copied"]["Value"] == "40,000"
-    assert by_metric["Noticed by (1)"]["Value"] == "members [0] lost: OSError: Unable to contact Actor's worker"
+    # A record of an older run (no words for what noticed the loss): its failure, readable.
+    assert by_metric["Noticed by"]["Value"] == \
+        "a failed call (members [0] lost: OSError: Unable to contact Actor's worker)"
     assert by_metric["New worker of data shard 0"]["Value"] == "tcp://127.0.0.1:1"
     assert len(table) > 10 and all(list(row) == ["Metric", "Value", "Unit"] for row in table)
     json.dumps(table)  # what Prefect stores
+
+
+def _kill_run_record() -> dict:
+    """A rebuild's record as the engine writes it (the issue's kill run: 3,039 of 27,540 stripes copied)."""
+    return {"lost": ["data shard 1"], "detected_s": 2.31, "rebuilt_s": 2.405, "seconds": 0.095,
+            "stripes_total": 27_540, "stripes_copied": 3_039, "stripes_generated": 24_501, "stripes": 3_039,
+            "rows_rebuilt": 2_382, "chunks": 1, "stripes_fixed_up": 0, "fix_ups": 1, "placement_seconds": 0.001,
+            "copy_seconds": 0.08, "locked_seconds": 0.002, "copy_task_seconds": 0.05, "copy_read_wait_seconds": 0.01,
+            "copy_install_seconds": 0.02, "restarts": 0, "new_workers": {"data shard 1": "tcp://127.0.0.1:9"},
+            "causes": ["members [1] lost: OSError(\"Unable to contact Actor's worker\")"],
+            "noticed_by": ["the trainer, writing back and fetching a batch's rows: its call to data shard 1 failed "
+                           "(OSError: Unable to contact Actor's worker)"]}
+
+
+def test_one_set_of_recovery_figures_feeds_the_table_the_summary_and_the_log_line():
+    """Issue 46 item 5: the table's stripes are the log's (copied + generated = every stripe rebuilt), a fix-up
+    pass is not a stripe, and "Noticed by" says in words what noticed the loss, not an exception's text."""
+    from dlrmflow.engine.coding.record import rebuild_start_sentence, recovery_figures, recovery_sentence
+
+    record = _kill_run_record()
+    rows = {row["Metric"]: row["Value"] for row in recovery_table(record)}
+    assert rows["Stripes rebuilt (copied + generated)"] == "27,540"
+    assert rows["Stripes copied from the survivors (a row in them was trained)"] == "3,039"
+    assert rows["Stripes generated from the seed (no row in them was trained)"] == "24,501"
+    assert rows["Fix-up passes (training paused for each)"] == 1
+    assert rows["Stripes written during the copy, re-read in the fix-ups"] == 0
+    assert "Stripes" not in rows and "Fix-ups" not in rows and "Stripes fixed up" not in rows
+    assert rows["Noticed by"].startswith("the trainer, writing back and fetching a batch's rows: its call to "
+                                         "data shard 1 failed")
+    # The log line and the CLI's: the same figures, the split spelled out.
+    assert recovery_sentence(record) == (
+        "rebuilt data shard 1: 0.095 s after detection, 27,540 stripes = 3,039 copied from the survivors "
+        "(2,382 rows in 1 chunk) + 24,501 generated from the seed; 1 fix-up pass re-read 0 stripes written during "
+        "the copy (training waited 0.002 s); 0 restarts")
+    start = rebuild_start_sentence(["data shard 1"], 27_540, 8)
+    assert start.startswith("rebuilding data shard 1: 27,540 stripes on replacement workers; those with a row the "
+                            "trainer wrote are copied") and "those some live member touched" not in start
+    # The train summary's rows are the brief form of the same figures.
+    brief = {what: value for what, value, _ in recovery_figures(record, brief=True)}
+    assert brief["Stripes rebuilt (copied + generated)"] == 27_540 and "Copy chunks" not in brief
+    assert set(brief) <= {what for what, _, _ in recovery_figures(record)}
+    # An older summary.json (no stripes_total): its copied stripes plus the generated ones.
+    old = {k: v for k, v in record.items() if k not in ("stripes_total", "stripes_copied", "noticed_by")}
+    assert {row["Metric"]: row["Value"] for row in recovery_table(old)}["Stripes rebuilt (copied + generated)"] \
+        == "27,540"
+
+
+def test_what_noticed_a_loss_is_said_in_words_naming_the_thread():
+    import threading
+
+    from dlrmflow.engine.coding.record import noticed_by
+    from dlrmflow.engine.serving.shards import LostMembersError
+
+    error = LostMembersError({1}, OSError("Unable to contact Actor's worker"))
+    assert noticed_by("writing back and fetching a batch's rows", ["data shard 1"], error) == (
+        "the trainer, writing back and fetching a batch's rows: its call to data shard 1 failed "
+        "(OSError: Unable to contact Actor's worker)")
+    said = []
+    thread = threading.Thread(target=lambda: said.append(noticed_by("fetching a batch's rows", ["parity shard 0"],
+                                                                    None)), name="dlrmflow-prefetch")
+    thread.start()
+    thread.join()
+    assert said == ["the oracle's prefetch thread, fetching a batch's rows: its call to parity shard 0 failed "
+                    "(no answer)"]
 
 
 def test_the_train_summary_table_has_units_and_rounded_numbers():
     summary = {"mode": "oracle", "iterations": 100, "batch_size": 2048, "num_shards": 2, "capacity": 14607,
                "mean_iteration_ms": 57.512345, "median_iteration_ms": 55.0001, "stall_fraction": 0.001234,
                "bytes_fetched": 4_787_404, "bytes_written_back": 4_787_404, "final_train_loss_mean": 0.4712345,
-               "eval_auc": 0.7123456, "eval_log_loss": 0.51234, "state_sha256": "ab" * 32,
+               "eval_rows": 100, "eval_auc": 0.7123456, "eval_log_loss": 0.51234, "state_sha256": "ab" * 32,
                "parity": {"parity_shards": 1, "write_back_batches": 50, "parity_bytes_sent": 123_456_789,
                           "degraded_rows_read": 0, "verify": {"ok": True, "mismatched_stripes": []},
                           "kills": [{"kill": "shard:0@50", "at_s": 3.21987}],
@@ -89,7 +155,45 @@ def test_the_train_summary_table_has_units_and_rounded_numbers():
     assert rows["Fetched"] == (4.79, "MB") and rows["Parity sent"] == (123.0, "MB")
     assert rows["Parity verified"] == ("OK", "")
     assert rows["Killed data shard 0 (iteration 50), after the shards started"] == (3.22, "s")
-    assert rows["Recovery 1: lost"] == ("data shard 0", "")
+    assert rows["Recovery 1: Lost"] == ("data shard 0", "")
+    assert rows["Eval AUC"] == (0.7123, "")
+
+
+def test_a_train_summary_row_appears_only_with_a_value_or_says_why_it_has_none():
+    """Issue 46 item 4: a day's training holds nothing out (no Eval AUC, log loss, best evaluation: one row
+    says so); a remote kill run has no cache (its "Cache rows" says so); no row of the table is blank."""
+    summary = {"mode": "remote", "iterations": 14, "batch_size": 16, "num_shards": 2, "capacity": None,
+               "mean_iteration_ms": 5.0, "median_iteration_ms": 5.0, "stall_fraction": 0.1, "bytes_fetched": 10,
+               "bytes_written_back": 10, "final_train_loss_mean": 0.5, "eval_rows": 0, "eval_auc": None,
+               "eval_log_loss": None, "best_evaluation_iteration": None, "state_sha256": "ab" * 32,
+               "parity": {"parity_shards": 1, "write_back_batches": 5, "parity_bytes_sent": 100,
+                          "degraded_rows_read": 3, "verify": {"ok": True, "mismatched_stripes": []},
+                          "kills": [{"kill": "shard:1@10", "at_s": 1.0}], "recoveries": [_kill_run_record()]}}
+    table = summary_table(summary)
+    rows = {row["Metric"]: row["Value"] for row in table}
+    assert all(row["Value"] not in ("", None) for row in table), [r for r in table if r["Value"] in ("", None)]
+    assert not {"Eval AUC", "Eval log loss", "Best evaluation (lowest log loss), after iterations"} & set(rows)
+    assert rows["Held-out evaluation"] == "none: no rows held out (eval fraction 0)"
+    assert rows["Cache rows"] == "none: remote mode has no cache"
+    assert rows["Recovery 1: Stripes rebuilt (copied + generated)"] == "27,540"
+    assert rows["Recovery 1: Noticed by"].startswith("the trainer, ")
+
+
+def test_the_day_table_says_whose_model_each_next_day_cell_scores():
+    """Issue 46 item 3: day_0's next-day cells are marked and explained; day_1's row names day_0's model."""
+    from dlrmflow.tasks.daily import NO_MODEL, daily_table
+
+    def day(name, auc):
+        return {"day": name, "rows": 3000, "new_ids": 10, "next_day_auc": auc, "next_day_log_loss": auc,
+                "next_day_constant_log_loss": auc, "new_id_lookup_share": auc and 0.01, "iterations": 6,
+                "train_seconds": 1.0}
+
+    table = daily_table([day("day_0", None), day("day_1", 0.6756), day("day_2", 0.7)])
+    header, _, first, second, third, blank, note = table.splitlines()
+    assert "| model scored | next-day AUC |" in header
+    assert first.startswith("| day_0 | 3,000 | 10 | none: the first day | —") and first.count(NO_MODEL) == 4
+    assert "| day_0's model | 0.6756 |" in second and "| day_1's model | 0.7000 |" in third
+    assert blank == "" and "day_1's row is day_0's model on day_1" in note and "day_0 has no model before it" in note
 
 
 def test_artifact_keys_are_valid_and_name_the_dataset():

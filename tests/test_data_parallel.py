@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -429,9 +430,11 @@ def test_a_w_trainer_run_needs_a_cluster_with_enough_workers(tmp_path):
 
 
 @pytest.mark.slow
-def test_parity_kills_and_checkpoints_work_with_several_trainers(client, tmp_path):
+def test_parity_kills_and_checkpoints_work_with_several_trainers(client, tmp_path, caplog):
     """With parity, trainer 0 alone talks to the coded group (its one client): shards killed mid-run
-    are rebuilt and the run ends in the failure-free run's bits, parity verified; checkpoints too."""
+    are rebuilt and the run ends in the failure-free run's bits, parity verified; checkpoints too. Trainer 0's
+    events (where the servers are, the loss and its rebuild) reach the driver's log, as one trainer's do."""
+    caplog.set_level(logging.INFO, logger="dlrmflow.engine")
     dataset = make_dataset(tmp_path / "data", 11, rows=600, cards=CARDS)
     planner.make_plan(dataset, planner.PlanConfig(batch_size=24, lookahead=4, prefetch_distance=2), tmp_path / "plan")
     common = dict(batch_size=24, iterations=20, trainers=2, embedding_lr=0.05, dense_optimizer="adam")
@@ -450,6 +453,17 @@ def test_parity_kills_and_checkpoints_work_with_several_trainers(client, tmp_pat
         assert len(lost) == len(parity["kills"]) >= 1, name  # a loss during a rebuild joins that rebuild
     assert runs["oracle-parity"]["bytes_fetched"] == runs["oracle"]["bytes_fetched"]  # one fetch per row either way
     assert [c["iteration"] for c in runs["oracle-checkpoint"]["checkpoint"]["checkpoints"]] == [0, 5, 10, 15]
+    # The runs' servers end with them (their futures released at the end, not at a later garbage collection).
+    def actors() -> list[str]:
+        return [key for keys in client.run(lambda dask_worker: list(dask_worker.state.actors)).values() for key in keys]
+
+    deadline = time.monotonic() + 20
+    while actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not actors(), actors()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("dlrmflow.engine")]
+    assert any(line.startswith("embedding servers on 1 host: ") for line in said), said
+    assert any(line.startswith("lost data shard 0") for line in said), said
 
 
 @pytest.mark.slow

@@ -609,7 +609,7 @@ def test_bad_parity_and_kill_options_are_clear_errors(tmp_path):
                         ("shard:0@12", "past the last one")]:
         with pytest.raises(FaultSpecError, match=match):
             prepare_run(small_config(dataset, out, "remote", parity=1, kills=(spec,)))
-    with pytest.raises(FaultSpecError, match="same shard twice"):
-        prepare_run(small_config(dataset, out, "remote", parity=2, kills=("shard:0@1", "shard:0@3")))
+    with pytest.raises(FaultSpecError, match="same kill twice"):
+        prepare_run(small_config(dataset, out, "remote", parity=2, kills=("shard:0@3", "shard:0@3")))
     assert parse_kill(" parity:3@17 ").member(5) == 8
     assert not out.exists()

@@ -28,6 +28,21 @@ def _artifacts(*keys: str) -> dict[str, list]:
     return {k: [a for a in found if a.key == k] for k in keys}
 
 
+def _flow_run_log(name: str) -> list[str]:
+    """The messages of the newest flow run named ``name``, its tasks' included."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
+                                     sort=FlowRunSort.START_TIME_DESC)
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[runs[0].id])))
+    return [entry.message for entry in logs]
+
+
 def _progress_artifacts(description: str) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
@@ -50,8 +65,15 @@ def test_plan_command_writes_the_reference_plan(tmp_path, capsys):
         want = reference.iteration(step.t)
         assert np.array_equal(step.prefetch_slots, want.prefetch_slots)
         assert np.array_equal(step.evict_ids, want.evict_ids)
-    # The progress artifact reached 100% (chunks done) and the summary table was published.
-    assert any(a.data == 100.0 for a in _progress_artifacts("plan chunks done"))
+    # The progress artifact reached 100% and the summary table was published.
+    assert any(a.data == 100.0 for a in _progress_artifacts("plan: tasks decided, then chunks assembled"))
+    # Progress in the units the phase announced (issue 46 item 6): 63 iterations in chunks of 9 on 2 workers,
+    # "deciding 63 iterations in 14 tasks (7 chunks x 2 table groups)", then 14 tasks decided and 7 chunks
+    # assembled, not "plan chunks done: 21/21".
+    log = _flow_run_log("plan-ds-b32-l6")
+    assert "plan: deciding 63 iterations in 14 tasks (7 chunks x 2 table groups) ..." in log
+    assert "plan tasks decided: 14/14 (100%)" in log and "plan chunks assembled: 7/7 (100%)" in log
+    assert not any("21/21" in line or "chunks done" in line for line in log), log
     assert _artifacts("lookahead-plan-ds-b32-l6")["lookahead-plan-ds-b32-l6"][0].type == "table"
     # Human summary (a re-run replaces the plan).
     assert main(argv) == 0

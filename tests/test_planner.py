@@ -613,6 +613,7 @@ def test_streamed_plan_directory_equals_sequential_iteration_by_iteration(tmp_pa
 
 def test_streamed_plan_writes_files_while_chunks_remain_and_reads_only_the_files_of_a_range(tmp_path, monkeypatch):
     monkeypatch.setattr("dlrmflow.engine.planning.planner.ITERATIONS_PER_FILE", 8)
+    monkeypatch.setattr("dlrmflow.engine.planning.planner.ROW_GROUP_ITERATIONS", 3)
     dataset = make_dataset(tmp_path / "ds", 11, 2000, [50, 700, 9], rows_per_file=300)
     events = []
     real_take, real_write = planner._Spool.take, planner._DirectorySink.write
@@ -628,12 +629,20 @@ def test_streamed_plan_writes_files_while_chunks_remain_and_reads_only_the_files
     # A chunk is taken only when the assembly reaches L iterations before it: files are written between.
     assert sum(1 for e in events[: events.index(takes[5])] if e[0] == "write") >= 5
     plan = load_plan(tmp_path / "plan")
-    opened = []
-    real_read = pq.read_table
-    monkeypatch.setattr("dlrmflow.engine.planning.planner.pq.read_table",
-                        lambda path, *a, **k: opened.append(Path(path).name) or real_read(path, *a, **k))
+    read = []  # the iterations of each row group read: a reader holds a row group of the plan at a time
+    real_read = pq.ParquetFile.read_row_group
+
+    def read_row_group(self, g, *args, **kwargs):
+        table = real_read(self, g, *args, **kwargs)
+        read.append(table.column("t").to_pylist())
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", read_row_group)
     assert [s.t for s in plan.iterations(50, 60)] == list(range(50, 60))
-    assert opened == ["iterations-00000048-00000056.parquet", "iterations-00000056-00000064.parquet"]
+    assert read and all(len(group) <= 3 for group in read)  # row groups of at most 3 iterations
+    assert read[0][0] <= 50 < read[0][-1] + 1 and read[-1][0] < 60 <= read[-1][-1] + 1  # none before or after
+    assert sorted(t for group in read for t in group) == list(range(read[0][0], read[-1][-1] + 1))
+    assert [s.t for s in plan.iterations(0, 200)] == list(range(0, 200))  # the whole plan, group by group
     # The same files as the whole plan written at once (what plans made before streaming hold); row groups
     # of a streamed file end where the pieces do.
     monkeypatch.setattr(planner._DirectorySink, "write", real_write)

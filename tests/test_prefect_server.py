@@ -20,8 +20,10 @@ from prefect_deployments import (
     api,
     readme_command,
     readme_deployment_block,
+    readme_server_command,
     shell_words,
     tail,
+    ui_api_url,
     wait_for_final_state,
 )
 
@@ -36,12 +38,16 @@ def _declared_deployments() -> set[tuple[str, str]]:
 
 
 def test_the_readme_block_is_the_server_the_profile_setting_and_what_the_test_runs():
-    """What the test replaces (the server on port 4200, ``prefect config set``) and what it runs verbatim."""
+    """What the test replaces (``prefect config set``, then the server on port 4200) and what it runs verbatim.
+    The setting comes first and names the server's port: ``prefect server start --port 4300`` without it gave a
+    UI that asked port 4200's API and showed "No flow runs" (issue 46 item 8)."""
     commands = [c.split()[:3] for c in readme_deployment_block()]
-    assert commands == [["prefect", "server", "start"], ["prefect", "config", "set"],
+    assert commands == [["prefect", "config", "set"], ["prefect", "server", "start"],
                         ["prefect", "work-pool", "create"], ["prefect", "deploy", "--all"],
                         ["prefect", "worker", "start"], ["prefect", "deployment", "run"]]
     assert readme_command("prefect config set") == "prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api"
+    assert readme_command("prefect server start") == "prefect server start --port 4200"
+    assert readme_server_command(4300) == ["prefect", "server", "start", "--port", "4300"]
     assert readme_command("prefect work-pool create") == f"prefect work-pool create {POOL} --type process"
     assert readme_command("prefect worker start") == f"prefect worker start --pool {POOL}"
 
@@ -54,6 +60,8 @@ def test_the_prefect_yaml_header_gives_the_readme_deployment_command():
 
 @pytest.mark.slow
 def test_every_deployment_is_created_from_prefect_yaml(prefect_server, prefect_worker):
+    # The README's server (on another port than 4200, with the setting it gives first): its UI asks its own API.
+    assert ui_api_url(prefect_server.api_url.removesuffix("/api")) == prefect_server.api_url
     with api(prefect_server.api_url) as client:
         deployments = client.read_deployments()
         nightly = client.read_deployment_by_name("daily/nightly")

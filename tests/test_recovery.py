@@ -577,11 +577,79 @@ def test_cli_kill_recover_verify_and_too_many(tmp_path, capsys):
         runs = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["recover-shard"])))
     assert runs and all(r.state.is_completed() for r in runs)
     assert any(r.parent_task_run_id is not None for r in runs)
+    _the_ui_shows_one_set_of_recovery_figures(tmp_path / "run", record)
     # More losses than parity: exit status 2, one line naming the loss, no model on disk.
     code, out, err = _cli([*common, "--mode", "remote", "--output", str(tmp_path / "lost"), "--parity", "1",
                            "--kill", "shard:0@3", "--kill", "shard:1@3"], capsys)
     assert code == 2 and "data shards 0, 1" in err and "rebuilds at most 1" in err
     assert not (tmp_path / "lost" / STATE_DIR).exists()
+
+
+def _the_ui_shows_one_set_of_recovery_figures(run_dir, record: dict) -> None:
+    """Issue 46 item 5, read back from the Prefect API after the CLI's kill run: the recover-shard run's log,
+    its table, the train summary's rows and the train run's log give the same stripes (copied + generated =
+    every stripe rebuilt), a fix-up pass apart from the stripes it re-read, what noticed the loss in words, and
+    the subflow says that the rebuild started before it; no row of the train summary is blank (item 4)."""
+    import re
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.logging.handlers import APILogHandler
+
+    from dlrmflow.flows.run_names import train_name
+    from dlrmflow.tasks.reporting import train_run_label
+
+    label = train_run_label("remote", 2, 1, run_dir)
+    assert record["stripes_total"] == record["stripes_copied"] + record["stripes_generated"] > 0
+    assert record["stripes_copied"] > 0 and record["fix_ups"] >= 1  # a remote run writes back every batch
+    [noticed] = record["noticed_by"]  # in words: which thread, doing what, which call failed
+    assert re.fullmatch(r"the trainer, [a-z' ]+: its call to data shard 1 failed \(\w+: .+\)", noticed), noticed
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        [recovery] = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["recover-shard"])),
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"recover-data-shard-1-{label}"])))
+        [train] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(
+            any_=[train_name({"mode": "remote", "num_shards": 2, "parity": 1, "output_dir": str(run_dir)})])))
+        logs = {run.id: [e.message for e in client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))] for run in (recovery, train)}
+        tables = {key: json.loads(a.data) if isinstance(a.data, str) else a.data for key in
+                  (f"shard-recovery-{label}", f"train-summary-{label}")
+                  for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))}
+    table = {row["Metric"]: row["Value"] for row in tables[f"shard-recovery-{label}"]}
+    total, copied, generated = (f"{record[k]:,}" if record[k] >= 1000 else record[k]
+                                for k in ("stripes_total", "stripes_copied", "stripes_generated"))
+    assert table["Stripes rebuilt (copied + generated)"] == total
+    assert table["Stripes copied from the survivors (a row in them was trained)"] == copied
+    assert table["Stripes generated from the seed (no row in them was trained)"] == generated
+    assert table["Fix-up passes (training paused for each)"] == record["fix_ups"]
+    assert "Stripes" not in table and "Fix-ups" not in table and table["Noticed by"] == noticed
+    # The train run's log says the rebuild starts (every stripe) and ends; its subflow gives the same figures.
+    [start] = [line for line in logs[train.id] if line.startswith("rebuilding data shard 1: ")]
+    assert start.startswith(f"rebuilding data shard 1: {record['stripes_total']:,} stripes on replacement workers")
+    assert "those some live member touched" not in "\n".join(logs[recovery.id])
+    [timing] = [line for line in logs[recovery.id] if line.startswith("the rebuild of data shard 1 ")]
+    assert re.search(r"started [0-9.]+ s before this flow run, as soon as the loss was noticed, and (had already "
+                     r"ended|is running): this run reports it, so its own duration is not the rebuild's", timing)
+    [done] = [line for line in logs[recovery.id] if line.startswith("rebuilt data shard 1: ")]
+    assert (f"{record['stripes_total']:,} stripes = {record['stripes_copied']:,} copied from the survivors"
+            in done and f"+ {record['stripes_generated']:,} generated from the seed" in done), done
+    # The train summary: no blank row; the recovery's brief figures are the table's.
+    summary = tables[f"train-summary-{label}"]
+    assert all(row["Value"] not in ("", None) for row in summary), [r for r in summary if r["Value"] in ("", None)]
+    rows = {row["Metric"]: row["Value"] for row in summary}
+    assert rows["Cache rows"] == "none: remote mode has no cache"
+    assert rows["Recovery 1: Stripes rebuilt (copied + generated)"] == total
+    assert rows["Recovery 1: Noticed by"] == noticed
 
 
 def test_the_run_report_says_how_long_each_loss_went_unnoticed_and_training_waited():
@@ -594,14 +662,21 @@ def test_the_run_report_says_how_long_each_loss_went_unnoticed_and_training_wait
                               "seconds": 0.2, "detected_s": 1.25, "locked_seconds": 0.0126, "causes": [],
                               "copy_seconds": 0.15, "copy_task_seconds": 0.1, "copy_read_wait_seconds": 0.07,
                               "copy_install_seconds": 0.02}]}
-    assert ("data shard 0: 4 rows copied in 1 chunks (6 stripes generated from the seed), 0.200 s after detection "
-            "(noticed 0.250 s after the kill); training waited 0.013 s for it" in "\n".join(_parity_lines(parity)))
+    lines = "\n".join(_parity_lines(parity))
+    assert ("recovered          data shard 0: 0.200 s after detection, 6 stripes = 0 copied from the survivors "
+            "(4 rows in 1 chunk) + 6 generated from the seed; 0 fix-up passes re-read 0 stripes written during the "
+            "copy (training waited 0.013 s); 0 restarts" in lines)
+    assert "noticed 0.250 s after the kill" in lines
     checkpoint = {"checkpoints": [], "every": 5, "file": "f", "kills": kills,
                   "recoveries": [{"replay_from": 0, "failed_at": 3, "seconds": 0.5, "detected_s": 1.5}]}
     assert "(noticed 0.500 s after the kill)" in "\n".join(_checkpoint_lines(checkpoint))
     parity["kills"] = []  # a real failure: no kill record, nothing to measure from
     assert "noticed" not in "\n".join(_parity_lines(parity))
-    parity["recoveries"][0]["causes"] = ["members [0] lost: OSError('gone')"]
-    assert "noticed by: members [0] lost: OSError('gone')" in "\n".join(_parity_lines(parity))
+    parity["recoveries"][0]["causes"] = ["members [0] lost: OSError('gone')"]  # an older record: no words
+    assert "noticed by a failed call (members [0] lost: OSError: gone)" in "\n".join(_parity_lines(parity))
+    parity["recoveries"][0]["noticed_by"] = ["the trainer, fetching a batch's rows: its call to data shard 0 failed "
+                                             "(OSError: gone)"]
+    assert "noticed by the trainer, fetching a batch's rows: its call to data shard 0" in \
+        "\n".join(_parity_lines(parity))
     assert ("bulk copy 0.150 s: 0.100 s in copy tasks on the new shards' worker (0.070 s waiting for survivors, "
-            "0.020 s decoding and installing)" in "\n".join(_parity_lines(parity)))
+            "0.020 s decoding and installing); 3 degraded row reads" in "\n".join(_parity_lines(parity)))

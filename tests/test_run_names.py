@@ -146,3 +146,27 @@ def test_no_new_object_of_the_train_flow_is_taken_for_a_recovery_s_result():
         return sum(get_state_for_result(obj) is not None for obj in fresh)
 
     assert train_like_flow() == 0
+
+
+def test_two_nights_of_the_daily_loop_never_share_a_name_or_tags():
+    """Issue 46 item 1: both nights were ``daily-<state label>`` with the same tags. A night's name and tags carry
+    its start (UTC) and the days it trains."""
+    from datetime import UTC, datetime, timedelta, timezone
+
+    from dlrmflow.flows.run_names import daily_name, daily_tags, night_label
+
+    config = {"state_dir": "/w/ui/state", "model": "dlrm"}
+    label = run_dir_label("/w/ui/state")
+    first, second = datetime(2026, 11, 28, 2, 0, tzinfo=UTC), datetime(2026, 11, 29, 2, 0, tzinfo=UTC)
+    names = [daily_name(config, first, ["day_0"]), daily_name(config, second, ["day_1", "day_2"])]
+    assert names == [f"daily-{label}-2026-11-28T0200Z-day_0", f"daily-{label}-2026-11-29T0200Z-day_1-day_2"]
+    assert daily_name(config, first, ["day_0"]) != daily_name(config, first, ["day_1"])  # same minute, other days
+    tags = [daily_tags(config, first, ["day_0"]), daily_tags(config, second, ["day_1", "day_2"])]
+    assert tags[0] == ["daily", f"state:{label}", "model:dlrm", "night:2026-11-28", "day:day_0"]
+    assert tags[1][-3:] == ["night:2026-11-29", "day:day_1", "day:day_2"]
+    # A night of many days, of none, of days not known (the run fails and says why); a start in another zone.
+    days = [f"day_{d}" for d in range(24)]
+    assert night_label(first, days) == "2026-11-28T0200Z-day_0-to-day_23"
+    assert night_label(first, []) == "2026-11-28T0200Z-nothing-new" and night_label(first, None) == "2026-11-28T0200Z"
+    paris = datetime(2026, 11, 28, 3, 0, tzinfo=timezone(timedelta(hours=1)))
+    assert night_label(paris, ["day 7/b"]) == "2026-11-28T0200Z-day-7-b"  # UTC, and safe as a file name

@@ -194,6 +194,43 @@ def test_engine_events_from_any_thread_land_in_the_run_log():
     assert "after the task: not routed" not in messages
 
 
+def test_a_phase_inside_a_subflow_lands_in_the_subflow_s_log_only():
+    """Issue 46 item 2: the nightly daily run sends the phases of its Dask cluster to its log for the whole night,
+    and each day's train flow sends them to its own: "embedding servers: initialising ..." went to both logs
+    (the CLI printed it twice, once without the day). The inner run now takes the lines over while it runs."""
+    import logging
+
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    from dlrmflow.tasks.reporting import PHASES_LOGGER, engine_events_to_run_log
+
+    phases = logging.getLogger(PHASES_LOGGER)
+
+    @flow
+    def train_like() -> str:
+        with engine_events_to_run_log(name=PHASES_LOGGER):
+            phases.info("embedding servers: initialising 2 shards (the day's train run)")
+        return FlowRunContext.get().flow_run.id
+
+    @flow
+    def nightly_like() -> tuple[str, str]:
+        with engine_events_to_run_log(name=PHASES_LOGGER):
+            phases.info("Dask: starting a LocalCluster (the night's own)")
+            inner = train_like()
+            phases.info("Dask: closing the LocalCluster (the night's own)")
+        return FlowRunContext.get().flow_run.id, inner
+
+    outer, inner = nightly_like()
+    outer_log, inner_log = _run_log(outer), _run_log(inner)
+    assert "embedding servers: initialising 2 shards (the day's train run)" in inner_log
+    assert not any("embedding servers" in line for line in outer_log), outer_log
+    assert {"Dask: starting a LocalCluster (the night's own)", "Dask: closing the LocalCluster (the night's own)"} \
+        <= set(outer_log)
+    assert not any("the night's own" in line for line in inner_log)
+    assert not any(type(h).__name__ == "_ToRunLogger" for h in phases.handlers)  # every block undone
+
+
 @pytest.mark.slow
 def test_a_kill_its_detection_and_the_rebuild_are_logged_in_the_train_run(tmp_path):
     """A parity run with a kill: the train flow run's own log says what was killed, when the loss was
@@ -219,7 +256,7 @@ def test_a_kill_its_detection_and_the_rebuild_are_logged_in_the_train_run(tmp_pa
     assert "killed data shard 1: SIGKILL to its Dask worker" in log and "at the start of iteration 4" in log
     # Iterations count from 0 in the log as in iterations.csv: iteration 3's loss, then the kill before iteration 4.
     assert log.index("iteration 3: loss") < log.index("killed data shard 1") < log.index("iteration 4: loss")
-    assert "lost data shard 1 (" in log
+    assert "lost data shard 1: rebuilding from parity while training goes on (noticed by the trainer, " in log
     assert "rebuilt data shard 1:" in log
     assert log.index("killed data shard 1") < log.index("lost data shard 1") < log.index("rebuilt data shard 1")
 

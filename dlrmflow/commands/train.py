@@ -105,17 +105,18 @@ def _parity_lines(p: dict[str, Any] | None) -> list[str]:
     ]
     for kill in p["kills"]:
         lines.append(f"  killed             {kill['kill']} (pid {kill['pid']}) at {kill['at_s']:.3f} s")
-    for rec in p["recoveries"]:
-        lines.append(f"  recovered          {', '.join(rec['lost'])}: {rec['rows_rebuilt']:,} rows copied in "
-                     f"{rec['chunks']} chunks ({rec['stripes_generated']:,} stripes generated from the seed), "
-                     f"{rec['seconds']:.3f} s after detection"
-                     f"{_noticed(p['kills'], rec['detected_s'])}; training waited {rec['locked_seconds']:.3f} s "
-                     f"for it; {p['degraded_rows_read']:,} degraded row reads")
-        if rec["causes"]:  # what showed the loss (a restart of the rebuild adds one)
-            lines.append(f"{'':21}noticed by: {'; then '.join(rec['causes'])}")
+    from dlrmflow.engine.coding.record import noticed_words, recovery_sentence
+
+    for rec in p["recoveries"]:  # the figures of the run's log and its recover-shard run (engine.coding.record)
+        lines.append(f"  recovered          {recovery_sentence(rec).removeprefix('rebuilt ')}")
+        noticed = noticed_words(rec)
+        after = _noticed(p["kills"], rec["detected_s"]).removeprefix(" (noticed").removesuffix(")")
+        if noticed or after:  # what showed the loss (a restart of the rebuild adds one), how long after the kill
+            lines.append(f"{'':21}noticed{after}{' by ' if noticed else ''}{'; then by '.join(noticed)}")
         lines.append(f"{'':21}bulk copy {rec['copy_seconds']:.3f} s: {rec['copy_task_seconds']:.3f} s in copy "
                      f"tasks on the new shards' worker ({rec['copy_read_wait_seconds']:.3f} s waiting for "
-                     f"survivors, {rec['copy_install_seconds']:.3f} s decoding and installing)")
+                     f"survivors, {rec['copy_install_seconds']:.3f} s decoding and installing); "
+                     f"{p['degraded_rows_read']:,} degraded row reads")
     return lines
 
 

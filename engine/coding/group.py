@@ -54,9 +54,17 @@ from dlrmflow.engine.coding.erasure import ErasureCode, xor_bits
 from dlrmflow.engine.coding.members import member_name, num_stripes, shard_row_counts
 from dlrmflow.engine.coding.parity_batches import ParityBatching, SendParity
 from dlrmflow.engine.coding.rebuild_state import RebuildState
+from dlrmflow.engine.coding.record import noticed_by
 from dlrmflow.engine.row_files import chunk_stripes, interleave, parity_file
 from dlrmflow.engine.serving.embedding_rows import RowSpec
-from dlrmflow.engine.serving.shards import LostMembersError, ShardGroup, remote, wait_all
+from dlrmflow.engine.serving.shards import (
+    LostMembersError,
+    ShardGroup,
+    release_futures,
+    release_handles,
+    remote,
+    wait_all,
+)
 
 RecoveryRunner = Callable[[Callable[..., dict], dict], Any]
 
@@ -64,12 +72,11 @@ RecoveryRunner = Callable[[Callable[..., dict], dict], Any]
 EVENTS = logging.getLogger(__name__)
 
 
-def short_cause(cause: BaseException | None, limit: int = 160) -> str:
-    """The failure that showed a loss, on one line of at most ``limit`` characters."""
-    if cause is None:
-        return "no answer"
-    text = " ".join(str(cause).split()) or type(cause).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _exchanging(write_ids: np.ndarray, fetch_ids: np.ndarray, check_out: bool) -> str:
+    """What an exchange does, in words (the record's "noticed by")."""
+    if len(write_ids):
+        return "writing back and fetching a batch's rows" if len(fetch_ids) else "writing back a batch's rows"
+    return "fetching a batch's rows" if check_out else "reading rows (an evaluation)"
 
 
 class CodedShardGroup(ShardGroup):
@@ -142,13 +149,13 @@ class CodedShardGroup(ShardGroup):
                 try:
                     self._exchange_once(seq, write_ids, write_rows, fetch_ids, out)
                     break
-                except LostMembersError as exc:
-                    self.on_lost(exc.members, exc)  # raises TooManyErasuresError past R; else resend
+                except LostMembersError as exc:  # raises TooManyErasuresError past R; else resend
+                    self.on_lost(exc.members, exc, _exchanging(write_ids, fetch_ids, check_out))
             if self.batching.parity_due():
                 try:
                     self.send_parity()
                 except LostMembersError as exc:
-                    self.on_lost(exc.members, exc)
+                    self.on_lost(exc.members, exc, "sending parity deltas")
             if check_out and len(fetch_ids):
                 self.checked_out.put(fetch_ids, out)
         self.bytes_written += len(write_ids) * self.spec.row_bytes
@@ -296,14 +303,18 @@ class CodedShardGroup(ShardGroup):
         return {s: results[s] for s in survivors}
 
     # ---- failures ---------------------------------------------------------------------------------
-    def on_lost(self, members: set[int], cause: BaseException | None = None) -> None:
+    def on_lost(self, members: set[int], cause: BaseException | None = None, during: str = "calling it") -> None:
         """Members (or replacements being rebuilt) are gone: restart the rebuild of everything lost
         (:meth:`RebuildState.member_lost`). Called with the lock held; losing more than R raises
-        TooManyErasuresError (and keeps it). Reports the loss on this module's logger (the run's log under Prefect)."""
-        lost = ", ".join(member_name(s, self.code.k) for s in sorted(members))
-        EVENTS.warning("lost %s (%s): rebuilding from parity while training goes on", lost,
-                       short_cause(cause))
-        if self.state.member_lost(set(members), cause, time.perf_counter()) and self.start_rebuild is not None:
+        TooManyErasuresError (and keeps it). ``during``: what the calling thread was doing, for the record's
+        "noticed by" (:func:`~dlrmflow.engine.coding.record.noticed_by`). Reports the loss on this module's
+        logger (the run's log under Prefect)."""
+        names = [member_name(s, self.code.k) for s in sorted(members)]
+        noticed = noticed_by(during, names, cause)
+        EVENTS.warning("lost %s: rebuilding from parity while training goes on (noticed by %s)", ", ".join(names),
+                       noticed)
+        if self.state.member_lost(set(members), cause, time.perf_counter(), noticed) and \
+                self.start_rebuild is not None:
             self.recovery_thread = self.start_rebuild(self)
 
     def finish_rebuild(self, generation: int) -> bool:
@@ -333,13 +344,13 @@ class CodedShardGroup(ShardGroup):
             try:
                 self.settle()
             except LostMembersError as exc:
-                self.on_lost(exc.members, exc)
+                self.on_lost(exc.members, exc, "checking every shard at the end of training")
                 return
             calls = [(s, remote(self.state.target(s), "applied_batches")) for s in range(self.code.n_shards)
                      if self.state.target(s) is not None]
             _, error = wait_all(calls)
             if error:
-                self.on_lost(error.members, error)
+                self.on_lost(error.members, error, "checking every shard at the end of training")
 
     def wait_recovered(self, timeout: float = 600.0) -> None:
         """Block until no member is lost (every rebuild finished); re-raise a fatal loss."""
@@ -367,12 +378,12 @@ class CodedShardGroup(ShardGroup):
                 try:
                     self.settle()
                 except LostMembersError as exc:
-                    self.on_lost(exc.members, exc)
+                    self.on_lost(exc.members, exc, "reading every shard (final state, verify)")
                     continue
                 results, error = wait_all(calls())
                 if error is None:
                     return results
-                self.on_lost(error.members, error)
+                self.on_lost(error.members, error, "reading every shard (final state, verify)")
 
     def all_rows(self) -> np.ndarray:
         rows = self._on_members(lambda: [(s, remote(self.state.members[s], "local_rows")) for s in range(self.code.k)])
@@ -433,7 +444,13 @@ class CodedShardGroup(ShardGroup):
         if self.recovery_thread is not None:
             self.recovery_thread.join(30)
         with self.lock:
-            self.state.released()
+            state = self.state
+            held = [*state.member_futures, *state.replacement_future.values(),
+                    *(future for _, future, _ in state.standby.values())]
+            handles = [*state.members, *state.replacement.values(), *(actor for _, _, actor in state.standby.values())]
+            state.released()
+        release_futures(held)  # the members, replacements and standbys end now (ShardGroup.close)
+        release_handles(handles)
         super().close()
 
     def summary(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ from dlrmflow.engine.coding.rebuild_state import (
     ResetReplacements,
     StartOver,
 )
+from dlrmflow.engine.coding.record import rebuild_start_sentence, recovery_sentence
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.dask_internals import local_actor
 from dlrmflow.engine.serving.placement import choose_rebuild_worker, least_loaded_worker
@@ -99,9 +100,8 @@ def _run(group: CodedShardGroup) -> None:
             lost = sorted(group.state.lost)
             info = {"lost": [member_name(s, group.code.k) for s in lost], "stripes": group.n_stripes,
                     "chunk": chunk_stripes(group, len(lost))}
-        EVENTS.info("rebuilding %s: %d stripes, in chunks of %d, on replacement workers", ", ".join(info["lost"]),
-                    info["stripes"], info["chunk"])
-        if group.recovery_runner is not None:
+        EVENTS.info("%s", rebuild_start_sentence(info["lost"], info["stripes"], info["chunk"]))
+        if group.recovery_runner is not None:  # its report says what the rebuild did
             rebuild_while_reporting(group, info)
         else:
             rebuild_lost(group)
@@ -150,11 +150,15 @@ def rebuild_while_reporting(group: CodedShardGroup, info: dict[str, Any]) -> Non
     # callback, called from the rebuild, talks to the Prefect API that context names.
     worker = threading.Thread(target=contextvars.copy_context().run, args=(rebuild,), name="dlrmflow-rebuild",
                               daemon=True)
+    started_at = time.perf_counter()
     worker.start()
 
     def report(reporter: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         progress.attach(reporter)
         return outcome.result()
+
+    # For the report's own account of its timing: the rebuild started before it (perf_counter) and may have ended.
+    report.started_at, report.finished = started_at, outcome.done
 
     try:
         group.recovery_runner(report, info)
@@ -486,11 +490,10 @@ class RebuildDriver:
     # ---- in the hold of the report that asked for them ---------------------------------------------
     def rebuilt(self, step: Rebuilt) -> dict[str, Any]:
         report = step.record.as_dict(self.group.code.k, self.group.started_at)
-        if report["seconds"] is not None:
-            EVENTS.info("rebuilt %s: %d rows copied in %d chunks, %d stripes generated from the seed, "
-                        "%.3f s after detection (%d restarts)", ", ".join(report["lost"]),
-                        report["rows_rebuilt"], report["chunks"], report["stripes_generated"],
-                        report["seconds"], report["restarts"])
+        if report["seconds"] is not None:  # with a runner, its recover-shard flow run gives the figures
+            EVENTS.info("%s", recovery_sentence(report) if self.group.recovery_runner is None else
+                        f"rebuilt {', '.join(report['lost'])}: {report['seconds']:.3f} s after detection (the "
+                        f"figures: its recover-shard flow run)")
         return report
 
     def give_up(self, step: GiveUp) -> RebuildStep:
@@ -517,7 +520,7 @@ class RebuildDriver:
         return self.state.dead_found(step, dead, LostMembersError(dead, step.failure))
 
     def report_loss(self, step: ReportLoss) -> RebuildStep:
-        self.group.on_lost(step.members, step.cause)  # raises TooManyErasuresError past R
+        self.group.on_lost(step.members, step.cause, step.during)  # raises TooManyErasuresError past R
         return step.then
 
     def finish(self, step: FinishRebuild) -> RebuildStep:

@@ -191,6 +191,7 @@ class ReportLoss:
     members: set[int]
     cause: BaseException
     then: StartOver | EndCopy
+    during: str = "rebuilding"  # what the rebuild was doing when it noticed (the record's "noticed by")
 
 
 @dataclass(frozen=True)
@@ -307,9 +308,11 @@ class RebuildState:
             raise self.fatal
 
     # ---- losses -----------------------------------------------------------------------------------
-    def member_lost(self, members: set[int], cause: BaseException | None, now: float) -> StartRebuild | None:
+    def member_lost(self, members: set[int], cause: BaseException | None, now: float,
+                    noticed_by: str = "") -> StartRebuild | None:
         """Members (or replacements being rebuilt) are gone: everything lost is rebuilt from the start, in
-        a new generation. ``cause`` (the failure that showed it) goes into the recovery's record. Losing
+        a new generation. ``cause`` (the failure that showed it) and ``noticed_by`` (in words, what noticed
+        it: :func:`~dlrmflow.engine.coding.record.noticed_by`) go into the recovery's record. Losing
         more than R raises TooManyErasuresError, which stays fatal."""
         for s in members:
             self.dead_workers.add(self.replacement_workers.get(s) if s in self.replacement else self.worker_of[s])
@@ -335,6 +338,7 @@ class RebuildState:
             self.recoveries.append(record)
         if cause is not None:
             record.causes.append(str(cause))
+            record.noticed_by.append(noticed_by)
         if self.recovering:  # the running rebuild sees the new generation and starts over
             return None
         self.recovering = True
@@ -390,7 +394,9 @@ class RebuildState:
         self.rebuilt = np.zeros(self.n_stripes, dtype=bool) if len(to_copy) else generated
         self.joins_next = generated if len(to_copy) else np.zeros(self.n_stripes, dtype=bool)
         self.dirty, self.copied = [], []
-        self.recoveries[-1].stripes_generated = self.n_stripes - len(to_copy)
+        record = self.recoveries[-1]
+        record.stripes_total, record.stripes_copied = self.n_stripes, len(to_copy)
+        record.stripes_generated = self.n_stripes - len(to_copy)
         return True
 
     def write_logged(self, stripes: np.ndarray) -> None:
@@ -488,7 +494,7 @@ class RebuildState:
 
     def reset_failed(self, reset: ResetReplacements, members: set[int], cause: BaseException) -> ReportLoss:
         """Settling or resetting found ``members`` lost: report them, then start over."""
-        return ReportLoss(members, cause, StartOver())
+        return ReportLoss(members, cause, StartOver(), "settling the parity before the copy")
 
     def replacements_reset(self, reset: ResetReplacements, to_copy: np.ndarray, chunk: int) -> CopyChunks:
         """Steps 0 and 1 done (same hold): the replacements are fresh and the rebuild copies ``to_copy`` (sorted
@@ -549,7 +555,7 @@ class RebuildState:
         names them). None: the failure was not a loss, and is fatal. Else report them and stop copying."""
         if not dead:
             return GiveUp(find.failure)
-        return ReportLoss(dead, cause, EndCopy(find.generation))
+        return ReportLoss(dead, cause, EndCopy(find.generation), "copying stripes from the survivors")
 
     def fix_up_done(self, fix: FixUp, locked_seconds: float) -> ReportProgress:
         """The fix-up's stripes are installed (same hold; :meth:`fixed_up`), the lock held ``locked_seconds``
@@ -570,7 +576,7 @@ class RebuildState:
 
     def fix_up_failed(self, fix: FixUp, members: set[int], cause: BaseException) -> ReportLoss:
         """The fix-up found ``members`` lost: report them, and stop copying."""
-        return ReportLoss(members, cause, EndCopy(fix.generation))
+        return ReportLoss(members, cause, EndCopy(fix.generation), "fixing up the copied stripes")
 
     def copy_ended(self, end: EndCopy, seconds: float) -> FinishRebuild | StartOver | GiveUp:
         """The copy stopped after ``seconds`` (the log is closed, the tasks still running cancelled). A complete

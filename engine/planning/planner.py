@@ -60,6 +60,9 @@ from dlrmflow.engine.up_to_date import saved_result
 PLAN_FILE = "plan.json"
 PLAN_FORMAT_VERSION = 1
 ITERATIONS_PER_FILE = 512
+# Iterations per Parquet row group of a plan file: what a reader of the plan holds at once (a trainer reads a
+# row group at a time, not a file). At Terabyte's batches an iteration prefetches up to ~100k ids (2.4 MB).
+ROW_GROUP_ITERATIONS = 8
 # The streamed plan's grain: the driver spools task results and writes row groups in pieces of this many
 # iterations, so what it holds does not grow with the dataset (nor with the chunk size).
 SPOOL_ITERATIONS = 64
@@ -345,7 +348,8 @@ def _stream_plan(
 ) -> tuple[BatchStream, _Stats]:
     """Decide every (chunk, table group) task, spooling each result to ``spool_dir`` as it finishes (the
     driver keeps only per-iteration counts), then assemble the chunks in order into ``sink``.
-    Progress: one step per task finished, then one per chunk assembled."""
+    Progress: one step per task finished, then one per chunk assembled (a reporter with ``in_stages`` is told
+    those two stages and their sizes first: :meth:`~dlrmflow.tasks.reporting.FlowProgress.in_stages`)."""
     stream = open_stream(dataset_dir, config)
     n, n_tables = len(stream), len(stream.meta.sparse_columns)
     chunk = chunk_iterations or default_chunk_iterations(config)
@@ -361,6 +365,9 @@ def _stream_plan(
     where = str(Path(dataset_dir).resolve())  # workers of an existing cluster may run elsewhere
     args = [(where, config, *chunks[c], *groups[g]) for c, g in tasks]
     total = len(tasks) + len(chunks)  # a step per task finished, then per chunk assembled
+    in_stages = getattr(progress, "in_stages", None)
+    if in_stages is not None:  # a reporter that counts each stage in its own unit, as the phase announces them
+        in_stages([("plan tasks decided", len(tasks)), ("plan chunks assembled", len(chunks))])
     spool, counts = _Spool(spool_dir, chunks, len(groups), config.prefetch_distance), _Counts(n)
 
     def finished(i: int, piece_of: Callable[[int, int], RangeDecisions], done: int) -> None:
@@ -700,7 +707,7 @@ class _DirectorySink(PlanSink):
             "prefetch_ids": _list_array(prefetch_offsets, prefetch_ids),
             "prefetch_slots": _list_array(prefetch_offsets, prefetch_slots),
             "evict_ids": _list_array(evict_offsets, evict_ids),
-        }, schema=PLAN_SCHEMA))
+        }, schema=PLAN_SCHEMA), row_group_size=ROW_GROUP_ITERATIONS)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -1126,27 +1133,41 @@ class Plan:
         self.counts: dict[str, int] = info["counts"]
 
     def iterations(self, first: int = 0, stop: int | None = None) -> Iterator[IterationPlan]:
-        """Iterations ``first .. stop-1`` (default: to the end), reading only the files that hold them, one
-        at a time: a trainer never holds more than one file's worth of the plan."""
+        """Iterations ``first .. stop-1`` (default: to the end), reading only the files that hold them, a row
+        group (:data:`ROW_GROUP_ITERATIONS` iterations; more in plans written before it) at a time: a trainer
+        holds a few iterations of the plan, never a file's worth. A file's row groups hold its iterations in
+        order, so the row groups before ``first`` are skipped unread."""
         stop = self.num_iterations if stop is None else min(stop, self.num_iterations)
         for f in self.info["files"]:
             if f["stop"] <= first:
                 continue
             if f["first"] >= stop:
                 return
-            table = pq.read_table(self.directory / f["name"])
-            ts = table.column("t").to_numpy()
-            lists = [table.column(c).combine_chunks() for c in ("prefetch_ids", "prefetch_slots", "evict_ids")]
-            offsets = [a.offsets.to_numpy() for a in lists]
-            values = [a.values.to_numpy() for a in lists]
-            for i, t in enumerate(ts.tolist()):
-                if t >= stop:
+            parquet = pq.ParquetFile(self.directory / f["name"])
+            group_first = f["first"]
+            for g in range(parquet.num_row_groups):
+                group_stop = group_first + parquet.metadata.row_group(g).num_rows
+                if group_stop > first:
+                    yield from _iterations_of(parquet.read_row_group(g), first, stop)
+                group_first = group_stop
+                if group_first >= stop:
                     return
-                if t >= first:
-                    yield IterationPlan(t, *(v[o[i] : o[i + 1]] for v, o in zip(values, offsets, strict=True)))
 
     def __repr__(self) -> str:
         return f"Plan({str(self.directory)!r}, {self.config}, iterations={self.num_iterations}, slots={self.num_slots})"
+
+
+def _iterations_of(table: pa.Table, first: int, stop: int) -> Iterator[IterationPlan]:
+    """The iterations of a row group of a plan file within ``first .. stop-1``."""
+    ts = table.column("t").to_numpy()
+    lists = [table.column(c).combine_chunks() for c in ("prefetch_ids", "prefetch_slots", "evict_ids")]
+    offsets = [a.offsets.to_numpy() for a in lists]
+    values = [a.values.to_numpy() for a in lists]
+    for i, t in enumerate(ts.tolist()):
+        if t >= stop:
+            return
+        if t >= first:
+            yield IterationPlan(t, *(v[o[i] : o[i + 1]] for v, o in zip(values, offsets, strict=True)))
 
 
 def load_plan(

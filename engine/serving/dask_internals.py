@@ -66,3 +66,12 @@ def bind_actor(actor: Any) -> None:
     neither. Relies on ``Actor._try_bind_worker_client``."""
     if isinstance(actor, Actor):
         actor._try_bind_worker_client()
+
+
+def release_actor(actor: Any) -> None:
+    """Drop the reference an actor handle holds on its actor: a handle bound to a client holds a future of the
+    actor's key (``Actor._future``), which keeps the actor alive while the handle lives, in whatever process
+    it was unpickled. Releasing it ends that hold now (the actor ends once no future of it is held)."""
+    future = getattr(actor, "_future", None) if isinstance(actor, Actor) else None
+    if future is not None:
+        future.release()

@@ -26,7 +26,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,7 +45,13 @@ from dlrmflow.engine.row_files import (
     write_rows_file,
 )
 from dlrmflow.engine.serving.cluster import cluster_workers
-from dlrmflow.engine.serving.dask_internals import actor_address, actor_client, finished_outcome, is_lost_actor_error
+from dlrmflow.engine.serving.dask_internals import (
+    actor_address,
+    actor_client,
+    finished_outcome,
+    is_lost_actor_error,
+    release_actor,
+)
 from dlrmflow.engine.serving.embedding_rows import INIT_CHUNK_ROWS, RowSpec, init_rows
 from dlrmflow.engine.serving.placement import WORKER_LOG, Placement, place, shared_host_warning
 
@@ -357,9 +363,34 @@ class ShardGroup:
         return [call.result() for call in [actor.stats() for actor in self.actors]]
 
     def close(self) -> None:
-        """Release the actors (their workers drop the rows)."""
+        """Release the actors (their workers drop the rows): now, not when a garbage collection gets to a
+        reference cycle that holds the group (on a trainer's long-lived Dask worker, minutes later: the next
+        run's servers would sit next to this run's rows)."""
+        release_futures(self.futures)
+        release_handles(self.actors)
         self.actors = []
         self.futures = []
+
+
+def release_handles(actors: Iterable[Any]) -> None:
+    """Drop the hold each actor handle has on its actor (:func:`~.dask_internals.release_actor`)."""
+    for actor in actors:
+        try:
+            release_actor(actor)
+        except Exception:  # noqa: BLE001 - the cluster is going away anyway
+            pass
+
+
+def release_futures(futures: Iterable[Any]) -> None:
+    """Tell the scheduler this client no longer wants ``futures`` (None entries skipped): an actor whose future
+    is released ends with it. A future already released, or whose client is gone, is passed over."""
+    for future in futures:
+        if future is None:
+            continue
+        try:
+            future.release()
+        except Exception:  # noqa: BLE001 - the cluster is going away anyway
+            pass
 
 
 # A call not answered after WATCH_FIRST_S has its worker looked up with the scheduler, and again every

@@ -145,7 +145,8 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
         # (rows, gradients, dense gradients) and from the servers (bytes_fetched).
         "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "host": worker_host(r["worker"]),
                          "device": r["device"], "threads": r["threads"],
-                         "peak_cached_rows": r["peak_cached_rows"], "bytes_from_trainers": r["bytes_from_trainers"],
+                         "peak_cached_rows": r["peak_cached_rows"], "peak_rss_bytes": r["peak_rss_bytes"],
+                         "bytes_from_trainers": r["bytes_from_trainers"],
                          "bytes_from_servers": r["bytes_fetched"],
                          "bytes_fetched": r["bytes_fetched"], "bytes_written_back": r["bytes_written"],
                          "stall_seconds": float(np.sum(r["log"]["stall_seconds"])),

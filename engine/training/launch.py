@@ -23,6 +23,8 @@ import queue
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from dlrmflow.engine.training.trainer import train_rank
 from dlrmflow.engine.training.trainer_slices import prepare_trainers
 
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
+ENGINE_LOGGER = "dlrmflow.engine"  # the engine's events: every module's logger is below it
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 STOP_GRACE_SECONDS = 5.0  # after a failure, how long the other trainers get to stop on their own
 CAUSE_WAIT_SECONDS = 2.0  # after a collective failed for a peer that left, how long to wait for that peer's error
@@ -96,8 +99,44 @@ def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, pro
             last_report[0] = time.perf_counter()
 
     host = worker.address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return train_rank(setup, TrainerGroup(rank, size, init_method, address=host), RunContext.on_worker(get_client()),
-                      report=report, worker=worker.address, device=device)
+    with _events_to_driver(worker, progress_topic, rank):
+        return train_rank(setup, TrainerGroup(rank, size, init_method, address=host),
+                          RunContext.on_worker(get_client()), report=report, worker=worker.address, device=device)
+
+
+class _EventsToDriver(logging.Handler):
+    """On a trainer's worker: the engine's events (``dlrmflow.engine`` loggers) sent to the driver on the run's
+    topic, which logs them again under the same logger, so that the run's log and the CLI's stderr show
+    them as they show one trainer's: trainer 0's (the servers' placement, a loss and its rebuild, the
+    checkpoints, the final state) and the others' warnings, named by their trainer."""
+
+    def __init__(self, worker: Any, topic: str, rank: int) -> None:
+        super().__init__(logging.INFO if rank == 0 else logging.WARNING)
+        self.worker, self.topic, self.prefix = worker, topic, "" if rank == 0 else f"trainer {rank}: "
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.worker.log_event(self.topic, {"log": (record.name, record.levelno,
+                                                       self.prefix + record.getMessage())})
+        except Exception:  # noqa: BLE001 - a lost event line must not fail the training
+            self.handleError(record)
+
+
+@contextmanager
+def _events_to_driver(worker: Any, topic: str | None, rank: int) -> Iterator[None]:
+    if topic is None:
+        yield
+        return
+    engine = logging.getLogger(ENGINE_LOGGER)
+    handler, level = _EventsToDriver(worker, topic, rank), engine.level
+    engine.addHandler(handler)
+    if engine.getEffectiveLevel() > logging.INFO:
+        engine.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        engine.removeHandler(handler)
+        engine.setLevel(level)
 
 
 def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
@@ -177,6 +216,10 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
 
     def relay(report: dict[str, Any]) -> None:
         nonlocal done
+        if "log" in report:  # a trainer's event line (_EventsToDriver): logged here as it was there
+            name, level, message = report["log"]
+            logging.getLogger(name).log(level, "%s", message)
+            return
         if report["done"] <= done:
             return
         done = report["done"]

@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,15 @@ def start_servers(setup: RunSetup, context: RunContext, rows: ShardedRows | None
     EVENTS.info("embedding servers on %s", where_placed(server_names(config.num_shards, config.parity),
                                                          shards.worker_of, cluster_workers(context.client)))
     return shards
+
+
+def peak_rss_bytes() -> int:
+    """The most memory this process has held resident so far (the kernel's ru_maxrss): on a trainer's own Dask
+    worker (``--trainers W``), what that trainer needed; alone, it includes whatever else the command's
+    process holds (its LocalCluster's scheduler)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def server_names(k: int, r: int) -> list[str]:
@@ -178,7 +188,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
                 "sync_seconds": clock.pop("row_sync"), "seconds": clock, "bytes_fetched": int(store.bytes_fetched),
                 "bytes_written": int(store.bytes_written), "bytes_to_trainers": dict(group.bytes_sent),
                 "bytes_from_trainers": int(sum(group.bytes_received.values())),
-                "peak_cached_rows": int(store.peak_cached_rows),
+                "peak_cached_rows": int(store.peak_cached_rows), "peak_rss_bytes": peak_rss_bytes(),
                 "began_at": began_at, "ended_at": ended_at}
             if lead:
                 outcome["servers"] = server_hosts(getattr(store, "shards", None), config.num_shards, config.parity,
@@ -190,7 +200,9 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
                     outcome["state"] = write_final_state(setup, model, optimizer, store,
                                                          output if config.save_state else None)
                 # After the final state: the cluster's workers score the held-out rows from its staged files.
-                with timed(finish, "evaluation"), phase_reported("final evaluation"):
+                # A run with no rows held out evaluates nothing: no phase to report.
+                with timed(finish, "evaluation"), (phase_reported("final evaluation")
+                                                   if setup.eval_start < setup.meta.rows else nullcontext()):
                     outcome["metrics"] = final_evaluation(setup, model, store, device, context.client,
                                                           outcome["state"])
                 kills = hooks.injector.log if hooks.injector else []
