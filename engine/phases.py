@@ -11,7 +11,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+ENGINE_LOGGER = "dlrmflow.engine"  # the engine's events: every engine module's logger is below it
 logger = logging.getLogger("dlrmflow.engine.phases")
+
+
+@contextmanager
+def engine_events_to(handler: logging.Handler, name: str = ENGINE_LOGGER) -> Iterator[logging.Logger]:
+    """Within the block, the events of the engine logger ``name`` at INFO and above also go to ``handler``
+    (the logger's level is lowered to INFO for the block if it was higher, then restored). Yields the logger."""
+    engine = logging.getLogger(name)
+    level = engine.level
+    engine.addHandler(handler)
+    if engine.getEffectiveLevel() > logging.INFO:
+        engine.setLevel(logging.INFO)
+    try:
+        yield engine
+    finally:
+        engine.removeHandler(handler)
+        engine.setLevel(level)
 
 
 def say(what: str) -> None:

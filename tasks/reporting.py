@@ -35,6 +35,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from dlrmflow.engine.phases import ENGINE_LOGGER, engine_events_to
 from dlrmflow.engine.training.modes import MODES
 
 # ---- keys ---------------------------------------------------------------------------------------
@@ -270,7 +271,6 @@ class FlowProgress:
 
 # ---- engine events in a run's log ---------------------------------------------------------------------
 
-ENGINE_LOGGER = "dlrmflow.engine"
 PHASES_LOGGER = "dlrmflow.engine.phases"  # dlrmflow.engine.phases: a phase's start and its seconds
 
 
@@ -297,23 +297,19 @@ def engine_events_to_run_log(run_logger: logging.LoggerAdapter | None = None, *,
     logger (a subflow's inside its parent's) takes its lines over: they go to the inner run only."""
     handler = _ToRunLogger(run_logger or get_run_logger())
     engine = logging.getLogger(name)
-    previous, propagate = engine.level, engine.propagate
+    propagate = engine.propagate
     # Nested (a train flow inside the nightly daily run, both sending the phases): the inner run takes the lines
     # over until its block ends, so each line lands in one run's log and the CLI prints it once.
     outer = [h for h in engine.handlers if isinstance(h, _ToRunLogger)]
     for h in outer:
         engine.removeHandler(h)
-    engine.addHandler(handler)
     engine.propagate = False  # the run logger prints them too: not twice on the console
-    if engine.getEffectiveLevel() > logging.INFO:
-        engine.setLevel(logging.INFO)
     try:
-        yield
+        with engine_events_to(handler, name):
+            yield
     finally:
-        engine.removeHandler(handler)
         for h in outer:
             engine.addHandler(h)
-        engine.setLevel(previous)
         engine.propagate = propagate
 
 

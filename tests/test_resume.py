@@ -397,3 +397,34 @@ def test_a_failed_training_names_the_resume_command_in_the_cli_and_the_flow_logs
     code, out, err = cli(["resume", str(run_dir), "--dask-address", cluster.scheduler.address], capsys)
     assert code == 0, err
     assert "resumed            from the checkpoint at iteration 6" in out
+
+
+def test_a_stop_whose_cause_names_the_resume_command_names_it_once(tmp_path, monkeypatch):
+    """A lost trainer's error already says how to resume (engine/training/launch.py): the command's one line
+    then names `dlrmflow resume` once, not again after it."""
+    import contextlib
+
+    from dlrmflow.commands import console
+    from dlrmflow.commands import train as train_command
+    from dlrmflow.engine.training.config import TrainConfig
+    from dlrmflow.flows import train as train_flow_module
+
+    run_dir = tmp_path / "run"
+    command = f"`dlrmflow resume {run_dir}`"
+
+    class Checked(contextlib.nullcontext):
+        checked = True
+
+    def stopped(config, dask_address):
+        raise RuntimeError(f"trainer 1 of 2 died after iteration 20 of 60; continue the run with {command}")
+
+    monkeypatch.setattr(console, "HeldConsole", lambda *_: Checked())
+    monkeypatch.setattr(train_flow_module, "train_flow", stopped)
+    monkeypatch.setattr("dlrmflow.engine.training.run_directory_checks.unfinished_run_message",
+                        lambda run: f"{run} holds an unfinished run: resume it with {command}")
+    config = TrainConfig(dataset_dir=str(tmp_path / "data"), output_dir=str(run_dir), mode="local")
+    with pytest.raises(train_command.TrainingStopped) as caught:
+        train_command.run_training(config, None)
+    assert str(caught.value).count("dlrmflow resume") == 1, caught.value
+    assert str(caught.value) == f"training stopped (RuntimeError: trainer 1 of 2 died after iteration 20 of 60; " \
+                                f"continue the run with {command})"

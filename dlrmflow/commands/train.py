@@ -64,7 +64,7 @@ def run_training(config, dask_address: str | None) -> dict[str, Any]:
     prints one line (the flow's console lines are held until the check passed: :class:`HeldConsole`); a
     failure after the check that leaves a resumable run names `dlrmflow resume RUN_DIR`."""
     from dlrmflow.commands.console import HeldConsole
-    from dlrmflow.engine.training.run_directory import ResumeError
+    from dlrmflow.engine.training.run_directory import ResumeError, resume_command
     from dlrmflow.engine.training.run_directory_checks import refuse_to_overwrite, unfinished_run_message
     from dlrmflow.flows.train import INPUT_CHECKED, train_flow
 
@@ -80,6 +80,8 @@ def run_training(config, dask_address: str | None) -> dict[str, Any]:
         message = unfinished_run_message(config.output_dir) if console.checked else None
         if message is None:  # refused for its input, or nothing to resume
             raise
+        if resume_command(config.output_dir) in str(exc):  # the cause says how to resume already: not twice
+            raise TrainingStopped(f"training stopped ({type(exc).__name__}: {exc})") from exc
         raise TrainingStopped(f"training stopped ({type(exc).__name__}: {exc}); {message}") from exc
     except KeyboardInterrupt:
         message = unfinished_run_message(config.output_dir)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.phases import phase_reported
+from dlrmflow.engine.phases import engine_events_to, phase_reported
 from dlrmflow.engine.serving.cluster import cluster_workers
 from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers, where_placed
 from dlrmflow.engine.training.collectives import TrainerGroup
@@ -42,7 +42,6 @@ from dlrmflow.engine.training.trainer import train_rank
 from dlrmflow.engine.training.trainer_slices import prepare_trainers
 
 EVENTS = logging.getLogger(__name__)  # a dlrmflow.engine logger: the run's log and the CLI's stderr show it
-ENGINE_LOGGER = "dlrmflow.engine"  # the engine's events: every module's logger is below it
 WATCH_SECONDS = 0.5  # how often the driver looks at the trainers' workers and progress
 STOP_GRACE_SECONDS = 5.0  # after a failure, how long the other trainers get to stop on their own
 CAUSE_WAIT_SECONDS = 2.0  # after a collective failed for a peer that left, how long to wait for that peer's error
@@ -127,16 +126,8 @@ def _events_to_driver(worker: Any, topic: str | None, rank: int) -> Iterator[Non
     if topic is None:
         yield
         return
-    engine = logging.getLogger(ENGINE_LOGGER)
-    handler, level = _EventsToDriver(worker, topic, rank), engine.level
-    engine.addHandler(handler)
-    if engine.getEffectiveLevel() > logging.INFO:
-        engine.setLevel(logging.INFO)
-    try:
+    with engine_events_to(_EventsToDriver(worker, topic, rank)):
         yield
-    finally:
-        engine.removeHandler(handler)
-        engine.setLevel(level)
 
 
 def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
@@ -274,5 +265,6 @@ def _lost_message(setup: RunSetup, rank: int, worker: str, done: int) -> str:
     what = (f"trainer {rank} of {config.trainers} (Dask worker {worker}) died after iteration {done} of "
             f"{setup.iterations}")
     if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
-        return f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}`"
+        return (f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}` "
+                f"once the cluster has {config.trainers} workers that may run a trainer (`--resources trainer=1`)")
     return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
