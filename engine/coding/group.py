@@ -60,8 +60,7 @@ from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import (
     LostMembersError,
     ShardGroup,
-    release_futures,
-    release_handles,
+    release_actors,
     remote,
     wait_all,
 )
@@ -449,8 +448,7 @@ class CodedShardGroup(ShardGroup):
                     *(future for _, future, _ in state.standby.values())]
             handles = [*state.members, *state.replacement.values(), *(actor for _, _, actor in state.standby.values())]
             state.released()
-        release_futures(held)  # the members, replacements and standbys end now (ShardGroup.close)
-        release_handles(handles)
+        release_actors(held, handles)  # the members, replacements and standbys end now (ShardGroup.close)
         super().close()
 
     def summary(self) -> dict[str, Any]:

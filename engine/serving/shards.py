@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -366,29 +367,20 @@ class ShardGroup:
         """Release the actors (their workers drop the rows): now, not when a garbage collection gets to a
         reference cycle that holds the group (on a trainer's long-lived Dask worker, minutes later: the next
         run's servers would sit next to this run's rows)."""
-        release_futures(self.futures)
-        release_handles(self.actors)
+        release_actors(self.futures, self.actors)
         self.actors = []
         self.futures = []
 
 
-def release_handles(actors: Iterable[Any]) -> None:
-    """Drop the hold each actor handle has on its actor (:func:`~.dask_internals.release_actor`)."""
-    for actor in actors:
+def release_actors(futures: Iterable[Any], handles: Iterable[Any] = ()) -> None:
+    """Let the actors end now: tell the scheduler this client no longer wants ``futures`` (None entries
+    skipped), and drop the hold each actor handle of ``handles`` has on its actor
+    (:func:`~.dask_internals.release_actor`). One already released, or whose client is gone, is passed over."""
+    releases = [future.release for future in futures if future is not None]
+    releases += [partial(release_actor, actor) for actor in handles]
+    for release in releases:
         try:
-            release_actor(actor)
-        except Exception:  # noqa: BLE001 - the cluster is going away anyway
-            pass
-
-
-def release_futures(futures: Iterable[Any]) -> None:
-    """Tell the scheduler this client no longer wants ``futures`` (None entries skipped): an actor whose future
-    is released ends with it. A future already released, or whose client is gone, is passed over."""
-    for future in futures:
-        if future is None:
-            continue
-        try:
-            future.release()
+            release()
         except Exception:  # noqa: BLE001 - the cluster is going away anyway
             pass
 

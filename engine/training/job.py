@@ -24,6 +24,7 @@ from dlrmflow.engine.coding.group import RecoveryRunner
 from dlrmflow.engine.models import architecture
 from dlrmflow.engine.run_lock import output_lock
 from dlrmflow.engine.run_state import ITERATIONS_FILE, commit_state_dir, write_summary
+from dlrmflow.engine.serving.placement import host_of
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.continuation import init_from_record
 from dlrmflow.engine.training.evaluation import best_evaluation, evaluation_row
@@ -123,13 +124,6 @@ def run_dir_for(output: Path, what: str):
                 parent.rmdir()
 
 
-def worker_host(address: str | None) -> str | None:
-    """The host part of a worker's address (None for the trainer that ran in the command's process)."""
-    from distributed.comm import get_address_host
-
-    return None if address is None else get_address_host(address)
-
-
 def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[str, Any]:
     """Per trainer: where it ran and what it moved; totals of the traffic between trainers by kind."""
     between: dict[str, int] = {}
@@ -143,7 +137,7 @@ def trainers_report(results: list[dict[str, Any]], log: dict[str, Any]) -> dict[
         "sync_fraction": float(np.sum(results[0]["sync_seconds"]) / iteration_seconds) if iteration_seconds else 0.0,
         # Per trainer: the most rows its cache held at once; the bytes it received from the other trainers
         # (rows, gradients, dense gradients) and from the servers (bytes_fetched).
-        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "host": worker_host(r["worker"]),
+        "per_trainer": [{"rank": r["rank"], "worker": r["worker"], "host": host_of(r["worker"], {}),
                          "device": r["device"], "threads": r["threads"],
                          "peak_cached_rows": r["peak_cached_rows"], "peak_rss_bytes": r["peak_rss_bytes"],
                          "bytes_from_trainers": r["bytes_from_trainers"],

@@ -33,7 +33,7 @@ import torch
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import engine_events_to, phase_reported
 from dlrmflow.engine.serving.cluster import cluster_workers
-from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, place_trainers, where_placed
+from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, host_of, place_trainers, where_placed
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.run_context import RunContext
 from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE, resume_command
@@ -97,7 +97,7 @@ def train_on_worker(setup: RunSetup, rank: int, size: int, init_method: str, pro
             worker.log_event(progress_topic, {"done": done, "metrics": row})
             last_report[0] = time.perf_counter()
 
-    host = worker.address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    host = host_of(worker.address, {})
     with _events_to_driver(worker, progress_topic, rank):
         return train_rank(setup, TrainerGroup(rank, size, init_method, address=host),
                           RunContext.on_worker(get_client()), report=report, worker=worker.address, device=device)

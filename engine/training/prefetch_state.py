@@ -473,26 +473,27 @@ class PartitionedPrefetchState(PrefetchState):
         (``gateway``: trainer 0, always). A trainer's write and its own later fetch go to the same server
         in order, so no fetch overtakes the write it must see, whatever the other trainers' timing; an
         older write is home already (module docstring)."""
-        fetcher = ids % self.size
         if self.gateway:
             return np.zeros(len(ids), dtype=np.int64)
         while self.recent_writes and self.recent_writes[0][0] < self.t - self.remembered:
             self.recent_writes.popleft()
-        if not self.recent_writes or not len(ids):
-            return fetcher
-        written = np.concatenate([w[1] for w in self.recent_writes])[::-1]  # newest first
-        writers = np.concatenate([w[2] for w in self.recent_writes])[::-1]
-        unique, newest = np.unique(written, return_index=True)  # each id's newest write
-        at = np.minimum(np.searchsorted(unique, ids), len(unique) - 1)
-        found = unique[at] == ids
-        fetcher[found] = writers[newest[at[found]]]
+        fetcher = ids % self.size
+        pending = np.arange(len(ids))  # positions in ids not found in a newer write yet
+        for _, written, writers in reversed(self.recent_writes):  # newest first: each id's last writer wins
+            if not len(pending):
+                break
+            at = np.minimum(np.searchsorted(written, ids[pending]), len(written) - 1)
+            hit = written[at] == ids[pending]
+            fetcher[pending[hit]] = writers[at[hit]]
+            pending = pending[~hit]
         return fetcher
 
     def _writes_of(self, done: Done) -> tuple[np.ndarray, np.ndarray]:
         evicted = done.evict_ids if done.evicted is None else done.evicted
-        if len(evicted):
-            self.recent_writes.append((done.t, np.asarray(evicted, dtype=np.int64),
-                                       np.asarray(done.writers, dtype=np.int64)))
+        if len(evicted):  # sorted once here, searched by each fetch of the window
+            order = np.argsort(evicted, kind="stable")
+            self.recent_writes.append((done.t, np.asarray(evicted, dtype=np.int64)[order],
+                                       np.asarray(done.writers, dtype=np.int64)[order]))
         mine = evicted[done.writers == self.rank]
         slots = self.directory.lookup(mine)
         if (slots < 0).any():
