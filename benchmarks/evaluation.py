@@ -17,7 +17,14 @@ matter here). Rounds alternate (in process, cluster), REPEATS of each; it prints
 in rows/s side by side, the ratio cluster / in process (the issue's goal: at least 1.6x), and the AUC and
 log loss of both, which must be equal bit for bit (exit status 1 otherwise).
 
+``--periodic``: ``train --eval-every``'s evaluations between iterations instead, ROWS held-out rows after
+a few training batches, a ``remote`` run with ``--parity 1`` on the LocalCluster: once with its
+evaluations in the trainer's process, once on the cluster (the servers write their rows overlaid with the
+trainer's, the workers score them); every evaluation is timed (the snapshot and its removal included) and
+both runs' evaluations and final state must be equal bit for bit.
+
     .venv/bin/python benchmarks/evaluation.py [--rows 1000000] [--scale 0.01] [--workers 2] [--repeats 3]
+    .venv/bin/python benchmarks/evaluation.py --periodic [--rows 1000000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -63,7 +70,10 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=20, help="training iterations of the scored model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in process (default: torch's)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dlrmflow-bench-evaluation")
+    parser.add_argument("--periodic", action="store_true", help="time train --eval-every's evaluations instead")
     args = parser.parse_args()
+    if args.periodic:
+        return periodic(args)
 
     logging.getLogger("distributed").setLevel(logging.WARNING)
     if args.threads:
@@ -102,6 +112,55 @@ def main() -> int:
     figures = {(r["auc"], r["log_loss"], r["constant_log_loss"], r["rows"]) for rs in results.values() for r in rs}
     equal = len(figures) == 1
     print(f"AUC and log loss equal bit for bit in every round, both ways: {'yes' if equal else 'NO'}")
+    return 0 if equal else 1
+
+
+def periodic(args: argparse.Namespace) -> int:
+    """--periodic (module docstring): the same run twice, its evaluations timed one by one."""
+    from dlrmflow.engine.training import cluster_scoring, trainer
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train_rows = (2 * args.repeats + 1) * BATCH
+    total = args.rows + train_rows
+    dataset = synthetic_dataset(args.work / f"data-{total}-{args.scale:g}", total, args.scale)
+    print(f"train --mode remote --parity 1 --eval-every 1: {args.repeats} evaluations of {args.rows:,} held-out "
+          f"rows each way, batch {BATCH}, Criteo DLRM at scale {args.scale:g}; {os.cpu_count()} cores, "
+          f"{args.workers} single-threaded Dask workers; load average {os.getloadavg()[0]:.2f} (1 min)", flush=True)
+    real = trainer.periodic_evaluation
+    seconds: dict[str, list[float]] = {"in process": [], "cluster": []}
+    summaries = {}
+    cluster = local_cluster(args.workers)
+    with cluster, Client(cluster, direct_to_workers=True) as client:
+        for way, least in (("in process", 10**12), ("cluster", 0)):
+            def timed(*a, way=way, **kw):
+                start = time.perf_counter()
+                result = real(*a, **kw)
+                seconds[way].append(time.perf_counter() - start)
+                print(f"  {way:>10} evaluation {len(seconds[way])}: {seconds[way][-1]:7.2f} s  "
+                      f"{args.rows / seconds[way][-1]:10,.0f} rows/s", flush=True)
+                return result
+
+            cluster_scoring.CLUSTER_MIN_ROWS, trainer.periodic_evaluation = least, timed
+            try:
+                config = TrainConfig(dataset_dir=str(dataset), mode="remote", parity=1, num_shards=2,
+                                     output_dir=str(args.work / f"periodic-{way.replace(' ', '-')}"),
+                                     batch_size=BATCH, eval_batch_size=BATCH, iterations=args.repeats + 1,
+                                     eval_every=1, eval_fraction=args.rows / total, metrics_every=1000,
+                                     save_state=False)
+                summaries[way] = train(config, client=client)
+            finally:
+                trainer.periodic_evaluation = real
+
+    median = {way: statistics.median(s) for way, s in seconds.items()}
+    print(f"\n{'':>12} {'median s':>9} {'rows/s':>10}")
+    for way in ("in process", "cluster"):
+        print(f"{way:>12} {median[way]:9.2f} {args.rows / median[way]:10,.0f}")
+    print(f"cluster / in process: {median['in process'] / median['cluster']:.2f}x (goal: at least 1.6x)")
+    a, b = summaries["in process"], summaries["cluster"]
+    equal = a["evaluations"] == b["evaluations"] and a["state_sha256"] == b["state_sha256"]
+    print(f"every evaluation and the final state equal bit for bit: {'yes' if equal else 'NO'}")
     return 0 if equal else 1
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from distributed import Client
-from test_trainers import make_dataset, small_config
+from test_trainers import keep_all_plan, make_dataset, small_config
 
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.serving.cluster import local_cluster
 from dlrmflow.engine.training import cluster_scoring
 from dlrmflow.engine.training.cluster_scoring import PartScoringError, split_rows
-from dlrmflow.engine.training.job import train
+from dlrmflow.engine.training.job import prepare_run, train
 from dlrmflow.engine.training.scoring import evaluate_run, scores_on_cluster
 
 WORKERS = 2
@@ -80,6 +80,46 @@ def test_the_end_of_run_evaluation_on_the_cluster_equals_the_one_in_process(mode
     for key in ("eval_auc", "eval_log_loss"):
         assert on_cluster[key] == in_process[key], key
     assert on_cluster["evaluations"] == in_process["evaluations"]
+
+
+@pytest.mark.parametrize("mode,extra", [("remote", {}), ("lru", {"capacity": 60, "parity": 1}),
+                                        ("oracle", {"parity": 1})])
+def test_evaluations_every_n_iterations_on_the_cluster_equal_the_ones_in_process(mode, extra, client, tmp_path,
+                                                                                 monkeypatch, scored_parts):
+    """--eval-every on the cluster: at each evaluation the servers write their rows overlaid with the
+    trainer's newer copies, the workers score the held-out rows from them; every evaluation has the bits of
+    the one in the trainer's process, the run ends in the same state, and no snapshot is left behind."""
+    dataset = make_dataset(tmp_path / "data", 5)
+    common = dict(eval_fraction=0.2, eval_batch_size=8, num_shards=2, eval_every=4, **extra)
+    plan = keep_all_plan(dataset, 16, 12, 2) if mode == "oracle" else None
+
+    def run(out: str) -> dict:
+        config = small_config(dataset, tmp_path / out, mode, **common)
+        return train(config, client=client, setup=prepare_run(config, plan=plan))
+
+    monkeypatch.setattr(cluster_scoring, "CLUSTER_MIN_ROWS", 0)
+    on_cluster = run("cluster")
+    assert scored_parts == [80] * 3  # after iterations 4 and 8, and the final evaluation
+    monkeypatch.setattr(cluster_scoring, "CLUSTER_MIN_ROWS", 10**12)
+    in_process = run("process")
+    assert len(scored_parts) == 3  # not called again
+
+    assert [e["iteration"] for e in on_cluster["evaluations"]] == [4, 8, 12]
+    assert on_cluster["evaluations"] == in_process["evaluations"]
+    assert on_cluster["state_sha256"] == in_process["state_sha256"]
+    assert on_cluster["bytes_fetched"] == in_process["bytes_fetched"]
+    assert not (tmp_path / "cluster" / cluster_scoring.EVALUATION_ROWS_DIR).exists()
+
+
+def test_evaluations_of_local_stay_in_the_trainer(client, tmp_path, monkeypatch, scored_parts):
+    """``local``: the trainer holds the table, no server writes it; its periodic evaluations stay in process
+    (the final one, from the final state's files, goes to the cluster)."""
+    dataset = make_dataset(tmp_path / "data", 5)
+    monkeypatch.setattr(cluster_scoring, "CLUSTER_MIN_ROWS", 0)
+    summary = train(small_config(dataset, tmp_path / "local", "local", eval_fraction=0.2, eval_batch_size=8,
+                                 eval_every=4), client=client)
+    assert [e["iteration"] for e in summary["evaluations"]] == [4, 8, 12]
+    assert scored_parts == [80]
 
 
 def test_evaluate_on_the_cluster_equals_evaluate_in_process(client, tmp_path):

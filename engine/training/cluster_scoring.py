@@ -22,6 +22,7 @@ state itself: :mod:`dlrmflow.engine.row_files`).
 
 from __future__ import annotations
 
+import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -203,6 +204,47 @@ def score_on_cluster(client: Client, dataset_dir: str | Path, start: int, stop: 
     finally:
         client.cancel([*futures, shared_model])
     return merger.result(), new_lookups
+
+
+# The periodic evaluation's snapshot of the rows, in the run directory (every worker sees it), removed after.
+EVALUATION_ROWS_DIR = "evaluation_rows"
+
+
+def periodic_evaluation(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.device,
+                        client: Client | None) -> dict[str, Any]:
+    """``--eval-every``'s evaluation between two iterations: the held-out rows scored as training has left
+    them so far, on the cluster's free workers, or in this process as
+    :func:`~.evaluation.evaluate` ``(during_training=True)`` does. Both give the same bits.
+
+    On the cluster, the servers write their rows overlaid with the rows the store holds newer copies of
+    (:meth:`~.stores.base.RowStore.held_rows`, sized by the cache), as a checkpoint writes them, into the run
+    directory's :data:`EVALUATION_ROWS_DIR`; the tasks read them memory-mapped by id; the snapshot is removed
+    after. The trainer waits, as it does for an evaluation in process: training cannot change a row while
+    the tasks read. In this process instead: ``local`` (the trainer holds the table: no servers to write
+    it), fewer than :data:`CLUSTER_MIN_ROWS` held-out rows, no free worker, or members of a coded group
+    being rebuilt (their rows are not all home yet)."""
+    config, meta = setup.config, setup.meta
+    rows = meta.rows - setup.eval_start
+    shards = getattr(getattr(store, "home", None), "shards", None)
+    rebuilding = bool(getattr(getattr(shards, "state", None), "lost", ()))
+    workers = free_workers(client) if client is not None and shards is not None and not rebuilding and \
+        rows >= CLUSTER_MIN_ROWS else []
+    if not workers:
+        return evaluate(setup, model, store, device, during_training=True)
+    directory = Path(config.output_dir).resolve() / EVALUATION_ROWS_DIR
+    shutil.rmtree(directory, ignore_errors=True)  # a snapshot left by a run that stopped while scoring
+    directory.mkdir(parents=True)
+    try:
+        files = shards.save_rows(directory, store.held_rows())
+        spec = setup.spec
+        summary, _ = score_on_cluster(client, config.dataset_dir, setup.eval_start, meta.rows,
+                                      config.eval_batch_size, DenseModel.of(setup.model_config, model, spec.dim),
+                                      StateFileRows.of(directory, files, spec.total_rows, spec.width),
+                                      device_type=device.type, progress=PhaseProgress("evaluation rows", rows),
+                                      workers=workers)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return held_out_metrics(summary)
 
 
 def final_evaluation(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.device,

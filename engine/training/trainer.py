@@ -33,10 +33,9 @@ from dlrmflow.engine.serving.shards import ShardGroup, start_shards
 from dlrmflow.engine.training import loop
 from dlrmflow.engine.training.checkpoint import Checkpointer
 from dlrmflow.engine.training.checkpoint_format import cache_of, load_resume_point, restore_dense
-from dlrmflow.engine.training.cluster_scoring import final_evaluation
+from dlrmflow.engine.training.cluster_scoring import final_evaluation, periodic_evaluation
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.dense import collect_state, deterministic_torch, make_dense_optimizer, start_from_run
-from dlrmflow.engine.training.evaluation import evaluate
 from dlrmflow.engine.training.faults import FaultInjector, kills_since
 from dlrmflow.engine.training.final_state import seal_final_state, write_final_state
 from dlrmflow.engine.training.loop import LoopHooks, Report
@@ -163,7 +162,7 @@ def train_rank(setup: RunSetup, group: TrainerGroup, context: RunContext, *, rep
             del rows
             hooks = LoopHooks(report=report if lead else None)
             if config.eval_every and lead:
-                hooks.evaluate = lambda t: evaluate(setup, model, store, device, during_training=True)
+                hooks.evaluate = lambda t: periodic_evaluation(setup, model, store, device, context.client)
             if setup.kills and lead:
                 hooks.injector = FaultInjector(setup.kills, context.client, lambda s: store.shards.worker_of[s],
                                                config.num_shards)
