@@ -220,6 +220,15 @@ class Host:
                 proc.wait(timeout=timeout_s)
         return went_down
 
+    def set_link(self, up: bool) -> float:
+        """Take this host's link down (both ends: packets either way are dropped, its processes live on and
+        notice nothing but silence) or bring it back up; returns the ``time.monotonic()`` of the change."""
+        state = "up" if up else "down"
+        _run([_ip(), "link", "set", self.veth, state])
+        changed = time.monotonic()
+        _run([_ip(), "-n", self.namespace, "link", "set", INSIDE_VETH, state])
+        return changed
+
     def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
         """Run ``argv`` inside this host to its end; its output captured."""
         return subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout)
