@@ -229,6 +229,23 @@ class Host:
         _run([_ip(), "-n", self.namespace, "link", "set", INSIDE_VETH, state])
         return changed
 
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """End every process started on this host (a machine whose services are stopped): SIGTERM to each
+        process group, SIGKILL what is left ``grace_s`` later."""
+        procs = [p for p in self.processes if p.poll() is None]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        end_processes_inside(self.namespace)
+
     def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
         """Run ``argv`` inside this host to its end; its output captured."""
         return subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout)
@@ -396,18 +413,18 @@ def host_environment(host: Host, home: Path) -> dict[str, str]:
     return env
 
 
-def start_scheduler(host: Host, home: Path) -> str:
+def start_scheduler(host: Host, home: Path, label: str = "scheduler") -> str:
     """``dask scheduler --port 8786`` on ``host``, plus ``--host ADDRESS`` (listen on the host's address);
-    returns the scheduler's address."""
-    host.start("scheduler", [DASK, "scheduler", "--port", str(SCHEDULER_PORT), "--host", host.address],
+    returns the scheduler's address. ``label``: its log's (a second scheduler on the host needs another)."""
+    host.start(label, [DASK, "scheduler", "--port", str(SCHEDULER_PORT), "--host", host.address],
                env=host_environment(host, home), cwd=home)
     return f"tcp://{host.address}:{SCHEDULER_PORT}"
 
 
-def start_worker(host: Host, scheduler: str, resources: str, home: Path) -> subprocess.Popen:
+def start_worker(host: Host, scheduler: str, resources: str, home: Path, label: str = "worker") -> subprocess.Popen:
     """``dask worker SCHEDULER --nthreads 1 --resources RESOURCES`` on ``host``, plus ``--host ADDRESS`` so that
-    it listens on (and advertises) the host's address."""
-    return host.start("worker", [DASK, "worker", scheduler, "--nthreads", "1", "--resources", resources,
+    it listens on (and advertises) the host's address. ``label``: its log's."""
+    return host.start(label, [DASK, "worker", scheduler, "--nthreads", "1", "--resources", resources,
                                  "--host", host.address], env=host_environment(host, home), cwd=home)
 
 

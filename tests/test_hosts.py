@@ -38,6 +38,8 @@ from hosts import (
     namespaces,
     remove_stale,
     root_links,
+    start_scheduler,
+    start_worker,
 )
 
 from dlrmflow.cli import main
@@ -156,6 +158,111 @@ def test_trainers_on_two_hosts_end_in_the_bits_of_a_local_cluster(cluster, workl
     assert across["parity"]["recoveries"] == []
 
     assert across["state_sha256"] == local_run["state_sha256"]
+
+
+def docs_commands() -> list[str]:
+    """The ``dlrmflow`` command lines of docs/terabyte.md's "How to run it" block, as written (continuation
+    lines joined)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "terabyte.md").read_text()
+    block = text.split("## How to run it", 1)[1].split("```", 2)[1]
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.split("#", 1)[0].strip() for line in joined.splitlines() if line.startswith("dlrmflow ")]
+
+
+# docs/terabyte.md's sizes, made small: (as written, here). Each must be in the block (else the test fails:
+# the docs changed and this test must follow them).
+SMALL_SIZES = [("--batch-size 65536", "--batch-size 256"), ("--shards 32", "--shards 2"),
+               ("--checkpoint-every 1000", "--checkpoint-every 20")]
+
+
+def test_the_docs_commands_run_across_hosts_as_written_and_end_in_the_local_cluster_bits(cluster, tmp_path,
+                                                                                          monkeypatch):
+    """docs/terabyte.md's commands, as written (small sizes, /shared a directory every host sees, optional
+    options left out), with DLRMFLOW_DASK_ADDRESS naming the hosts' scheduler: preprocess of gzipped day
+    files, profile, plan, an oracle run with parity and checkpoints, verify; then evaluate on the hosts'
+    workers. The run ends in the bits of the same command on dlrmflow's own LocalCluster, and the
+    evaluation on the hosts equals the one in process."""
+    import gzip
+
+    shared = tmp_path / "shared"
+    (shared / "raw").mkdir(parents=True)
+    raw = tmp_path / "x.tsv"
+    with without_cluster_settings():
+        cli_json(["generate", "--rows", "12000", "--scale", "0.01", "--seed", "2", "--output", str(raw),
+                  "--dask-address", cluster.address], cluster)
+    lines = raw.read_bytes().splitlines(keepends=True)
+    for day, part in enumerate((lines[:6000], lines[6000:])):
+        with gzip.open(shared / "raw" / f"day_{day}.gz", "wb") as out:
+            out.writelines(part)
+
+    commands = []
+    for line in docs_commands():
+        for written, small in SMALL_SIZES:
+            line = line.replace(written, small)
+        line = re.sub(r"\s*\[[^\]]*\]", "", line)  # optional options: left out
+        argv = line.replace("/shared/", f"{shared}/").split()[1:]
+        if "day_*.gz" in " ".join(argv):  # the shell's glob
+            argv = [a for a in argv if "day_*" not in a]
+            argv[1:1] = [str(p) for p in sorted((shared / "raw").glob("day_*.gz"))]
+        commands.append(argv)
+    assert [argv[0] for argv in commands] == ["preprocess", "profile", "plan", "train", "verify"], commands
+    joined = " ".join(" ".join(argv) for argv in commands)
+    assert all(small in joined for _, small in SMALL_SIZES), joined
+
+    results = {}
+    with without_cluster_settings():
+        monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", cluster.address)  # the docs' `export`
+        for argv in commands:
+            results[argv[0]] = cli_json(argv, cluster)
+        run_dir, dataset = commands[3][commands[3].index("--output") + 1], commands[3][1]
+        on_hosts = cli_json(["evaluate", run_dir, dataset, "--score-on", "cluster"], cluster)
+        monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS")
+        train = commands[3]
+        local = cli_json([*train[: train.index("--output")], "--output", str(tmp_path / "local")])
+        in_process = cli_json(["evaluate", run_dir, dataset, "--score-on", "process"])
+
+    assert results["train"]["state_sha256"] == local["state_sha256"]
+    assert results["train"]["parity"]["member_workers"], results["train"]["parity"]
+    assert results["verify"]["ok"], results["verify"]
+    assert on_hosts["scored_on"] == "cluster" and in_process["scored_on"] == "process"
+    assert (on_hosts["auc"], on_hosts["log_loss"]) == (in_process["auc"], in_process["log_loss"])
+
+
+@pytest.fixture(scope="module")
+def local_run_one_trainer(workload, tmp_path_factory) -> dict:
+    """The oracle of one trainer: the workload's run with --trainers 1 on a LocalCluster."""
+    train = [a for a in workload.train]
+    train[train.index("--trainers") + 1] = "1"
+    with without_cluster_settings():
+        return cli_json([*train, "--output", str(tmp_path_factory.mktemp("local1") / "run")])
+
+
+def with_options(argv: list[str], **options: str | None) -> list[str]:
+    """``argv`` with each ``--option value`` replaced (None: removed), or added when missing."""
+    out = list(argv)
+    for name, value in options.items():
+        flag = f"--{name.replace('_', '-')}"
+        if flag in out:
+            at = out.index(flag)
+            del out[at: at + 2]
+        if value is not None:
+            out += [flag, value]
+    return out
+
+
+@pytest.mark.parametrize("mode,trainers,parity", [("remote", "1", "0"), ("lru", "1", "1"), ("remote", "2", "0")])
+def test_each_mode_across_hosts_ends_in_the_local_cluster_bits(mode, trainers, parity, cluster, workload, local_run,
+                                                               local_run_one_trainer, tmp_path):
+    """remote and lru, one trainer or two, parity or none, on the hosts: the bits of the LocalCluster run with
+    as many trainers (every mode trains to the same bits)."""
+    argv = with_options(workload.train, mode=mode, trainers=trainers, parity=parity, plan=None,
+                        capacity="8000" if mode == "lru" else None)
+    with without_cluster_settings():
+        across = cli_json([*argv, "--output", str(tmp_path / "run"), "--dask-address", cluster.address], cluster)
+    expected = local_run if trainers == "2" else local_run_one_trainer
+    assert across["state_sha256"] == expected["state_sha256"]
+    members = {s["host"] for s in across["servers"]}
+    assert members <= {cluster.network[name].address for name in SERVERS}, across["servers"]
 
 
 PROGRESS = re.compile(r"training iterations: (\d+)/\d+|iterations? (?:[\d,]+–)?([\d,]+): loss")
@@ -387,6 +494,7 @@ def test_a_server_host_whose_link_drops_for_seconds_rides_it_out_in_the_same_bit
 
 
 CHECKPOINT_EVERY = 20
+SCHEDULER_LOSS_S = 60  # a lost scheduler stops the command within this
 
 
 def test_a_trainer_host_failing_stops_the_run_in_one_line_and_the_resume_ends_in_the_same_bits(
@@ -499,3 +607,52 @@ def test_a_server_host_failing_mid_run_is_rebuilt_on_the_spare_host_to_the_same_
           f"waited {recovery['locked_seconds']:.3f} s); the run ended {ended_at - failed_at:.1f} s after the "
           f"failure; `embedding servers on` on the run's stderr: {servers_line is not None}; actors of earlier "
           f"runs still on the server hosts at its start: {sorted(earlier.values())}")
+
+
+def test_the_scheduler_host_failing_stops_the_run_in_one_line_and_a_new_scheduler_resumes_it_to_the_same_bits(
+        cluster, workload, local_run, tmp_path):
+    """Last in the module: the scheduler's host fails mid-run (link down, the scheduler SIGKILLed). The command
+    stops within a minute with exit status 2 and one line naming `dlrmflow resume`; the last checkpoint is
+    intact: with a new scheduler at the same address and the workers of the live hosts started again (as an
+    operator restarts them), the resume ends in the LocalCluster run's bits."""
+    from distributed import Client
+
+    network = cluster.network
+    scheduler = network["scheduler"]
+    live = [name for name in WORKERS if any(p.poll() is None for p in network[name].processes)]
+    run_dir = tmp_path / "run"
+    run = WatchedRun([*workload.train, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
+                      "--dask-address", cluster.address], run_environment(), tmp_path / "stderr.log")
+    try:
+        after = CHECKPOINT_EVERY + 2
+        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S):
+            pytest.fail(f"the run did not reach iteration {after} (exit {run.proc.poll()}):\n"
+                        f"{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
+        reached = run.done
+        failed_at = scheduler.fail()
+        code = run.finish(SCHEDULER_LOSS_S * 3)
+    finally:
+        run.stop()
+    errors = [(at, line) for at, line in run.lines if line.startswith("dlrmflow train: error:")]
+    assert code == 2 and len(errors) == 1, f"exit {code}:\n{run.stderr_tail()}"
+    stopped_at, message = errors[0]
+    assert stopped_at - failed_at < SCHEDULER_LOSS_S, (stopped_at - failed_at, message)
+    assert "scheduler" in message and f"dlrmflow resume {run_dir}" in message, message
+    assert not any("Traceback" in line for _, line in run.lines), run.stderr_tail()
+
+    # A new scheduler where the old one was, and the live hosts' workers started again.
+    scheduler.set_link(True)
+    for name in live:
+        network[name].stop()
+    home = tmp_path / "again"
+    address = start_scheduler(scheduler, home, label="scheduler-again")
+    assert address == cluster.address
+    for name in live:
+        start_worker(network[name], address, WORKERS[name], home, label="worker-again")
+    with Client(address, timeout="30s") as client:
+        client.wait_for_workers(len(live), timeout=120)
+    resumed = cli_json(["resume", str(run_dir), "--dask-address", address], cluster)
+    assert resumed["state_sha256"] == local_run["state_sha256"]
+    print(f"\nthe scheduler's host failed after iteration {reached}: the command stopped "
+          f"{stopped_at - failed_at:.1f} s later with: {message}\nthe resume on a new scheduler ended in the "
+          "LocalCluster run's bits")

@@ -252,14 +252,15 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None, tra
         yield client
 
 
-def cluster_workers(client: Client) -> dict[str, dict]:
-    """The scheduler's info on every worker, keyed by address (as ``client.scheduler_info()["workers"]``).
+def cluster_workers(client: Client, timeout: float | None = None) -> dict[str, dict]:
+    """The scheduler's info on every worker, keyed by address (as ``client.scheduler_info()["workers"]``);
+    ``timeout``: seconds to wait for the answer (None: as long as the connection lives).
 
     Asked of the scheduler each time, not read from the client's cached identity: the client's
     own periodic refresh stores an identity without workers (``n_workers=0``), and when it lands
     between ``scheduler_info()``'s fetch and its return, the cluster looks empty (seen here:
     "no workers to host embedding servers" on a cluster with five)."""
-    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
 
 
 SERVER_START_TIMEOUT_S = 120.0

@@ -49,8 +49,15 @@ RESTART_TIMEOUT_SECONDS = 60.0
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
 
 
+SCHEDULER_SILENCE_SECONDS = 30.0  # a scheduler that does not answer this long is taken as lost
+
+
 class TrainerLostError(UserInputError):
     """A trainer process died: the run cannot go on without its slice of the batch."""
+
+
+class SchedulerLostError(UserInputError):
+    """The Dask scheduler stopped answering (its machine failed): its workers, the trainers', close with it."""
 
 
 def _free_port() -> int:
@@ -163,15 +170,20 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
                              workers=[worker], allow_other_workers=False, pure=False, retries=0,
                              key=f"dlrmflow-trainer-{rank}-{run_id}")
                for rank, worker in enumerate(workers)]
+    scheduler_lost = False
     try:
         _watch(client, futures, workers, reports, setup, progress, on_metrics)
         return [future.result() for future in futures]
+    except SchedulerLostError:
+        scheduler_lost = True  # nothing to release, cancel or unsubscribe: its workers close with it
+        raise
     except BaseException:
         release_blocked_trainers(client, futures, workers)
         raise
     finally:
-        client.cancel(futures)
-        client.unsubscribe_topic(topic)
+        if not scheduler_lost:
+            client.cancel(futures)
+            client.unsubscribe_topic(topic)
 
 
 def release_blocked_trainers(client, futures, workers: list[str], grace_s: float = STOP_GRACE_SECONDS
@@ -225,7 +237,10 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
             continue
         except queue.Empty:
             pass
-        alive = cluster_workers(client)
+        try:
+            alive = cluster_workers(client, timeout=SCHEDULER_SILENCE_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - no answer, or a client that gave its scheduler up
+            raise SchedulerLostError(_scheduler_lost_message(setup, client, done, exc)) from None
         for rank, worker in enumerate(workers):
             if worker not in alive:
                 raise TrainerLostError(_lost_message(setup, rank, worker, done))
@@ -258,6 +273,20 @@ def _raise_the_cause(futures) -> None:
         if causes or time.monotonic() > deadline or not any(f.status == "pending" for f in futures):
             (causes or failed)[0].result()  # re-raises that trainer's error
         time.sleep(0.1)
+
+
+def _scheduler_lost_message(setup: RunSetup, client, done: int, exc: BaseException) -> str:
+    config = setup.config
+    address = getattr(client.scheduler, "address", None) or "its address"
+    why = (f"no answer for {SCHEDULER_SILENCE_SECONDS:.0f} s" if isinstance(exc, TimeoutError) else
+           f"{type(exc).__name__}: {str(exc).rstrip('.')}")
+    what = (f"lost the Dask scheduler at {address} after iteration {done} of {setup.iterations} ({why}; its "
+            "machine may have failed); the trainers' workers close with it")
+    if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
+        return (f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}` "
+                f"(with --dask-address, or $DLRMFLOW_DASK_ADDRESS, naming the new scheduler) once a scheduler and "
+                f"{config.trainers} workers that may run a trainer (`--resources trainer=1`) run again")
+    return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
 
 
 def _lost_message(setup: RunSetup, rank: int, worker: str, done: int) -> str:
