@@ -53,6 +53,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,9 +73,9 @@ from dlrmflow.engine.serving.shaped_link import (
     token_bucket,
 )
 
-__all__ = ["DaskOnHosts", "Host", "HostNetwork", "HostsUnavailableError", "dask_on_hosts", "emulated_hosts",
-           "hostname_addresses", "missing", "namespaces", "remove_stale", "root_links", "start_scheduler",
-           "start_worker"]
+__all__ = ["DaskOnHosts", "Host", "HostNetwork", "HostsUnavailableError", "WatchedRun", "dask_on_hosts",
+           "emulated_hosts", "host_of", "hostname_addresses", "member_hosts", "missing", "namespaces",
+           "placed_on_stderr", "remove_stale", "root_links", "server_actors", "start_scheduler", "start_worker"]
 
 NAMESPACE_PREFIX = "dlfhost-"  # + "<pid>-<n>"; shaped_link's "dlrmflow-<pid>-<n>" never matches it, nor it this
 BRIDGE_PREFIX = "dlfhb"  # + "<pid>-<n>": at most 15 characters (pid <= 7 digits, n < 100)
@@ -472,3 +473,117 @@ def dask_on_hosts(network: HostNetwork, home: Path, scheduler: str, workers: dic
             client.close()
     finally:
         network.stop_processes()
+
+
+# ---- a command watched as it runs, and where its servers and trainers went ------------------------------------
+
+
+def host_of(address: str) -> str:
+    """``tcp://10.215.3.4:40123`` -> ``10.215.3.4``."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+PROGRESS = re.compile(r"training iterations: (\d+)/\d+|iterations? (?:[\d,]+–)?([\d,]+): loss")
+
+
+class WatchedRun:
+    """``dlrmflow ARGV --json`` as a subprocess of the root namespace, its stderr read as it comes: each line
+    with its ``time.monotonic()``, the iterations done as the progress lines say."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.done = 0
+        self.changed = threading.Condition()
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "dlrmflow.cli", *argv, "--json"], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.stdout = ""
+        self.readers = [threading.Thread(target=self._read_stderr, daemon=True),
+                        threading.Thread(target=self._read_stdout, daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read_stdout(self) -> None:
+        self.stdout = self.proc.stdout.read()
+
+    def _read_stderr(self) -> None:
+        with open(self.log, "w") as log:
+            for line in self.proc.stderr:
+                now = time.monotonic()
+                log.write(f"{now:.3f} {line}")
+                log.flush()
+                found = PROGRESS.search(line)
+                with self.changed:
+                    self.lines.append((now, line.rstrip("\n")))
+                    if found:
+                        self.done = max(self.done, int((found.group(1) or found.group(2)).replace(",", "")))
+                    self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait_for(self, predicate, timeout_s: float) -> bool:
+        """Until ``predicate(self)`` holds (True), the command ended or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not predicate(self):
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self.readers[0].is_alive()):
+                    return False
+                self.changed.wait(min(left, 0.5))
+        return True
+
+    def finish(self, timeout_s: float) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        for reader in self.readers:
+            reader.join(30)
+        return code
+
+    def stop(self) -> None:
+        """Whatever happened: the command and what it started gone."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def first(self, pattern: str) -> tuple[float, str] | None:
+        return next(((at, line) for at, line in self.lines if re.search(pattern, line)), None)
+
+    def stderr_tail(self, n: int = 60) -> str:
+        return "\n".join(line for _, line in self.lines[-n:])
+
+
+def server_actors(cluster, servers: list[str]) -> dict[str, tuple[str, str]]:
+    """The coded-shard actors the server hosts' workers hold now: task key -> (host address, member name); a
+    data shard is a CodedShard (``shard``), a parity shard a ParityShard (``p``)."""
+    def held(dask_worker) -> dict[str, str]:
+        names = {"CodedShard": lambda a: f"data shard {a.shard}", "ParityShard": lambda a: f"parity shard {a.p}"}
+        return {str(key): names[type(a).__name__](a) for key, a in dask_worker.state.actors.items()
+                if type(a).__name__ in names}
+
+    addresses = {cluster.network[name].address for name in servers}
+    workers = [w for w in cluster.client.scheduler_info()["workers"] if host_of(w) in addresses]
+    return {key: (host_of(worker), name) for worker, actors in cluster.client.run(held, workers=workers).items()
+            for key, name in actors.items()}
+
+
+def member_hosts(actors: dict[str, tuple[str, str]]) -> tuple[dict[str, str], str]:
+    """Each member's host address and the spare's, from one run's :func:`server_actors`: a member's worker
+    holds that member alone, the spare's worker a standby for every member."""
+    on: dict[str, list[str]] = {}
+    for host, name in actors.values():
+        on.setdefault(host, []).append(name)
+    members = {names[0]: host for host, names in on.items() if len(names) == 1}
+    spares = [host for host, names in on.items() if len(names) > 1]
+    assert len(spares) == 1 and sorted(on[spares[0]]) == sorted(members), on  # standbys for every member
+    return members, spares[0]
+
+
+def placed_on_stderr(run: WatchedRun, what: str) -> dict[str, str] | None:
+    """``{name: host}`` from the run's log line ``WHAT on N hosts: 10.x.y.z (NAME, ...), ...``; None without one."""
+    found = run.first(rf"{what} on \d+ hosts?: ")
+    if found is None:
+        return None
+    listed = found[1].split(f"{what} on ", 1)[1].split(": ", 1)[1]
+    return {name.strip(): host for host, names in re.findall(r"([\d.]+) \(([^)]*)\)", listed)
+            for name in names.split(",")}
