@@ -176,7 +176,7 @@ def _short(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _header_bytes(path: Path, fmt: RawFormat) -> int:
+def header_bytes(path: Path, fmt: RawFormat) -> int:
     if not fmt.has_header:
         return 0
     with _open_text(path) as f:
@@ -192,7 +192,7 @@ def split_pieces(paths: list[Path], fmt: RawFormat, block_bytes: int) -> list[Pi
             pieces.append(Piece(len(pieces), file_index, str(path), 0, -1, True, 0))
             continue
         size = path.stat().st_size
-        start = _header_bytes(path, fmt)
+        start = header_bytes(path, fmt)
         order = 0
         with open(path, "rb") as f:
             while start < size:
@@ -214,7 +214,7 @@ def n_buckets_for(paths: list[Path], block_bytes: int) -> int:
 # --------------------------------------------------------------------------- stage 1: parse
 
 
-def _iter_blocks(piece: Piece, block_bytes: int, header_bytes: int) -> Iterator[bytes]:
+def iter_blocks(piece: Piece, block_bytes: int, header_bytes: int) -> Iterator[bytes]:
     if not piece.gzip:
         with open(piece.path, "rb") as f:
             f.seek(piece.start)
@@ -247,7 +247,7 @@ def _read_gzip(f, size: int, path: str) -> bytes:
                              "corrupt") from None
 
 
-def _cap_values(values: pa.Array, max_rows: int | None) -> pa.Array:
+def cap_values(values: pa.Array, max_rows: int | None) -> pa.Array:
     """The hash cap: raw values fold into max_rows - 1 buckets (row 0 stays missing/rare)."""
     if max_rows is None:
         return values
@@ -285,7 +285,7 @@ def _write_block(
         columns[name] = pa.array(np.ascontiguousarray(parsed.dense[order, j]))
     pairs, distinct, samples = [], [], []
     for name, values in zip(fmt.sparse, parsed.sparse, strict=True):
-        enc = _encode_table(_cap_values(values, params.max_rows_per_table), order, row_bucket)
+        enc = _encode_table(cap_values(values, params.max_rows_per_table), order, row_bucket)
         columns[name] = pa.array(enc.slice_codes)
         # One small file per table: a vocabulary task opens only its table's (a wide file costs ~1 ms an open).
         uniques = pa.table({"value": enc.values, "count": pa.array(enc.counts)})
@@ -394,9 +394,9 @@ def _parse_piece(
     piece: Piece, fmt_name: str, params: PreprocessParams, n_buckets: int, work_dir: str
 ) -> list[BlockResult]:
     fmt = get_format(fmt_name)
-    header = _header_bytes(Path(piece.path), fmt) if piece.gzip else 0
+    header = header_bytes(Path(piece.path), fmt) if piece.gzip else 0
     results = []
-    for k, data in enumerate(_iter_blocks(piece, params.block_bytes, header)):
+    for k, data in enumerate(iter_blocks(piece, params.block_bytes, header)):
         order = piece.first_order + k
         parsed = parse_block(data, fmt)
         stem = Path(work_dir) / f"f{piece.file_index:05d}-b{order:06d}"
@@ -411,11 +411,11 @@ def split_gzip(
     file cut exactly where one reader cuts its blocks, so the pieces parse in parallel and the dataset is
     the one a single reader makes. Errors are returned, as by :func:`parse_piece`."""
     try:
-        header = _header_bytes(Path(piece.path), get_format(fmt_name))
+        header = header_bytes(Path(piece.path), get_format(fmt_name))
         target = Path(work_dir) / f"f{piece.file_index:05d}.text"
         pieces, at = [], 0
         with open(target, "wb") as out:
-            for k, data in enumerate(_iter_blocks(piece, params.block_bytes, header)):
+            for k, data in enumerate(iter_blocks(piece, params.block_bytes, header)):
                 out.write(data)
                 pieces.append(Piece(piece.index, piece.file_index, str(target), at, at + len(data), False, k))
                 at += len(data)

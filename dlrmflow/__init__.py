@@ -16,3 +16,19 @@ __version__ = "0.1.0"
 # same). libgomp reads it once, when torch loads, so it is set here, before anything imports torch; a
 # value in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The Python API, imported on first use: `import dlrmflow` stays cheap (no torch, no pyarrow).
+_API = {"load_model": "dlrmflow.engine.training.trained_model",
+        "load_vocabulary": "dlrmflow.datasets.vocabulary_lookup"}
+
+
+def __getattr__(name: str) -> object:
+    """``dlrmflow.load_model`` (a finished run's model: docs/export.md) and ``dlrmflow.load_vocabulary``."""
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_API]

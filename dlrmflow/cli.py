@@ -26,8 +26,8 @@ from dlrmflow.engine.training.timing import LAUNCHED_AT_ENV
 # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS raises it (Prefect's own default is 20 s).
 API_STARTUP_TIMEOUT_S = 120
 
-COMMANDS = ["demo", "daily", "generate", "preprocess", "profile", "train", "resume", "evaluate", "plan",
-            "compare-caches", "verify"]
+COMMANDS = ["demo", "daily", "generate", "preprocess", "profile", "train", "resume", "evaluate", "predict", "plan",
+            "compare-caches", "verify", "export"]
 
 
 def _modules() -> list[ModuleType]:

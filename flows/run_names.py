@@ -80,6 +80,12 @@ def verify_run_name() -> str:
     return artifact_key("verify", Path(str(_params().get("run_dir", ""))).name)
 
 
+def export_run_name() -> str:
+    """``export-<run dir label>-to-<target>``."""
+    params = _params()
+    return artifact_key("export", run_dir_label(params.get("run_dir", "")), "to", params.get("to", "torchrec"))
+
+
 def generate_run_name() -> str:
     params = _params()
     return artifact_key("generate", dataset_label(params.get("output", "")), f"{params.get('rows', 0)}rows")

@@ -313,8 +313,8 @@ def test_capped_integer_values_stay_integers_when_some_are_missing():
     the vocabulary could not put it together with a block without one."""
     from dlrmflow.datasets import preprocess as pp
 
-    with_missing = pp._cap_values(pa.array([5, None, 7], pa.int32()), 4)
-    without = pp._cap_values(pa.array([5, 6, 7], pa.int32()), 4)
+    with_missing = pp.cap_values(pa.array([5, None, 7], pa.int32()), 4)
+    without = pp.cap_values(pa.array([5, 6, 7], pa.int32()), 4)
     assert with_missing.type == without.type == pa.int64()
     assert with_missing.to_pylist() == [5 % 3, None, 7 % 3] and without.to_pylist() == [5 % 3, 6 % 3, 7 % 3]
 
@@ -331,13 +331,13 @@ def _reference_parts(paths: list[Path], *, seed: int, min_frequency: int, cap: i
     n_buckets = pp.n_buckets_for(paths, block_bytes)
     blocks = []
     for piece in pp.split_pieces(paths, fmt, block_bytes):
-        header = pp._header_bytes(Path(piece.path), fmt) if piece.gzip else 0
-        for k, data in enumerate(pp._iter_blocks(piece, block_bytes, header)):
+        header = pp.header_bytes(Path(piece.path), fmt) if piece.gzip else 0
+        for k, data in enumerate(pp.iter_blocks(piece, block_bytes, header)):
             parsed = parse_block(data, fmt)
             rng = np.random.default_rng([seed, 0x0B0C, piece.file_index, piece.first_order + k])
             n = len(parsed.labels)
             bucket = rng.integers(0, n_buckets, size=n) if n_buckets > 1 else np.zeros(n, np.int64)
-            values = [pp._cap_values(v, cap).to_pylist() for v in parsed.sparse]
+            values = [pp.cap_values(v, cap).to_pylist() for v in parsed.sparse]
             blocks.append((parsed, bucket, values))
     ids, cards = [], []
     for t in range(len(fmt.sparse)):

@@ -16,6 +16,10 @@ of a run of several hold theirs until trainer 0's evaluation ends.
 A part that fails fails the whole scoring with one :class:`PartScoringError` naming the part (its rows)
 and the error; the other parts are cancelled.
 
+``dlrmflow predict`` scores the same way and keeps the scores: with :class:`PredictionParts` a part's task
+also writes its rows' probabilities, one Parquet file per part (:func:`score_parts_in_process` runs the
+same parts one after the other in this process, for the same files and bits).
+
 The run directory and the dataset must be visible to every worker at the same path (as for the final
 state itself: :mod:`dlrmflow.engine.row_files`).
 """
@@ -30,6 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from dlrmflow.engine.batch_stream import BatchStream
@@ -143,17 +149,74 @@ class InitRows:
         return lambda ids: torch.from_numpy(init_rows(self.spec, ids)).to(device)
 
 
+@dataclass(frozen=True)
+class PredictionParts:
+    """Where part tasks write their rows' predictions: ``directory/part-NNNNN.parquet`` per part (its
+    index), columns ``row`` (int64, the row's number in the dataset), ``probability`` (float32, the bits the
+    model computed) and, ``with_labels``, ``label`` (float32, as the model was scored against it)."""
+
+    directory: str
+    with_labels: bool = True
+
+    def path(self, part: Part) -> Path:
+        return Path(self.directory) / f"part-{part.index:05d}.parquet"
+
+    def write(self, part: Part, labels: list[np.ndarray], probabilities: list[np.ndarray]) -> None:
+        """Write ``part``'s scores (its batches', in row order) to :meth:`path`."""
+        scores = np.concatenate(probabilities).reshape(-1) if probabilities else np.zeros(0, np.float32)
+        if len(scores) != part.stop - part.start:
+            raise RuntimeError(f"{part}: {len(scores)} scores for {part.stop - part.start} rows")
+        columns = {"row": pa.array(np.arange(part.start, part.stop, dtype=np.int64)),
+                   "probability": pa.array(scores.astype(np.float32, copy=False))}
+        if self.with_labels:
+            columns["label"] = pa.array(np.concatenate(labels).astype(np.float32, copy=False))
+        pq.write_table(pa.table(columns), self.path(part), compression="snappy")
+
+
 def score_part(part: Part, model: DenseModel, rows: StateFileRows | InitRows, dataset_dir: str, batch_size: int,
-               device_type: str, known_rows: Sequence[int] | None = None) -> tuple[ScoreSummary, int]:
+               device_type: str, known_rows: Sequence[int] | None = None,
+               predictions: PredictionParts | None = None) -> tuple[ScoreSummary, int]:
     """A Dask task: the summary of ``part``'s rows scored by ``model``, and its lookups of ids beyond
-    ``known_rows`` (:func:`~.evaluation.score_stream`). On this worker's CUDA device for ``cuda``."""
+    ``known_rows`` (:func:`~.evaluation.score_stream`). On this worker's CUDA device for ``cuda``. With
+    ``predictions``, also writes the part's probabilities there (its memory: the part's scores)."""
     device = torch.device(device_type)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the run trains on CUDA and this worker sees no CUDA device")
     stream = BatchStream(dataset_dir, batch_size, start_row=part.start, stop_row=part.stop)
+    labels: list[np.ndarray] = []
+    probabilities: list[np.ndarray] = []
+
+    def keep(batch_labels: np.ndarray, batch_probabilities: np.ndarray) -> None:
+        labels.append(batch_labels)
+        probabilities.append(batch_probabilities)
+
     with deterministic_torch(device), torch.no_grad():
-        return score_stream(stream, model.build(device), rows.reader(device), model.dim, device,
-                            lambda done: None, known_rows=known_rows)
+        result = score_stream(stream, model.build(device), rows.reader(device), model.dim, device,
+                              lambda done: None, known_rows=known_rows,
+                              on_scores=None if predictions is None else keep)
+    if predictions is not None:
+        predictions.write(part, labels, probabilities)
+    return result
+
+
+def score_parts_in_process(dataset_dir: str | Path, start: int, stop: int, batch_size: int, model: DenseModel,
+                           rows: StateFileRows | InitRows, *, device_type: str = "cpu",
+                           progress: Callable[[int], None] | None = None, known_rows: Sequence[int] | None = None,
+                           predictions: PredictionParts | None = None) -> tuple[ScoreSummary, int]:
+    """:func:`score_on_cluster`'s parts scored one after the other in this process (as for one worker):
+    the same batches, so the same bits, summaries and prediction files."""
+    dataset_dir = str(Path(dataset_dir).resolve())
+    merger, done, new_lookups = SummaryMerger(), 0, 0
+    for part in split_rows(start, stop, batch_size, 1):
+        summary, lookups = score_part(part, model, rows, dataset_dir, batch_size, device_type,
+                                      None if known_rows is None else tuple(int(c) for c in known_rows),
+                                      predictions)
+        merger.add(summary)
+        new_lookups += lookups
+        done += part.stop - part.start
+        if progress is not None:
+            progress(done)
+    return merger.result(), new_lookups
 
 
 def free_workers(client: Client) -> list[str]:
@@ -167,11 +230,13 @@ def free_workers(client: Client) -> list[str]:
 def score_on_cluster(client: Client, dataset_dir: str | Path, start: int, stop: int, batch_size: int,
                      model: DenseModel, rows: StateFileRows | InitRows, *, device_type: str = "cpu",
                      progress: Callable[[int], None] | None = None, known_rows: Sequence[int] | None = None,
-                     workers: Sequence[str] | None = None) -> tuple[ScoreSummary, int]:
+                     workers: Sequence[str] | None = None, predictions: PredictionParts | None = None
+                     ) -> tuple[ScoreSummary, int]:
     """Rows ``[start, stop)`` of ``dataset_dir`` scored a part per task on ``client``'s workers (module
     docstring): the merged summary and the lookups of ids beyond ``known_rows``. ``progress(rows done)`` as
-    parts finish; ``workers``: the worker addresses that run the parts (default: :func:`free_workers`).
-    PartScoringError when no worker is free."""
+    parts finish; ``workers``: the worker addresses that run the parts (default: :func:`free_workers`);
+    ``predictions``: where each part's task writes its rows' probabilities. PartScoringError when no worker
+    is free."""
     from distributed import as_completed
 
     workers = list(free_workers(client) if workers is None else workers)
@@ -184,7 +249,7 @@ def score_on_cluster(client: Client, dataset_dir: str | Path, start: int, stop: 
     [shared_model] = client.scatter([model], workers=workers, broadcast=True, hash=False)
     token = uuid.uuid4().hex[:12]
     futures = {client.submit(score_part, part, shared_model, rows, dataset_dir, batch_size, device_type,
-                             None if known_rows is None else tuple(int(c) for c in known_rows),
+                             None if known_rows is None else tuple(int(c) for c in known_rows), predictions,
                              key=f"score-part-{token}-{part.index}", workers=workers, allow_other_workers=False,
                              pure=False): part for part in parts}
     merger, done, new_lookups = SummaryMerger(), 0, 0

@@ -6,7 +6,7 @@ task (:mod:`.cluster_scoring`), merges into the same bits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,8 @@ SUMMARY_CHUNK_ROWS = 1 << 20
 
 
 def score_stream(stream: BatchStream, model: torch.nn.Module, read: Any, dim: int, device: torch.device,
-                 progress: Any, *, known_rows: Sequence[int] | None = None) -> tuple[ScoreSummary, int]:
+                 progress: Any, *, known_rows: Sequence[int] | None = None,
+                 on_scores: Callable[[np.ndarray, np.ndarray], None] | None = None) -> tuple[ScoreSummary, int]:
     """Score every row ``stream`` gives: the mergeable summary of their labels and the model's click
     probabilities (:class:`~.metrics.ScoreSummary`), and how many lookups (rows x tables) met an id at or
     beyond ``known_rows[k]`` in its table ``k`` (0 without ``known_rows``).
@@ -69,7 +70,8 @@ def score_stream(stream: BatchStream, model: torch.nn.Module, read: Any, dim: in
     ``read(ids)``: the rows of sorted unique global ids as a tensor (their first ``dim`` values are the
     weights). Every way of scoring (in this process, or a part per Dask task) runs this on batches cut
     alike from the same rows, so each row gets the same probability bits, and the summaries merge
-    exactly: the metrics do not depend on how the rows were split."""
+    exactly: the metrics do not depend on how the rows were split. ``on_scores(labels, probabilities)``:
+    each batch's, in stream order (``dlrmflow predict`` writes them)."""
     merger = SummaryMerger()
     labels: list[np.ndarray] = []
     probs: list[np.ndarray] = []
@@ -86,6 +88,8 @@ def score_stream(stream: BatchStream, model: torch.nn.Module, read: Any, dim: in
         logits = model(dense, embeddings.view(ids.shape[0], ids.shape[1], dim))
         probs.append(torch.sigmoid(logits).cpu().numpy())
         labels.append(batch.labels)
+        if on_scores is not None:
+            on_scores(batch.labels, probs[-1])
         pending += len(batch.labels)
         if pending >= SUMMARY_CHUNK_ROWS:
             merger.add(ScoreSummary.of(np.concatenate(labels), np.concatenate(probs)))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dlrmflow.datasets.meta import read_meta
+from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batch_stream import BatchStream
 from dlrmflow.engine.models import build_model, row_init_std
 from dlrmflow.engine.models.registry import config_of
@@ -29,7 +29,12 @@ from dlrmflow.engine.phases import PhaseProgress
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.training import cluster_scoring
 from dlrmflow.engine.training.cluster_scoring import DenseModel, InitRows
-from dlrmflow.engine.training.continuation import InitFromError, parent_cardinalities, read_finished_run
+from dlrmflow.engine.training.continuation import (
+    FinishedRun,
+    InitFromError,
+    parent_cardinalities,
+    read_finished_run,
+)
 from dlrmflow.engine.training.dense import deterministic_torch
 from dlrmflow.engine.training.evaluation import score_stream
 from dlrmflow.engine.training.metrics import LogLossSum
@@ -61,16 +66,14 @@ def scores_on_cluster(score_on: str, rows: int, address: str | None) -> bool:
     return resolve_address(address) is not None or rows >= CLUSTER_MIN_ROWS
 
 
-def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, batch_size: int = 4096,
-                 device: str = "cpu", client: Client | None = None) -> dict[str, Any]:
-    """Score the final model of ``run_dir`` on every row of ``dataset_dir`` (module docstring): with
-    ``client``, a part of the rows per Dask task on its workers (:mod:`.cluster_scoring`), else in this
-    process; the same bits either way."""
+def scoring_setup(run: FinishedRun, meta: DatasetMeta, dataset_dir: str | os.PathLike, where: str
+                  ) -> tuple[dict[str, Any], Any, list[int], RowSpec]:
+    """What scoring ``run``'s final model on a dataset (``meta``) needs: its dense state (``dense.pt``), its
+    model's config, the run's table sizes (InitFromError when the dataset's ids do not keep its dataset's),
+    and the rows' :class:`RowSpec`: the run's final rows, a row it never had as a continued run would start
+    it."""
     from dlrmflow.engine.run_state import load_dense
 
-    run = read_finished_run(run_dir, option="RUN_DIR")
-    meta = read_meta(dataset_dir)
-    where = f"RUN_DIR {run_dir}"
     dense = load_dense(run.state_dir)
     model_config = config_of(dense["model"], dense["model_config"])
     if (model_config.num_dense, model_config.num_tables) != (len(meta.dense_columns), len(meta.sparse_columns)):
@@ -83,6 +86,17 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
                    table_offsets=tuple(meta.table_offsets), cardinalities=tuple(meta.cardinalities),
                    init_std=row_init_std(dense["model"]), earlier_cardinalities=meta.earlier_cardinalities,
                    start=run.starting_rows(cards))
+    return dense, model_config, cards, spec
+
+
+def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, batch_size: int = 4096,
+                 device: str = "cpu", client: Client | None = None) -> dict[str, Any]:
+    """Score the final model of ``run_dir`` on every row of ``dataset_dir`` (module docstring): with
+    ``client``, a part of the rows per Dask task on its workers (:mod:`.cluster_scoring`), else in this
+    process; the same bits either way."""
+    run = read_finished_run(run_dir, option="RUN_DIR")
+    meta = read_meta(dataset_dir)
+    dense, model_config, cards, spec = scoring_setup(run, meta, dataset_dir, f"RUN_DIR {run_dir}")
     progress = PhaseProgress("evaluation rows", meta.rows)
     if client is not None:
         summary, lookups = cluster_scoring.score_on_cluster(
