@@ -113,18 +113,13 @@ def kill_worker_process(cluster, address: str) -> int:
     return pid
 
 
-def losses_and_rebuilds(run: WatchedRun) -> tuple[int, int]:
-    """How many losses (``lost ...: rebuilding``) and rebuilds (``rebuilt ...``) the run's log has said."""
-    lost = sum(": rebuilding from parity" in line for _, line in run.lines)
-    rebuilt = sum(" rebuilt " in f" {line} " for _, line in run.lines)
-    return lost, rebuilt
-
-
-def wait_rebuilt(run: WatchedRun, lost_before: int, timeout_s: float) -> bool:
-    """Until the run has noticed a loss after the fault (more than ``lost_before``) and rebuilt every loss."""
+def wait_rebuilt(run: WatchedRun, fault_at: float, timeout_s: float) -> bool:
+    """Until the run's log has said ``rebuilt ...`` after the fault, later than its last ``lost ...: rebuilding``
+    line (one recovery may answer several losses: two members lost at once are two lines, one rebuild)."""
     def settled(r: WatchedRun) -> bool:
-        lost, rebuilt = losses_and_rebuilds(r)
-        return lost > lost_before and rebuilt >= lost
+        last_lost = max((at for at, line in r.lines if ": rebuilding from parity" in line), default=0.0)
+        rebuilt = [at for at, line in r.lines if line.split(" - ", 1)[-1].startswith("rebuilt ") and at > fault_at]
+        return bool(rebuilt) and max(rebuilt) > last_lost
 
     return run.wait_for(settled, timeout_s)
 
@@ -211,7 +206,6 @@ def chaos(args, rng: random.Random, network, cluster, home: Path, rows: int) -> 
                 print(f"the resumed run ended before iteration {iteration}")
                 break
             members = member_workers(cluster)
-            lost_before, _ = losses_and_rebuilds(resume)
             names = rng.sample(sorted(members), 2 if n == double else 1)
             kind = "process" if n % 2 == 0 else "host"
             fault = Fault(resume.done, kind, names, [by_address[host_of(members[m])].name for m in names])
@@ -224,7 +218,7 @@ def chaos(args, rng: random.Random, network, cluster, home: Path, rows: int) -> 
                 fault.at = min(downs)
             faults.append(fault)
             print(f"fault {len(faults)}: {kind} {fault.where()} at iteration {fault.iteration}", flush=True)
-            if not wait_rebuilt(resume, lost_before, REBUILT_TIMEOUT_S):
+            if not wait_rebuilt(resume, fault.at, REBUILT_TIMEOUT_S):
                 print(f"no rebuild within {REBUILT_TIMEOUT_S} s of fault {len(faults)}:\n{resume.stderr_tail()}")
                 break
             if kind == "host":  # repaired: link up, its worker again; it joins as a spare

@@ -191,17 +191,18 @@ def test_importing_dlrmflow_stays_cheap_and_names_the_api():
         dlrmflow.load_modle  # noqa: B018
 
 
-def test_the_docs_example_runs_as_written(dlrm_run, criteo, tmp_path, monkeypatch, capsys):
-    """docs/export.md's five lines (the README's load_model example), in a directory where its paths are a small
-    run, its dataset and that dataset's raw file."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
+def test_the_readme_example_runs_as_written(dlrm_run, criteo, tmp_path, monkeypatch, capsys):
+    """The README's five lines of load_model (docs/export.md shows them too), in a directory where its paths are a
+    small run, its dataset and that dataset's raw file."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert example in (Path(__file__).resolve().parents[1] / "docs" / "export.md").read_text()
     assert len(example.splitlines()) == 5
     for name, target in {"runs/remote": dlrm_run, "data/criteo": criteo, "data/day_0.tsv": CRITEO_SAMPLE}.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).symlink_to(target)
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "docs/export.md", "exec"), {})
+    exec(compile(example, "README.md", "exec"), {})
     expected = dlrmflow.load_model(dlrm_run).predict(dlrmflow.load_vocabulary(criteo).encode(CRITEO_SAMPLE.read_text()))
     assert capsys.readouterr().out == f"{expected[:3]}\n"  # NumPy prints each float32's shortest exact repr
 
