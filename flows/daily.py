@@ -31,6 +31,7 @@ from dlrmflow.engine.serving.cluster import coded_cluster_workers
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.flows.daily_config import DailyConfig, DailyConfigError, day_name
 from dlrmflow.flows.dataset import preprocess_flow
+from dlrmflow.flows.export import export_flow
 from dlrmflow.flows.plan import plan_flow
 from dlrmflow.flows.prefect_internals import untraced
 from dlrmflow.flows.run_names import daily_run_name, daily_tags, night_label, night_start, tag_this_run
@@ -80,7 +81,7 @@ def _train_config(config: DailyConfig, dataset: Path, plan: Path, run: Path, ini
 
 def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, address: str) -> dict[str, Any]:
     """One day on the Dask cluster at ``address``: preprocess, plan, evaluate the latest model on it, train
-    from it; its history row."""
+    from it, export the new model for TorchRec (``days/<day>/export``); its history row."""
     logger = get_run_logger()
     name = day_name(path)
     where = Path(config.state_dir).resolve() / "days" / name
@@ -104,9 +105,11 @@ def run_day(config: DailyConfig, path: Path, previous: dict[str, Any] | None, ad
                                              score_on))
     summary = train_flow(_train_config(config, dataset, plan, run, previous["run_dir"] if previous else None),
                          address)
+    exported = export_flow(str(run), str(where / "export"))  # the day's model, handed on (docs/export.md)
     total_ids = sum(meta.cardinalities)
     return {
         "day": name, "file": str(path), "dataset": str(dataset), "run_dir": str(run), "rows": meta.rows,
+        "export_dir": exported["output"],
         "embedding_rows": total_ids, "new_ids": total_ids - (previous["embedding_rows"] if previous else 0),
         "next_day_auc": evaluation["auc"] if evaluation else None,
         "next_day_log_loss": evaluation["log_loss"] if evaluation else None,

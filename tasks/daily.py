@@ -40,6 +40,18 @@ def daily_table(days: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def latest_model(days: list[dict[str, Any]]) -> str:
+    """Where the latest day's model is, in markdown: its run directory, its export, and the command that scores
+    tomorrow's file with it."""
+    if not days:
+        return ""
+    last = days[-1]
+    export = last.get("export_dir")
+    return (f"**The model after {last['day']}**: run directory `{last['run_dir']}`"
+            + (f", exported for TorchRec in `{export}`" if export else "")
+            + f". Score tomorrow's file with it: `dlrmflow predict {last['run_dir']} TOMORROW_FILE --output OUT`.")
+
+
 def plot_next_day_auc(days: list[dict[str, Any]], path: str | Path) -> Path:
     """Next-day AUC (top) and log loss against the constant prediction's (bottom) per day: the model trained
     through the day before, scored on the day."""
@@ -79,7 +91,8 @@ def publish_daily_report_task(days: list[dict[str, Any]], state_dir: str, night:
     label = run_dir_label(state_dir)
     trained = f"the daily loop in {state_dir}, night {night}"
     keys = {"table": publish_markdown(artifact_key("daily", label),
-                                      f"### Day by day, after the night {night}\n\n" + daily_table(days), trained)}
+                                      f"### Day by day, after the night {night}\n\n{daily_table(days)}\n\n"
+                                      f"{latest_model(days)}", trained)}
     if any(d["next_day_auc"] is not None for d in days):
         png = plot_path(state_dir, night)
         png.parent.mkdir(parents=True, exist_ok=True)

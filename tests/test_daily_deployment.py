@@ -24,7 +24,8 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
 
     commands = readme_deployment_block(DAILY_SECTION)
     assert [c.split()[:3] for c in commands] == [["dlrmflow", "generate", "--rows"],
-                                                 ["prefect", "deployment", "run"]] * 2
+                                                 ["prefect", "deployment", "run"]] * 2 + [
+        ["dlrmflow", "generate", "--rows"], ["dlrmflow", "predict", "runs/daily/days/day_1/run"]]
     assert commands[1] == commands[3]  # the same deployment run, a night apart
     for command in commands:
         try:
@@ -37,6 +38,12 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
     [param] = [arg for arg in shell_words(commands[1]) if arg.startswith("config=")]
     state = prefect_server.project / json.loads(param.removeprefix("config="))["state_dir"]
     day0, day1 = json.loads((state / "history.json").read_text())["days"]
+    # Each night handed its model on: the export of its run; the README's predict scored tomorrow's file with it.
+    for day in (day0, day1):
+        export = json.loads(Path(day["export_dir"], "export.json").read_text())
+        assert export["state_sha256"] == day["state_sha256"] and export["file"] == "model.pt", export
+    predicted = prefect_server.project / "runs" / "predictions" / "day_2"
+    assert json.loads((predicted / "_predict.json").read_text())["rows"] == 10000
     assert (day0["day"], day1["day"]) == ("day_0", "day_1")
     # Night 1: day 0 from scratch. Night 2: day 1 kept day 0's ids and grew; its model continued day 0's
     # (oracle, parity verified), scored on day 1 before training on it.
@@ -63,6 +70,8 @@ def test_the_readme_daily_deployment_runs_two_nights_on_the_worker(prefect_serve
                for i in group), {name: t.task_inputs for name, t in tasks.items()}
     assert len(table) == 2 and all(a.type == "markdown" for a in table)  # one version a night
     assert any("| day_1 |" in a.data for a in table) and len(plot) == 1
+    latest = max(table, key=lambda a: a.created).data
+    assert f"`{day1['run_dir']}`" in latest and f"`{day1['export_dir']}`" in latest, latest
     what_the_ui_shows_of_two_nights(prefect_server.api_url, state, day0, day1)
 
 
