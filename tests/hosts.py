@@ -74,7 +74,7 @@ from dlrmflow.engine.serving.shaped_link import (
 )
 
 __all__ = ["DaskOnHosts", "Host", "HostNetwork", "HostsUnavailableError", "WatchedRun", "dask_on_hosts",
-           "emulated_hosts", "host_of", "hostname_addresses", "member_hosts", "missing", "namespaces",
+           "PROGRESS", "emulated_hosts", "host_of", "hostname_addresses", "member_hosts", "missing", "namespaces",
            "placed_on_stderr", "remove_stale", "root_links", "server_actors", "start_scheduler", "start_worker"]
 
 NAMESPACE_PREFIX = "dlfhost-"  # + "<pid>-<n>"; shaped_link's "dlrmflow-<pid>-<n>" never matches it, nor it this

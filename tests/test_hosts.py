@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 from hosts import (
+    PROGRESS,
     HostsUnavailableError,
     WatchedRun,
     dask_on_hosts,
@@ -249,11 +250,11 @@ def with_options(argv: list[str], **options: str | None) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mode,trainers,parity", [("remote", "1", "0"), ("lru", "1", "1"), ("remote", "2", "0")])
+@pytest.mark.parametrize("mode,trainers,parity", [("remote", "1", "0"), ("lru", "1", "1")])
 def test_each_mode_across_hosts_ends_in_the_local_cluster_bits(mode, trainers, parity, cluster, workload, local_run,
                                                                local_run_one_trainer, tmp_path):
-    """remote and lru, one trainer or two, parity or none, on the hosts: the bits of the LocalCluster run with
-    as many trainers (every mode trains to the same bits)."""
+    """remote and lru with one trainer, parity or none, on the hosts: the bits of the LocalCluster run with one
+    trainer (every mode trains to the same bits; two trainers: the oracle test above)."""
     argv = with_options(workload.train, mode=mode, trainers=trainers, parity=parity, plan=None,
                         capacity="8000" if mode == "lru" else None)
     with without_cluster_settings():
@@ -345,18 +346,26 @@ def one_summary(run: WatchedRun) -> dict:
     return json.loads(lines[0])
 
 
+
+
+CHECKPOINT_EVERY = 20
 LINK_DOWN_S = 4.0  # shorter than Dask's TCP timeout (30 s): a link that comes back before anyone gives up
+SCHEDULER_LOSS_S = 60  # a lost scheduler stops the command within this
 
 
-def test_a_server_host_whose_link_drops_for_seconds_rides_it_out_in_the_same_bits(cluster, workload, local_run,
-                                                                                  tmp_path):
-    """The link of data shard 0's host goes down for a few seconds mid-run and comes back (its processes
-    live on). The run may ride it out or treat the host as lost and rebuild the shard on the spare; either
-    way it ends, with exit status 0, in the LocalCluster run's bits, and never hangs."""
+def test_a_server_link_drop_is_ridden_out_and_a_trainer_host_failing_stops_the_run_for_a_resume_to_the_same_bits(
+        cluster, workload, local_run, tmp_path):
+    """One run, two faults. After KILL_AFTER iterations the link of data shard 0's host goes down for a few
+    seconds and comes back (its processes live on): the run goes on, riding it out or rebuilding the shard on
+    the spare, never hanging. After its first checkpoint, trainer 1's host fails (link down, every process
+    SIGKILLed): the command stops with exit status 2 and one line naming `dlrmflow resume`; the resume, on the
+    cluster's other trainer hosts, ends in the LocalCluster run's bits."""
     network = cluster.network
+    run_dir = tmp_path / "run"
+    on_hosts = ["--dask-address", cluster.address]
     earlier = server_actors(cluster, SERVERS)
-    run = WatchedRun([*workload.train, "--output", str(tmp_path / "run"), "--dask-address", cluster.address],
-                     run_environment(), tmp_path / "stderr.log")
+    run = WatchedRun([*workload.train, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
+                      *on_hosts], run_environment(), tmp_path / "stderr.log")
     try:
         began = time.monotonic()
         if not run.wait_for(lambda r: r.done >= KILL_AFTER, RUN_TIMEOUT_S):
@@ -364,48 +373,19 @@ def test_a_server_host_whose_link_drops_for_seconds_rides_it_out_in_the_same_bit
                         f"{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
         actors = server_actors(cluster, SERVERS)
         placed, _ = member_hosts({key: actors[key] for key in set(actors) - set(earlier)})
-        victim = next(network[name] for name in SERVERS if network[name].address == placed["data shard 0"])
-        reached = run.done
-        down_at = victim.set_link(False)
+        server = next(network[name] for name in SERVERS if network[name].address == placed["data shard 0"])
+        dropped_after = run.done
+        down_at = server.set_link(False)
         try:
             time.sleep(LINK_DOWN_S)
         finally:
-            victim.set_link(True)
-        code = run.finish(max(1.0, RUN_TIMEOUT_S - (time.monotonic() - began)))
-        ended_after = time.monotonic() - down_at
-        assert code == 0, f"the run exited {code}:\n{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}"
-    finally:
-        run.stop()
-    summary = one_summary(run)
-    assert reached < ITERATIONS
-    assert summary["state_sha256"] == local_run["state_sha256"]
-    recoveries = summary["parity"]["recoveries"]
-    assert recoveries == [] or [r["lost"] for r in recoveries] == [["data shard 0"]], recoveries
-    print(f"\n{victim.name}'s link (data shard 0) down for {LINK_DOWN_S} s after iteration {reached}: "
-          f"{'rode it out' if not recoveries else 'rebuilt the shard'}; the run ended {ended_after:.1f} s after the "
-          f"link went down, in the LocalCluster run's bits")
-
-
-CHECKPOINT_EVERY = 20
-SCHEDULER_LOSS_S = 60  # a lost scheduler stops the command within this
-
-
-def test_a_trainer_host_failing_stops_the_run_in_one_line_and_the_resume_ends_in_the_same_bits(
-        cluster, workload, local_run, tmp_path):
-    """Trainer 1's host fails mid-run (link down, every process SIGKILLed). The command stops with exit status 2
-    and one line naming `dlrmflow resume`; the resume, on the cluster's other trainer hosts, ends in the
-    LocalCluster run's bits."""
-    network = cluster.network
-    run_dir = tmp_path / "run"
-    on_hosts = ["--dask-address", cluster.address]
-    run = WatchedRun([*workload.train, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
-                      *on_hosts], run_environment(), tmp_path / "stderr.log")
-    try:
-        began = time.monotonic()
-        after = CHECKPOINT_EVERY + 2
-        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S):
-            pytest.fail(f"the run did not reach iteration {after} (exit {run.proc.poll()}):\n"
-                        f"{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
+            server.set_link(True)
+        after = max(CHECKPOINT_EVERY, dropped_after) + 2
+        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S - (time.monotonic() - began)):
+            pytest.fail(f"the run did not go on to iteration {after} after the link came back (exit "
+                        f"{run.proc.poll()}):\n{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
+        went_on_s = next(at for at, line in run.lines if PROGRESS.search(line) and at > down_at) - down_at
+        rebuilt = any(": rebuilding from parity" in line for _, line in run.lines)
         trainers = placed_on_stderr(run, "trainers")
         assert trainers is not None, run.stderr_tail()
         victim = next(network[name] for name in TRAINERS if network[name].address == trainers["trainer 1"])
@@ -428,7 +408,9 @@ def test_a_trainer_host_failing_stops_the_run_in_one_line_and_the_resume_ends_in
     assert resumed["state_sha256"] == local_run["state_sha256"]
     hosts = {t["host"] for t in resumed["trainers"]["per_trainer"]}
     assert len(hosts) == 2 and victim.address not in hosts, resumed["trainers"]
-    print(f"\n{victim.name} (trainer 1) failed after iteration {reached}: the command stopped "
+    print(f"\n{server.name}'s link (data shard 0) down for {LINK_DOWN_S} s after iteration {dropped_after}: "
+          f"{'rebuilt the shard' if rebuilt else 'rode it out'}, the next progress line {went_on_s:.1f} s after it "
+          f"went down\n{victim.name} (trainer 1) failed after iteration {reached}: the command stopped "
           f"{stopped_at - failed_at:.1f} s later with: {message}\nthe resume took {resume_s:.1f} s and ended in the "
           "LocalCluster run's bits")
 

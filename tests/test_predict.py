@@ -148,7 +148,15 @@ def test_a_gzip_file_and_an_empty_output_directory(trained, tmp_path):
 
 
 def test_predict_on_the_command_line(trained, tmp_path, capsys, prefect_harness):
-    """``dlrmflow predict`` on a dataset (``--json``) and on a raw file (the summary); progress on stderr."""
+    """``dlrmflow predict`` on a dataset (``--json``) and on a raw file (the summary); its progress lines (the
+    engine's phases logger, which the console shows on stderr: tests/test_fast_start.py)."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    phases = logging.getLogger("dlrmflow.engine.phases")
+    phases.addHandler(handler)
+    level = phases.level
+    phases.setLevel(logging.INFO)
     out = tmp_path / "out"
     result = run_json(capsys, ["predict", str(trained["run"]), str(trained["dataset"]), "--output", str(out),
                                "--held-out", "--batch-size", str(EVAL_BATCH), "--score-on", "process"])
@@ -156,7 +164,9 @@ def test_predict_on_the_command_line(trained, tmp_path, capsys, prefect_harness)
     assert main(["predict", str(trained["run"]), str(trained["day1"]), "--output", str(tmp_path / "raw")]) == 0
     captured = capsys.readouterr()
     assert "80 rows into" in captured.out and "ids new to the model" in captured.out and "AUC" in captured.out
-    assert "prediction rows: 80/80 (100%)" in captured.err
+    phases.removeHandler(handler)
+    phases.setLevel(level)
+    assert "prediction rows: 80/80 (100%)" in lines, lines
 
 
 def damaged_run(trained: dict, tmp_path: Path, damage) -> Path:
