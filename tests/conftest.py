@@ -112,12 +112,8 @@ END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harne
 # parallel run (`make test`: pytest-xdist, --dist loadfile --no-loadscope-reorder) the workers take whole
 # modules in collection order, so these go first: started last, one of them alone would be the run's tail.
 # Out of date, this list costs only time (`pytest --durations=30` shows the slowest tests).
-# Measured on 2 cores (each module's wall time in a parallel run, 2026-11-29): hosts 427 s, recovery 281,
-# daily_deployment 275, readme 171, data_parallel 134, prefect_server 130, pipeline 125, preprocess 99,
-# external_dask 95, planner 81, resume 80, fast_start 70.
-LONGEST_MODULES = ["test_hosts.py", "test_recovery.py", "test_daily_deployment.py", "test_readme.py",
-                   "test_data_parallel.py", "test_prefect_server.py", "test_pipeline.py", "test_preprocess.py",
-                   "test_external_dask.py", "test_planner.py", "test_resume.py", "test_fast_start.py",
+LONGEST_MODULES = ["test_readme.py", "test_daily_deployment.py", "test_pipeline.py", "test_prefect_server.py",
+                   "test_external_dask.py", "test_hosts.py", "test_fast_start.py", "test_recovery.py",
                    "test_dataset_cli.py"]
 
 
