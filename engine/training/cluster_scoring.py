@@ -175,10 +175,12 @@ class PredictionParts:
 
 def score_part(part: Part, model: DenseModel, rows: StateFileRows | InitRows, dataset_dir: str, batch_size: int,
                device_type: str, known_rows: Sequence[int] | None = None,
-               predictions: PredictionParts | None = None) -> tuple[ScoreSummary, int]:
+               predictions: PredictionParts | None = None,
+               progress: Callable[[int], None] | None = None) -> tuple[ScoreSummary, int]:
     """A Dask task: the summary of ``part``'s rows scored by ``model``, and its lookups of ids beyond
     ``known_rows`` (:func:`~.evaluation.score_stream`). On this worker's CUDA device for ``cuda``. With
-    ``predictions``, also writes the part's probabilities there (its memory: the part's scores)."""
+    ``predictions``, also writes the part's probabilities there (its memory: the part's scores);
+    ``progress(rows of the part done)`` after each batch (in this process: :func:`score_parts_in_process`)."""
     device = torch.device(device_type)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the run trains on CUDA and this worker sees no CUDA device")
@@ -192,7 +194,7 @@ def score_part(part: Part, model: DenseModel, rows: StateFileRows | InitRows, da
 
     with deterministic_torch(device), torch.no_grad():
         result = score_stream(stream, model.build(device), rows.reader(device), model.dim, device,
-                              lambda done: None, known_rows=known_rows,
+                              progress or (lambda done: None), known_rows=known_rows,
                               on_scores=None if predictions is None else keep)
     if predictions is not None:
         predictions.write(part, labels, probabilities)
@@ -204,18 +206,18 @@ def score_parts_in_process(dataset_dir: str | Path, start: int, stop: int, batch
                            progress: Callable[[int], None] | None = None, known_rows: Sequence[int] | None = None,
                            predictions: PredictionParts | None = None) -> tuple[ScoreSummary, int]:
     """:func:`score_on_cluster`'s parts scored one after the other in this process (as for one worker):
-    the same batches, so the same bits, summaries and prediction files."""
+    the same batches, so the same bits, summaries and prediction files; ``progress(rows done)`` after each
+    batch."""
     dataset_dir = str(Path(dataset_dir).resolve())
     merger, done, new_lookups = SummaryMerger(), 0, 0
     for part in split_rows(start, stop, batch_size, 1):
         summary, lookups = score_part(part, model, rows, dataset_dir, batch_size, device_type,
                                       None if known_rows is None else tuple(int(c) for c in known_rows),
-                                      predictions)
+                                      predictions,
+                                      None if progress is None else lambda d, base=done: progress(base + d))
         merger.add(summary)
         new_lookups += lookups
         done += part.stop - part.start
-        if progress is not None:
-            progress(done)
     return merger.result(), new_lookups
 
 
@@ -271,6 +273,20 @@ def score_on_cluster(client: Client, dataset_dir: str | Path, start: int, stop: 
     return merger.result(), new_lookups
 
 
+def _held_out_on_cluster(setup: Any, model: torch.nn.Module, device: torch.device, client: Client,
+                         workers: list[str], directory: str | Path, files: Sequence[dict[str, Any]],
+                         label: str) -> dict[str, Any]:
+    """The run's held-out rows scored on ``workers`` by ``model`` from the shard ``files`` in ``directory``
+    (a final state's, or a periodic evaluation's snapshot); the summary's evaluation fields."""
+    config, meta, spec = setup.config, setup.meta, setup.spec
+    summary, _ = score_on_cluster(client, config.dataset_dir, setup.eval_start, meta.rows, config.eval_batch_size,
+                                  DenseModel.of(setup.model_config, model, spec.dim),
+                                  StateFileRows.of(directory, files, spec.total_rows, spec.width),
+                                  device_type=device.type, progress=PhaseProgress(label, meta.rows - setup.eval_start),
+                                  workers=workers)
+    return held_out_metrics(summary)
+
+
 # The periodic evaluation's snapshot of the rows, in the run directory (every worker sees it), removed after.
 EVALUATION_ROWS_DIR = "evaluation_rows"
 
@@ -290,7 +306,7 @@ def periodic_evaluation(setup: Any, model: torch.nn.Module, store: RowStore, dev
     being rebuilt (their rows are not all home yet)."""
     config, meta = setup.config, setup.meta
     rows = meta.rows - setup.eval_start
-    shards = getattr(getattr(store, "home", None), "shards", None)
+    shards = getattr(store, "shards", None)
     rebuilding = bool(getattr(getattr(shards, "state", None), "lost", ()))
     workers = free_workers(client) if client is not None and shards is not None and not rebuilding and \
         rows >= CLUSTER_MIN_ROWS else []
@@ -301,15 +317,9 @@ def periodic_evaluation(setup: Any, model: torch.nn.Module, store: RowStore, dev
     directory.mkdir(parents=True)
     try:
         files = shards.save_rows(directory, store.held_rows())
-        spec = setup.spec
-        summary, _ = score_on_cluster(client, config.dataset_dir, setup.eval_start, meta.rows,
-                                      config.eval_batch_size, DenseModel.of(setup.model_config, model, spec.dim),
-                                      StateFileRows.of(directory, files, spec.total_rows, spec.width),
-                                      device_type=device.type, progress=PhaseProgress("evaluation rows", rows),
-                                      workers=workers)
+        return _held_out_on_cluster(setup, model, device, client, workers, directory, files, "evaluation rows")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return held_out_metrics(summary)
 
 
 def final_evaluation(setup: Any, model: torch.nn.Module, store: RowStore, device: torch.device,
@@ -318,15 +328,10 @@ def final_evaluation(setup: Any, model: torch.nn.Module, store: RowStore, device
     :func:`~.final_state.write_final_state`'s result): on the cluster's free workers from the staged state's
     files when there is a client, a staged state, enough held-out rows (:data:`CLUSTER_MIN_ROWS`) and a free
     worker, else in this process from the store (:func:`~.evaluation.evaluate`). Both give the same bits."""
-    config, meta = setup.config, setup.meta
-    rows = meta.rows - setup.eval_start
+    rows = setup.meta.rows - setup.eval_start
     workers = free_workers(client) if client is not None and state.get("staged") is not None and \
         rows >= CLUSTER_MIN_ROWS else []
     if not workers:
         return evaluate(setup, model, store, device)
-    spec = setup.spec
-    source = StateFileRows.of(state["staged"], state["manifest"]["shards"], spec.total_rows, spec.width)
-    summary, _ = score_on_cluster(client, config.dataset_dir, setup.eval_start, meta.rows, config.eval_batch_size,
-                                  DenseModel.of(setup.model_config, model, spec.dim), source, device_type=device.type,
-                                  progress=PhaseProgress("final evaluation rows", rows), workers=workers)
-    return held_out_metrics(summary)
+    return _held_out_on_cluster(setup, model, device, client, workers, state["staged"], state["manifest"]["shards"],
+                                "final evaluation rows")

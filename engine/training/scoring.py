@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
-from dlrmflow.engine.batch_stream import BatchStream
-from dlrmflow.engine.models import build_model, row_init_std
+from dlrmflow.engine.models import row_init_std
 from dlrmflow.engine.models.registry import config_of
 from dlrmflow.engine.phases import PhaseProgress
 from dlrmflow.engine.serving.embedding_rows import RowSpec
@@ -35,8 +34,6 @@ from dlrmflow.engine.training.continuation import (
     parent_cardinalities,
     read_finished_run,
 )
-from dlrmflow.engine.training.dense import deterministic_torch
-from dlrmflow.engine.training.evaluation import score_stream
 from dlrmflow.engine.training.metrics import LogLossSum
 
 if TYPE_CHECKING:
@@ -98,19 +95,15 @@ def evaluate_run(run_dir: str | os.PathLike, dataset_dir: str | os.PathLike, *, 
     meta = read_meta(dataset_dir)
     dense, model_config, cards, spec = scoring_setup(run, meta, dataset_dir, f"RUN_DIR {run_dir}")
     progress = PhaseProgress("evaluation rows", meta.rows)
+    model, device_type = DenseModel(model_config, dense["dense"], spec.dim), torch.device(device).type
     if client is not None:
         summary, lookups = cluster_scoring.score_on_cluster(
-            client, dataset_dir, 0, meta.rows, batch_size, DenseModel(model_config, dense["dense"], spec.dim),
-            InitRows(spec), device_type=torch.device(device).type, progress=progress, known_rows=cards)
+            client, dataset_dir, 0, meta.rows, batch_size, model, InitRows(spec), device_type=device_type,
+            progress=progress, known_rows=cards)
     else:
-        torch_device = torch.device(device)
-        read = InitRows(spec).reader(torch_device)
-        stream = BatchStream(dataset_dir, batch_size)
-        with deterministic_torch(torch_device), torch.no_grad():
-            model = build_model(model_config).to(torch_device)
-            model.load_state_dict(dense["dense"])
-            model.eval()
-            summary, lookups = score_stream(stream, model, read, spec.dim, torch_device, progress, known_rows=cards)
+        summary, lookups = cluster_scoring.score_parts_in_process(
+            dataset_dir, 0, meta.rows, batch_size, model, InitRows(spec), device_type=device_type, progress=progress,
+            known_rows=cards)
     rows = summary.rows
     return {
         "run_dir": run.run_dir,
