@@ -231,21 +231,9 @@ class Host:
         return changed
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """End every process started on this host (a machine whose services are stopped): SIGTERM to each
-        process group, SIGKILL what is left ``grace_s`` later."""
-        procs = [p for p in self.processes if p.poll() is None]
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        end_processes_inside(self.namespace)
+        """End every process started on this host (a machine whose services are stopped): as
+        :meth:`HostNetwork.stop_processes` does for every host."""
+        stop_started([self], grace_s)
 
     def run(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
         """Run ``argv`` inside this host to its end; its output captured."""
@@ -280,6 +268,30 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
+def stop_started(hosts: Sequence[Host], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every process group started on ``hosts``, SIGKILL what remains ``grace_s`` later, then anything
+    else still inside them (a process that left its group)."""
+    # Only processes not yet reaped: a reaped one's process id (and group id) may belong to another by now.
+    procs = [p for host in hosts for p in host.processes if p.poll() is None]
+    victims = []
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victims += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(victims, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    for host in hosts:
+        end_processes_inside(host.namespace)
+    psutil.wait_procs(alive, timeout=10)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
 @dataclass
 class HostNetwork:
     """The bridge (``bridge_address`` on ``bridge``) and its hosts, by name."""
@@ -295,25 +307,7 @@ class HostNetwork:
     def stop_processes(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every started process group, SIGKILL what remains ``grace_s`` later, then anything else
         still inside a host (a process that left its group)."""
-        # Only processes not yet reaped: a reaped one's process id (and group id) may belong to another by now.
-        procs = [p for host in self.hosts.values() for p in host.processes if p.poll() is None]
-        victims = []
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                victims += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        _, alive = psutil.wait_procs(victims, timeout=grace_s)
-        for p in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        for host in self.hosts.values():
-            end_processes_inside(host.namespace)
-        psutil.wait_procs(alive, timeout=10)
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+        stop_started(list(self.hosts.values()), grace_s)
 
     def remove(self) -> None:
         """Remove the processes, veths, namespaces and the bridge; parts already gone are fine."""
