@@ -275,25 +275,28 @@ def _raise_the_cause(futures) -> None:
         time.sleep(0.1)
 
 
-def _scheduler_lost_message(setup: RunSetup, client, done: int, exc: BaseException) -> str:
+def _stopped(setup: RunSetup, what: str, resume_when: str) -> str:
+    """A stopped run's one line: ``what`` happened, then how to go on: ``dlrmflow resume`` (``resume_when``)
+    when the run has a checkpoint, else run it again."""
     config = setup.config
+    if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
+        return (f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}` "
+                f"{resume_when}")
+    return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
+
+
+def _scheduler_lost_message(setup: RunSetup, client, done: int, exc: BaseException) -> str:
     address = getattr(client.scheduler, "address", None) or "its address"
     why = (f"no answer for {SCHEDULER_SILENCE_SECONDS:.0f} s" if isinstance(exc, TimeoutError) else
            f"{type(exc).__name__}: {str(exc).rstrip('.')}")
-    what = (f"lost the Dask scheduler at {address} after iteration {done} of {setup.iterations} ({why}; its "
-            "machine may have failed); the trainers' workers close with it")
-    if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
-        return (f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}` "
-                f"(with --dask-address, or $DLRMFLOW_DASK_ADDRESS, naming the new scheduler) once a scheduler and "
-                f"{config.trainers} workers that may run a trainer (`--resources trainer=1`) run again")
-    return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
+    return _stopped(setup, f"lost the Dask scheduler at {address} after iteration {done} of {setup.iterations} "
+                           f"({why}; its machine may have failed); the trainers' workers close with it",
+                    f"(with --dask-address, or $DLRMFLOW_DASK_ADDRESS, naming the new scheduler) once a scheduler "
+                    f"and {setup.config.trainers} workers that may run a trainer (`--resources trainer=1`) run again")
 
 
 def _lost_message(setup: RunSetup, rank: int, worker: str, done: int) -> str:
-    config = setup.config
-    what = (f"trainer {rank} of {config.trainers} (Dask worker {worker}) died after iteration {done} of "
-            f"{setup.iterations}")
-    if config.checkpoint_every and (Path(config.output_dir) / CHECKPOINT_FILE).exists():
-        return (f"{what}; continue the run from its last checkpoint with `{resume_command(config.output_dir)}` "
-                f"once the cluster has {config.trainers} workers that may run a trainer (`--resources trainer=1`)")
-    return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
+    trainers = setup.config.trainers
+    return _stopped(setup, f"trainer {rank} of {trainers} (Dask worker {worker}) died after iteration {done} of "
+                           f"{setup.iterations}",
+                    f"once the cluster has {trainers} workers that may run a trainer (`--resources trainer=1`)")
