@@ -1,10 +1,11 @@
 # Two commands are all a newcomer needs: `make run` and `make test`.
+# `make gpu-check`: on a machine with a CUDA GPU, the GPU tests and benchmark rows in one report (docs/gpu.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint bench clean
+.PHONY: run test test-fast lint bench gpu-check clean
 
 # Creates .venv when missing. torch is installed first and pinned, so that pip takes the
 # CPU wheel that lies on disk instead of downloading a multi-GB CUDA build.
@@ -43,6 +44,22 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/preprocess.py
+
+# On a machine with a CUDA GPU: every CUDA test and the GPU rows of the benchmarks in at most 8 minutes, written
+# to one report (benchmarks/gpu_check.md; docs/gpu.md). Without a GPU it says so in one line and exits 0, and
+# installs nothing. CuPy (the extra cuda12 or cuda13) is installed only when torch sees a CUDA device and no CuPy
+# is installed: the extra follows torch's CUDA major version, since CuPy's wheels are built per CUDA major and
+# torch's build is known to run on this driver; an installed CuPy is left alone (two cupy-cuda* wheels clash).
+# GPU_PYTHON=python3: that interpreter instead of the venv, and no venv is made (a machine without a package
+# index, whose Python has torch, CuPy and the project: docs/gpu.md). GPU_CHECK_ARGS: the script's options.
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(GPU_PYTHON),,$(STAMP))
+	@py='$(or $(GPU_PYTHON),$(BIN)/python)'; extra=$$($$py benchmarks/gpu_check.py --cuda-extra) || exit 1; \
+	if [ -n "$$extra" ]; then echo "gpu-check: installing CuPy: pip install -e '.[$$extra]'"; \
+		$$py -m pip install --quiet -e ".[$$extra]" || echo "gpu-check: the install failed; the CuPy step says so"; \
+	fi; \
+	$$py benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
