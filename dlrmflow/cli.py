@@ -1,7 +1,7 @@
 """The ``dlrmflow`` command line.
 
 Every command runs its Prefect flow (so each run shows up in the Prefect UI when a server is
-configured, and in a temporary local API otherwise: see :func:`prepare_prefect_api`), prints a human
+configured, and in a temporary local API otherwise: see :func:`temporary_prefect_api`), prints a human
 summary, or with ``--json`` exactly one JSON object on stdout. Bad input exits with status 2 and one
 line on stderr naming the problem.
 """
@@ -67,24 +67,32 @@ def _hide_user_error_tracebacks() -> None:
     logging.setLogRecordFactory(factory)
 
 
-def prepare_prefect_api() -> None:
-    """Without ``PREFECT_API_URL``, make the temporary local Prefect API (started when a flow first needs
-    it) wait long enough on busy cores, end with this process even when it is killed, and fail as one
-    line naming ``PREFECT_API_URL`` as the way out. With ``PREFECT_API_URL`` set this does nothing."""
+def temporary_prefect_api():
+    """Without ``PREFECT_API_URL``: the command's temporary local Prefect API, its server launched now (its
+    seconds of start-up overlap the command's imports); the command waits for it before its flow runs
+    (:meth:`~dlrmflow.flows.prefect_internals.TemporaryApi.wait_until_answering`: on busy cores up to
+    :data:`API_STARTUP_TIMEOUT_S`, and a server that does not answer is one line naming ``PREFECT_API_URL``).
+    With ``PREFECT_API_URL`` set (the environment, a profile): None, and no server."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None  # without loading Prefect's settings
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     if settings.api.url:
-        return
-    from dlrmflow.flows.prefect_internals import SERVER_WAY_OUT, prepare_temporary_api
+        return None
+    from dlrmflow.flows.prefect_internals import SERVER_WAY_OUT, TemporaryApi
 
     if not settings.server.ephemeral.enabled:
         raise UserInputError(f"no Prefect API: PREFECT_API_URL is not set and PREFECT_SERVER_ALLOW_EPHEMERAL_MODE "
                              f"is off; {SERVER_WAY_OUT}")
-    prepare_temporary_api(max(API_STARTUP_TIMEOUT_S, settings.server.ephemeral.startup_timeout_seconds))
-    from dlrmflow.flows.prefect_internals import start_temporary_api_now
+    api = TemporaryApi(max(API_STARTUP_TIMEOUT_S, settings.server.ephemeral.startup_timeout_seconds))
+    api.start()
+    return api
 
-    start_temporary_api_now()  # its seconds of start-up overlap the command's own imports
+
+def import_flows(module: ModuleType) -> None:
+    """Import the flows module of a command (its heavy imports: torch, Dask, pandas)."""
+    importlib.import_module(module.FLOWS)
 
 
 def _progress_only_on_the_console() -> list[tuple[logging.Handler, logging.Filter]]:
@@ -127,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     module: ModuleType = args._module
     _hide_user_error_tracebacks()
     quiet: list[tuple[logging.Handler, logging.Filter]] = []
+    api = None
     try:
         # The options' own checks (a command's ``check``) come before Prefect, torch, Dask or pandas load:
         # a bad option is refused in a fraction of a second.
@@ -136,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             # (tasks.reporting.PROGRESS: steps done, phases, engine events), not its other lines. Prefect
             # configures its handlers when its flow API is first imported: do that first.
             quiet = _progress_only_on_the_console()
-        prepare_prefect_api()
+        api = temporary_prefect_api()
+        if api is not None:
+            import_flows(module)  # the command's own imports, while the server starts
+            api.wait_until_answering()
         result = module.run(args)
     except UserInputError as exc:
         print(f"dlrmflow {module.NAME}: error: {exc}", file=sys.stderr)
@@ -145,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlrmflow {module.NAME}: interrupted", file=sys.stderr)
         return 130
     finally:
+        if api is not None:
+            api.stop()  # SIGTERM, no wait: the server ends on its own, with this process at the latest
         for handler, only in quiet:  # main() called in-process (tests, notebooks) leaves logging as it was
             handler.removeFilter(only)
         if launched is None:

@@ -8,15 +8,18 @@ flow run that silently loses its parent or its logs. (The engine's Dask counterp
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
+import socket
 import subprocess
-import threading
-import types
-from collections.abc import Callable, Iterator, Sequence
+import sys
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import prefect
 from prefect.context import TaskRunContext
 from prefect.utilities.annotations import quote
 
@@ -77,124 +80,143 @@ class TemporaryApiError(UserInputError):
     """Prefect's temporary local API did not start: one line that says how, and names the way out."""
 
 
-class UnexpectedServerCommand(RuntimeError):
-    """Prefect launched its server with a command :func:`server_command` does not know (Prefect changed)."""
-
-
 # What to do without a temporary API: run a server and point every command at it.
 SERVER_WAY_OUT = ("start one with `prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api "
                   "(`prefect config set PREFECT_API_URL=...`)")
 
 
-def prepare_temporary_api(timeout_s: float) -> None:
-    """Make the temporary local API that Prefect starts on its first API call without ``PREFECT_API_URL``
-    wait up to ``timeout_s`` for the server, end the server with this process, and fail in one line.
+# Prefect's temporary server, as ``prefect.server.api.server.SubprocessASGIServer._run_uvicorn_command``
+# launches it: uvicorn serving Prefect's app factory, without the UI, in ephemeral mode (port and host added).
+SERVER_MODULE_ARGS = ["uvicorn", "--factory", "prefect.server.api.server:create_app", "--log-level", "error",
+                      "--lifespan", "on"]
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# dlrmflow's one addition: no block types registered at each start (a quarter of the server's start-up CPU).
+# A command's flows use no blocks (no result storage), and a `prefect server start` on the same database
+# registers them.
+SERVER_ENV_ADDED = {"PREFECT_API_BLOCKS_REGISTER_ON_START": "false"}
+PORT_IN_USE_STATUS = 3  # uvicorn's exit status when it cannot bind (Prefect's start retries another port)
 
-    Starts nothing: the server starts when Prefect first needs it, so a command that fails
-    on its input first costs no server. Once started it runs under :mod:`dlrmflow.exit_with_parent`,
-    which ends it when this process is gone (Prefect stops it only from an ``atexit`` hook, which a
-    killed process never runs). A server that does not answer in time is stopped, and
-    :class:`TemporaryApiError` raised where Prefect wanted it.
 
-    Relies on: ``prefect.server.api.server.SubprocessASGIServer``, a per-port singleton whose port-None
-    instance is the server every ``get_client()`` (and the events client) without an API URL starts
-    with ``.start()`` and then uses; ``start(timeout)`` launches it through
-    ``self._run_uvicorn_command()``, which calls ``subprocess.Popen(args=[sys.executable, "-m",
-    "uvicorn", ...])`` through that module's ``subprocess``; :func:`server_command` refuses any other
-    command, so a change fails loudly. Both methods are replaced on this one instance only.
+class TemporaryApi:
+    """The temporary local Prefect API of one ``dlrmflow`` command without ``PREFECT_API_URL``: Prefect's own
+    server command, started by dlrmflow at the command's launch (:meth:`start`), not at the first flow call.
+
+    Prefect starts the same server itself when a client first needs an API (``SubprocessASGIServer``), but
+    only after importing its whole server package in the command's process (2.6 CPU seconds); the server
+    process imports it anyway. Here the command's process starts the server, goes on with its own imports on
+    the other core, and waits for it (:meth:`wait_until_answering`) just before its flow makes the first
+    call. The server runs under :mod:`dlrmflow.exit_with_parent`, which ends it when the command is gone,
+    however it ended (Prefect stops its own only from an ``atexit`` hook, which a killed process never runs).
+
+    Owns the server process; :meth:`stop` sends it SIGTERM and does not wait (exit_with_parent's grace
+    covers a server still shutting down when the command exits). Relies on: Prefect's server command
+    (:data:`SERVER_MODULE_ARGS`, :data:`SERVER_ENV`; ``tests/test_prefect_internals.py`` compares them with
+    what ``SubprocessASGIServer`` launches) and :func:`use_api_everywhere`.
     """
-    from prefect.server.api import server as server_module
 
-    server = server_module.SubprocessASGIServer()  # registers the default server; starts nothing
-    if server.running or getattr(server, "dlrmflow_prepared", False):
-        return
-    launch = type(server)._run_uvicorn_command
-    start = type(server).start
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.port: int | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.answering = False
+        self._settings: contextlib.AbstractContextManager[None] | None = None
 
-    def run_uvicorn_command(self: Any) -> subprocess.Popen[Any]:
-        real = server_module.subprocess
-        server_module.subprocess = _SubprocessExitingWithParent(real)
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def start(self) -> None:
+        """Launch the server on a free port; returns at once. Its environment is the command's, with this
+        process's Prefect settings (a profile's database, for one) as Prefect passes them to its own."""
+        from prefect.settings import get_current_settings
+
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dlrmflow.exit_with_parent", str(os.getpid()), *SERVER_MODULE_ARGS,
+             "--app-dir", str(prefect.__module_path__.parent), "--host", "127.0.0.1", "--port", str(self.port)],
+            env={**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True),
+                 **SERVER_ENV_ADDED},
+            stdout=subprocess.DEVNULL)  # stdout is the command's (--json: one object); errors go to stderr
+
+    def wait_until_answering(self) -> None:
+        """Block until the server answers ``/health``, then point this process's Prefect at it. A server that
+        exits or does not answer within the timeout is stopped and :class:`TemporaryApiError` raised."""
+        if self.answering:
+            return
+        import httpx
+
+        deadline = time.monotonic() + self.timeout_s
+        with httpx.Client() as client:
+            while True:
+                status = self.process.poll() if self.process is not None else None
+                if status is not None and status != PORT_IN_USE_STATUS:
+                    raise TemporaryApiError(f"the temporary local Prefect API did not start (its server exited "
+                                            f"with status {status}); {SERVER_WAY_OUT}")
+                if time.monotonic() >= deadline:
+                    self._end_server()
+                    raise TemporaryApiError(
+                        f"the temporary local Prefect API did not start (it did not answer within "
+                        f"{self.timeout_s:g} s); {SERVER_WAY_OUT}, "
+                        "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+                if status == PORT_IN_USE_STATUS:  # another process took the port meanwhile: as Prefect does
+                    self.start()
+                    continue
+                try:
+                    if client.get(f"{self.url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+        self._settings = use_api_everywhere(self.url)
+        self._settings.__enter__()
+        self.answering = True
+
+    def stop(self) -> None:
+        """SIGTERM the server (no wait) and give this process's Prefect its settings back. Call it in the
+        thread that called :meth:`wait_until_answering`."""
+        if self._settings is not None:
+            self._settings.__exit__(None, None, None)
+            self._settings = None
+        self.answering = False
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
+    def _end_server(self) -> None:
+        """A server that did not answer: SIGTERM it and wait until it is gone (SIGKILL after 5 s)."""
+        if self.process is None:
+            return
+        self.process.terminate()
         try:
-            return launch(self)
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@contextmanager
+def use_api_everywhere(url: str) -> Iterator[None]:
+    """Within the block, every thread's Prefect uses the API at ``url``: this thread's settings context (and
+    the copies taken of it) through ``temporary_settings``, and every thread without a context of its own
+    (Prefect's log and event workers, a plain ``threading.Thread``) through the process-global one.
+
+    Relies on: ``prefect.context.GLOBAL_SETTINGS_CONTEXT``, the module attribute that
+    ``SettingsContext.get()`` falls back to when the current ``contextvars`` context holds none (Prefect's
+    test harness replaces it the same way); it is put back afterwards, whatever it was.
+    """
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}) as settings:
+        before = prefect.context.GLOBAL_SETTINGS_CONTEXT
+        prefect.context.GLOBAL_SETTINGS_CONTEXT = prefect.context.SettingsContext(
+            profile=before.profile, settings=settings)
+        try:
+            yield
         finally:
-            server_module.subprocess = real
-
-    def start_or_explain(self: Any, timeout: float | None = None) -> None:
-        wait_s = max(timeout or 0, timeout_s, 0.1)  # 0 or None would mean Prefect's own default
-        try:
-            start(self, timeout=wait_s)
-        except Exception as exc:
-            process = self.server_process
-            exited = process is not None and process.poll() is not None
-            self.stop()
-            if isinstance(exc, UnexpectedServerCommand):
-                raise
-            how = f"its server exited with status {process.returncode}" if exited else \
-                f"it did not answer within {wait_s:g} s"
-            raise TemporaryApiError(f"the temporary local Prefect API did not start ({how}); {SERVER_WAY_OUT}, "
-                                    "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from exc
-
-    starting = threading.Lock()  # one start at a time: start_temporary_api_now's thread and Prefect's call
-    failed: list[BaseException] = []
-
-    def start_once(self: Any, timeout: float | None = None) -> None:
-        with starting:  # Prefect marks the server running before it answers: wait for the start under way
-            if failed:
-                raise failed[0]
-            if self.running:
-                return
-            try:
-                start_or_explain(self, timeout)
-            except BaseException as exc:
-                failed.append(exc)  # the failure is the command's, wherever Prefect next asks for the API
-                raise
-
-    server._run_uvicorn_command = types.MethodType(run_uvicorn_command, server)
-    server.start = types.MethodType(start_once, server)
-    server.dlrmflow_prepared = True
+            prefect.context.GLOBAL_SETTINGS_CONTEXT = before
 
 
-def start_temporary_api_now() -> None:
-    """Start the temporary local API (prepared by :func:`prepare_temporary_api`) in a thread, now: its
-    seconds of start-up overlap the command's own imports and set-up instead of following them. A start
-    that fails fails where Prefect first asks for the API (one line, as :func:`prepare_temporary_api` makes it).
-
-    Relies on: the same ``SubprocessASGIServer`` singleton as :func:`prepare_temporary_api`, whose
-    ``start`` that function made safe to call from two threads."""
-    from prefect.server.api import server as server_module
-
-    server = server_module.SubprocessASGIServer()
-    if server.running or not getattr(server, "dlrmflow_prepared", False):
-        return
-
-    def start() -> None:
-        try:
-            server.start()
-        except BaseException:
-            # Its stop() took the server out of Prefect's registry: put it back, so that Prefect's own start()
-            # raises this failure (one line) instead of starting an unprepared server.
-            server_module.SubprocessASGIServer._instances.setdefault(None, server)
-
-    threading.Thread(target=start, name="dlrmflow-temporary-api", daemon=True).start()
-
-
-def server_command(args: Sequence[str]) -> list[str]:
-    """``[python, -m, uvicorn, ARGS...]`` as ``[python, -m, dlrmflow.exit_with_parent, THIS_PID, uvicorn, ARGS...]``."""
-    if list(args[1:3]) != ["-m", "uvicorn"]:
-        raise UnexpectedServerCommand(f"unexpected Prefect server command {list(args)[:3]} (see "
-                                      "flows/prefect_internals.py: prepare_temporary_api)")
-    return [args[0], "-m", "dlrmflow.exit_with_parent", str(os.getpid()), *args[2:]]
-
-
-class _SubprocessExitingWithParent:
-    """Stands in for the ``subprocess`` module while Prefect launches its server: ``Popen`` runs the
-    command under :mod:`dlrmflow.exit_with_parent`; every other name is the real module's."""
-
-    def __init__(self, real: types.ModuleType) -> None:
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def Popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 - subprocess's name
-        return self._real.Popen(server_command(args), **kwargs)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,13 +1,11 @@
-"""Fast start (issue 29, item 5): a bad option is refused before Prefect, torch, Dask or pandas load; the
-temporary Prefect API starts once, early, and every caller waits for that one start."""
+"""Fast start: a bad option is refused before Prefect, torch, Dask or pandas load; progress reaches stderr
+with --json (the temporary Prefect API's early start: tests/test_prefect_startup.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
@@ -46,48 +44,6 @@ def test_a_bad_option_is_refused_before_any_heavy_import(tmp_path, argv, error):
     assert status == 2
     assert done.stderr.startswith(error) and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert heavy == [], f"imported before the options were checked: {heavy}"
-
-
-def test_the_early_start_is_waited_for_and_its_failure_raised_where_prefect_asks(monkeypatch):
-    """start_temporary_api_now starts the server in a thread; Prefect's own start() (get_client's) waits
-    for that start to end instead of using a server that does not answer yet; a failed start is raised
-    to every later caller, once per caller, and never retried."""
-    from prefect.server.api.server import SubprocessASGIServer
-
-    from dlrmflow.flows import prefect_internals
-
-    events = []
-
-    def slow_start(self, timeout=None):
-        self.running = True  # as Prefect does, before its server answers
-        events.append("starting")
-        time.sleep(0.5)
-        events.append("answered")
-
-    monkeypatch.delitem(SubprocessASGIServer._instances, None, raising=False)
-    monkeypatch.setattr(SubprocessASGIServer, "start", slow_start)
-    prefect_internals.prepare_temporary_api(1.0)
-    prefect_internals.start_temporary_api_now()
-    while not events:
-        time.sleep(0.01)
-    SubprocessASGIServer().start()  # what get_client() calls
-    assert events == ["starting", "answered"]
-    assert threading.active_count() >= 1
-    SubprocessASGIServer._instances.pop(None)
-
-    def failing_start(self, timeout=None):
-        events.append("failed")
-        raise RuntimeError("no")
-
-    monkeypatch.setattr(SubprocessASGIServer, "start", failing_start)
-    monkeypatch.setattr(SubprocessASGIServer, "stop", lambda self: None)
-    prefect_internals.prepare_temporary_api(1.0)
-    prefect_internals.start_temporary_api_now()
-    for _ in range(2):
-        with pytest.raises(prefect_internals.TemporaryApiError):
-            SubprocessASGIServer().start()
-    assert events.count("failed") == 1
-    SubprocessASGIServer._instances.pop(None)
 
 
 def _dlrmflow(argv: list[str], cwd) -> tuple[dict, str]:

@@ -16,13 +16,14 @@ import pytest
 
 from dlrmflow.flows import prefect_internals
 from dlrmflow.flows.prefect_internals import (
+    SERVER_ENV,
+    SERVER_MODULE_ARGS,
+    TemporaryApi,
     TemporaryApiError,
-    UnexpectedServerCommand,
     capture_run_context,
     outside_task_run,
-    prepare_temporary_api,
-    server_command,
     untraced,
+    use_api_everywhere,
 )
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -147,41 +148,66 @@ def test_outside_task_run_hides_the_task_run_and_restores_it():
     assert artifact.flow_run_id == report_run and artifact.task_run_id != task_run_id
 
 
-def test_prepare_temporary_api_makes_prefect_launch_its_server_under_exit_with_parent(monkeypatch):
-    """The server Prefect starts (``SubprocessASGIServer().start()``, as ``get_client`` does) runs Prefect's
-    own command under ``dlrmflow.exit_with_parent`` with this process's id; the wait cut to 0.1 s fails
-    as a TemporaryApiError, and the server process is stopped (no orphan)."""
+def test_the_temporary_api_runs_the_server_command_prefect_itself_launches(monkeypatch):
+    """TemporaryApi launches what ``SubprocessASGIServer`` launches (the same uvicorn arguments and server
+    environment; the port its own), under ``dlrmflow.exit_with_parent`` with this process's id."""
     import os
     import sys
+    from types import SimpleNamespace
 
-    from prefect.server.api.server import SubprocessASGIServer
-    from process_helpers import running_children
+    from prefect.server.api import server as server_module
+    from prefect.settings import get_current_settings
 
     launched = []
 
-    def recording(args):
-        launched.append(server_command(args))
-        return launched[-1]
+    def recording_popen(args, **kwargs):
+        launched.append((list(args), kwargs.get("env", {})))
+        return SimpleNamespace(poll=lambda: None, pid=0)
 
-    monkeypatch.setattr(prefect_internals, "server_command", recording)
-    # The session's prefect_harness registers its server as Prefect's default one; this test needs none.
-    monkeypatch.delitem(SubprocessASGIServer._instances, None, raising=False)
-    prepare_temporary_api(0.1)
-    assert not launched, "prepare_temporary_api started a server"
+    monkeypatch.setattr(server_module.subprocess, "Popen", recording_popen)
+    server_module.SubprocessASGIServer(port=1)._run_uvicorn_command()
+    monkeypatch.setattr(prefect_internals.subprocess, "Popen", recording_popen)
+    ours = TemporaryApi(1.0)
+    ours.start()
+    (theirs, their_env), (mine, my_env) = launched
+    assert mine[:4] == [sys.executable, "-m", "dlrmflow.exit_with_parent", str(os.getpid())]
+    assert theirs[:3] == [sys.executable, "-m", "uvicorn"], "Prefect's server command changed"
+    their_port, my_port = theirs.index("--port") + 1, mine.index("--port") + 1
+    assert sorted(theirs[2:their_port] + theirs[their_port + 1:]) == sorted(mine[4:my_port] + mine[my_port + 1:])
+    assert SERVER_MODULE_ARGS[0] == "uvicorn" and set(SERVER_MODULE_ARGS) <= set(theirs)
+    settings = get_current_settings().to_environment_variables(exclude_unset=True)
+    assert {k: v for k, v in their_env.items() if os.environ.get(k) != v and k not in settings} == SERVER_ENV
+    assert {k: my_env[k] for k in SERVER_ENV} == SERVER_ENV
+    assert my_env["PREFECT_API_BLOCKS_REGISTER_ON_START"] == "false"
+    assert mine[my_port] == str(ours.port)
+
+
+def test_a_temporary_api_that_does_not_answer_in_time_is_one_line_and_leaves_no_server():
+    """A real server start waited for 0.1 s (it needs seconds): TemporaryApiError naming the way out, and the
+    server process is gone, not orphaned."""
+    from process_helpers import running_children
+
+    api = TemporaryApi(0.1)
+    api.start()
     with pytest.raises(TemporaryApiError, match=r"^the temporary local Prefect API did not start \(it did not "
                                                 r"answer within 0.1 s\); start one with `prefect server start`"):
-        SubprocessASGIServer().start()
-    [command] = launched
-    assert command[0] == sys.executable
-    assert command[1:5] == ["-m", "dlrmflow.exit_with_parent", str(os.getpid()), "uvicorn"]
-    assert "prefect.server.api.server:create_app" in command, "start_temporary_api: Prefect's command changed"
+        api.wait_until_answering()
+    assert api.process.poll() is not None
     assert not [p for p, command in running_children() if "dlrmflow.exit_with_parent" in command]
-    assert None not in SubprocessASGIServer._instances
 
 
-def test_server_command_refuses_a_command_it_does_not_know():
-    with pytest.raises(UnexpectedServerCommand, match="unexpected Prefect server command"):
-        server_command(["python", "-m", "hypercorn", "app"])
+def test_use_api_everywhere_reaches_bare_threads_and_puts_the_settings_back():
+    """Within the block this thread and a plain thread (no context of its own: Prefect's log worker, the
+    prefetch worker) read the given API URL; afterwards both read what they read before."""
+    from prefect.settings import get_current_settings
+
+    def url() -> str:
+        return str(get_current_settings().api.url)
+
+    before = (url(), _in_bare_thread(url))
+    with use_api_everywhere("http://127.0.0.1:1/api"):
+        assert url() == _in_bare_thread(url) == "http://127.0.0.1:1/api"
+    assert (url(), _in_bare_thread(url)) == before
 
 
 @pytest.mark.slow

@@ -38,16 +38,68 @@ def _gone(process: psutil.Process) -> bool:
         return True
 
 
+class _NotStarted:
+    """Stands in for TemporaryApi: records its timeout, starts nothing."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def start(self) -> None:
+        pass
+
+
 def test_the_api_start_up_waits_120_s_or_the_longer_prefect_setting(monkeypatch):
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
-    waits = []
-    monkeypatch.setattr("dlrmflow.flows.prefect_internals.prepare_temporary_api", waits.append)
+    monkeypatch.setattr("dlrmflow.flows.prefect_internals.TemporaryApi", _NotStarted)
     with _without_api_url(monkeypatch):
-        cli.prepare_prefect_api()  # Prefect's default of 20 s is too short for a busy machine
+        waits = [cli.temporary_prefect_api().timeout_s]  # Prefect's default of 20 s is too short for a busy machine
         with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 300}):
-            cli.prepare_prefect_api()
+            waits.append(cli.temporary_prefect_api().timeout_s)
     assert waits == [120, 300]
+
+
+def test_a_set_api_url_starts_no_server(monkeypatch):
+    """PREFECT_API_URL in the settings (a profile) or in the environment: no temporary API."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.setattr("dlrmflow.flows.prefect_internals.TemporaryApi", _NotStarted)
+    with _without_api_url(monkeypatch):
+        assert isinstance(cli.temporary_prefect_api(), _NotStarted)
+        with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:1/api"}):
+            assert cli.temporary_prefect_api() is None
+        monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+        assert cli.temporary_prefect_api() is None
+
+
+def test_the_server_starts_before_the_command_s_imports_and_answers_before_its_flow(monkeypatch, tmp_path):
+    """The order that makes the server's start-up overlap the command's imports: launch, import the flows,
+    wait for the server, run the flow; then the server is stopped."""
+    from dlrmflow.commands import generate
+
+    events = []
+
+    class Recording(_NotStarted):
+        def start(self) -> None:
+            events.append("server launched")
+
+        def wait_until_answering(self) -> None:
+            events.append("server answered")
+
+        def stop(self) -> None:
+            events.append("server stopped")
+
+    def importing(module):
+        events.append(f"import {module.FLOWS}")
+
+    monkeypatch.setattr("dlrmflow.flows.prefect_internals.TemporaryApi", Recording)
+    monkeypatch.setattr(cli, "import_flows", importing)
+    monkeypatch.setattr(generate, "run", lambda args: events.append("flow") or {"rows": 0})
+    monkeypatch.setattr(generate, "summarize", lambda result: "")
+    with _without_api_url(monkeypatch):
+        assert cli.main(["generate", "--rows", "10", "--output", str(tmp_path / "g.tsv")]) == 0
+    assert events == ["server launched", "import dlrmflow.flows.dataset", "server answered", "flow",
+                      "server stopped"]
 
 
 def test_bad_input_is_answered_without_starting_a_server(monkeypatch, capsys, tmp_path):
@@ -58,10 +110,14 @@ def test_bad_input_is_answered_without_starting_a_server(monkeypatch, capsys, tm
 
 
 def test_an_api_that_does_not_start_is_one_line_naming_prefect_api_url(monkeypatch, capsys, tmp_path):
-    """A real server start that cannot answer in time (the wait cut to 0.1 s): exit 2, one line, no server left."""
+    """A real server start that cannot answer in time (the wait cut to 0.1 s, and nothing imported first):
+    exit 2, one line, no server left."""
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
+    from dlrmflow.commands import generate
+
     monkeypatch.setattr(cli, "API_STARTUP_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(generate, "FLOWS", "dlrmflow.engine.errors")  # the wait begins as the server launches
     with _without_api_url(monkeypatch), temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 0}):
         status = cli.main(["generate", "--rows", "10", "--output", str(tmp_path / "g.tsv")])
     err = capsys.readouterr().err.strip().splitlines()

@@ -7,6 +7,7 @@ from typing import Any
 
 NAME = "demo"
 HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare caches, train (LocalCluster)"
+FLOWS = "dlrmflow.flows.pipeline"  # what the command imports: loaded while a temporary Prefect API starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 NAME = "evaluate"
 HELP = ("score a finished run's model on a dataset (its own, or a later day's preprocessed with --vocabulary): "
         "AUC, log loss and the constant-prediction log loss, without training")
+FLOWS = "dlrmflow.flows.evaluate"  # what the command imports: loaded while a temporary Prefect API starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

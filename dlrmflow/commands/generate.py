@@ -9,6 +9,7 @@ from dlrmflow.engine.errors import UserInputError
 
 NAME = "generate"
 HELP = "write a synthetic Criteo-format TSV (power-law skew like the real data)"
+FLOWS = "dlrmflow.flows.dataset"  # what the command imports: loaded while a temporary Prefect API starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from dlrmflow.engine.planning.planner import PlanJobConfig
 NAME = "plan"
 HELP = "plan the embedding cache ahead of training: per-iteration prefetches, cache slots and evictions"
 # Metavars of the options whose value is not a plain word (shared with compare-caches).
+FLOWS = "dlrmflow.flows.plan"  # what the command imports: loaded while a temporary Prefect API starts
 METAVARS = {"batch_size": "B", "lookahead": "L", "prefetch_distance": "P", "capacity": "ROWS",
             "output_dir": "PLAN_DIR", "chunk_iterations": "N"}
 

@@ -12,6 +12,7 @@ from typing import Any
 NAME = "predict"
 HELP = ("score raw files (the run's format) or a preprocessed dataset with a finished run's model: Parquet parts of "
         "row, click probability and label in a new directory; rows/s, new ids, and AUC and log loss with labels")
+FLOWS = "dlrmflow.flows.predict"  # what the command imports: loaded while a temporary Prefect API starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from dlrmflow.datasets.preprocess_config import PreprocessConfig
 
 NAME = "preprocess"
 HELP = "turn raw Criteo/Avazu files into a shuffled Parquet dataset with meta.json"
+FLOWS = "dlrmflow.flows.dataset"  # what the command imports: loaded while a temporary Prefect API starts
 METAVARS = {"output": "DIR", "min_frequency": "N", "max_rows_per_table": "ROWS", "max_reject_fraction": "F",
             "block_bytes": "BYTES"}
 

@@ -10,6 +10,7 @@ from dlrmflow.engine.planning.profile import ProfileConfig
 
 NAME = "profile"
 HELP = "count embedding-row accesses and report the skew (profile.json + coverage plot)"
+FLOWS = "dlrmflow.flows.dataset"  # what the command imports: loaded while a temporary Prefect API starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from dlrmflow.commands import train
 
 NAME = "resume"
 HELP = "resume an unfinished training run (trained with --checkpoint-every) from its last checkpoint"
+FLOWS = "dlrmflow.flows.train"  # what the command imports: loaded while a temporary Prefect API starts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
