@@ -187,5 +187,29 @@ def add_dask_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def run_command() -> None:
+    """The ``dlrmflow`` console script: :func:`main`, then an exit without the interpreter's teardown.
+
+    Once the command is done, a normal exit still frees every module and object of torch, Prefect, Dask and
+    pandas one by one: 1.5 s on 2 cores after the summary, the shell prompt waiting for nothing. Here the
+    process does what that exit does that matters (waits for its non-daemon threads, runs the ``atexit``
+    hooks: Prefect's log and event flush, Dask's client close, the logging handlers' flush; flushes stdout
+    and stderr) and then ends at once (``os._exit``) with the command's status."""
+    import atexit
+    import threading
+
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`dlrmflow ... | head`): nothing more can be said there
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_command()

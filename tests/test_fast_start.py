@@ -46,6 +46,18 @@ def test_a_bad_option_is_refused_before_any_heavy_import(tmp_path, argv, error):
     assert heavy == [], f"imported before the options were checked: {heavy}"
 
 
+def test_the_console_script_ends_with_the_command_s_status_after_its_atexit_hooks_and_output(tmp_path):
+    """run_command (the ``dlrmflow`` script) skips the interpreter's teardown, not what an exit must do: the
+    command's status, its output and every atexit hook (Prefect's log flush is one) with its output."""
+    code = ("import atexit, sys; from dlrmflow import cli; atexit.register(lambda: print('hook ran')); "
+            "sys.argv = ['dlrmflow'] + sys.argv[1:]; cli.run_command()")
+    done = subprocess.run([sys.executable, "-c", code, "generate", "--rows", "0", "--output", "X"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == "dlrmflow generate: error: --rows must be >= 1, got 0\n"
+    assert done.stdout == "hook ran\n"
+
+
 def _dlrmflow(argv: list[str], cwd) -> tuple[dict, str]:
     """``dlrmflow ARGV --json`` as a user runs it, against the test harness's Prefect API: its one JSON
     object (stdout holds nothing else) and its stderr."""
