@@ -91,8 +91,9 @@ def temporary_prefect_api():
 
 
 def import_flows(module: ModuleType) -> None:
-    """Import the flows module of a command (its heavy imports: torch, Dask, pandas)."""
-    importlib.import_module(module.FLOWS)
+    """Import what a command will import (``module.FLOWS``: its flows module and what its flow loads later)."""
+    for name in module.FLOWS:
+        importlib.import_module(name)
 
 
 def _progress_only_on_the_console() -> list[tuple[logging.Handler, logging.Filter]]:

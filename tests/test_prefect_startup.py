@@ -90,7 +90,7 @@ def test_the_server_starts_before_the_command_s_imports_and_answers_before_its_f
             events.append("server stopped")
 
     def importing(module):
-        events.append(f"import {module.FLOWS}")
+        events.append(f"import {module.FLOWS[0]}")
 
     monkeypatch.setattr("dlrmflow.flows.prefect_internals.TemporaryApi", Recording)
     monkeypatch.setattr(cli, "import_flows", importing)
@@ -117,7 +117,7 @@ def test_an_api_that_does_not_start_is_one_line_naming_prefect_api_url(monkeypat
     from dlrmflow.commands import generate
 
     monkeypatch.setattr(cli, "API_STARTUP_TIMEOUT_S", 0.1)
-    monkeypatch.setattr(generate, "FLOWS", "dlrmflow.engine.errors")  # the wait begins as the server launches
+    monkeypatch.setattr(generate, "FLOWS", ("dlrmflow.engine.errors",))  # the wait begins as the server launches
     with _without_api_url(monkeypatch), temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 0}):
         status = cli.main(["generate", "--rows", "10", "--output", str(tmp_path / "g.tsv")])
     err = capsys.readouterr().err.strip().splitlines()

@@ -7,7 +7,9 @@ from typing import Any
 
 NAME = "demo"
 HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare caches, train (LocalCluster)"
-FLOWS = "dlrmflow.flows.pipeline"  # what the command imports: loaded while a temporary Prefect API starts
+# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
+# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
+FLOWS = ("dlrmflow.flows.pipeline", "torch._inductor.config", "matplotlib.pyplot")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

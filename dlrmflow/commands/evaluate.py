@@ -12,7 +12,9 @@ from typing import Any
 NAME = "evaluate"
 HELP = ("score a finished run's model on a dataset (its own, or a later day's preprocessed with --vocabulary): "
         "AUC, log loss and the constant-prediction log loss, without training")
-FLOWS = "dlrmflow.flows.evaluate"  # what the command imports: loaded while a temporary Prefect API starts
+# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
+# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
+FLOWS = ("dlrmflow.flows.evaluate", "torch._inductor.config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

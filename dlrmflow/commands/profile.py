@@ -10,7 +10,9 @@ from dlrmflow.engine.planning.profile import ProfileConfig
 
 NAME = "profile"
 HELP = "count embedding-row accesses and report the skew (profile.json + coverage plot)"
-FLOWS = "dlrmflow.flows.dataset"  # what the command imports: loaded while a temporary Prefect API starts
+# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
+# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
+FLOWS = ("dlrmflow.flows.dataset", "matplotlib.pyplot")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
