@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             quiet = _progress_only_on_the_console()
         api = temporary_prefect_api()
         if api is not None:
+            # The seconds until the flow's first line are the server's start: said at once.
+            print(f"dlrmflow {module.NAME}: starting a temporary local Prefect API (PREFECT_API_URL is not set) ...",
+                  file=sys.stderr, flush=True)
             import_flows(module)  # the command's own imports, while the server starts
             api.wait_until_answering()
         result = module.run(args)

@@ -72,9 +72,11 @@ def test_a_set_api_url_starts_no_server(monkeypatch):
         assert cli.temporary_prefect_api() is None
 
 
-def test_the_server_starts_before_the_command_s_imports_and_answers_before_its_flow(monkeypatch, tmp_path):
-    """The order that makes the server's start-up overlap the command's imports: launch, import the flows,
-    wait for the server, run the flow; then the server is stopped."""
+def test_the_server_starts_before_the_command_s_imports_and_answers_before_its_flow(monkeypatch, tmp_path,
+                                                                                     capsys):
+    """The order that makes the server's start-up overlap the command's imports: launch (and say so on stderr:
+    the seconds until the flow's first line are the server's), import the flows, wait for the server, run the
+    flow; then the server is stopped."""
     from dlrmflow.commands import generate
 
     events = []
@@ -100,6 +102,8 @@ def test_the_server_starts_before_the_command_s_imports_and_answers_before_its_f
         assert cli.main(["generate", "--rows", "10", "--output", str(tmp_path / "g.tsv")]) == 0
     assert events == ["server launched", "import dlrmflow.flows.dataset", "server answered", "flow",
                       "server stopped"]
+    assert capsys.readouterr().err.splitlines()[0] == ("dlrmflow generate: starting a temporary local Prefect API "
+                                                       "(PREFECT_API_URL is not set) ...")
 
 
 def test_bad_input_is_answered_without_starting_a_server(monkeypatch, capsys, tmp_path):
