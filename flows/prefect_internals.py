@@ -172,8 +172,11 @@ class TemporaryApi:
         self.answering = True
 
     def stop(self) -> None:
-        """SIGTERM the server (no wait) and give this process's Prefect its settings back. Call it in the
-        thread that called :meth:`wait_until_answering`."""
+        """Send what Prefect still holds for the server (logs, events: at most 5 s each), SIGTERM the server (no
+        wait) and give this process's Prefect its settings back. Call it in the thread that called
+        :meth:`wait_until_answering`."""
+        if self.answering:
+            drain_prefect_workers(timeout_s=5)
         if self._settings is not None:
             self._settings.__exit__(None, None, None)
             self._settings = None
@@ -191,6 +194,19 @@ class TemporaryApi:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def drain_prefect_workers(timeout_s: float) -> None:
+    """Block until Prefect's background workers have sent the logs and events they hold (each at most
+    ``timeout_s``): a server stopped before then makes them print "Error logging to API" at exit.
+
+    Relies on: ``APILogWorker`` and ``EventsWorker``, the queue services behind Prefect's API log handler and
+    its events client, and their ``drain_all`` (what Prefect's own ``atexit`` hooks call)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=timeout_s)
+    EventsWorker.drain_all(timeout=timeout_s)
 
 
 @contextmanager
