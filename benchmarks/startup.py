@@ -14,8 +14,9 @@ Each stderr line is stamped on arrival; a phase ends at the first line that mark
     summary           the summary's first line on stdout
     exit              the process ended
 
-``--python A B`` runs each interpreter (for example two venvs whose editable installs point at two trees)
-in turn, ``--repeats`` rounds, and prints the medians side by side.
+``--api-url URL`` runs them against a running Prefect server instead (``prefect server start``, as a user
+with the UI does). ``--python A B`` runs each interpreter (for example two venvs whose editable installs
+point at two trees) in turn, ``--repeats`` rounds, and prints the medians side by side.
 
     .venv/bin/python benchmarks/startup.py [--repeats 3] [--python /tmp/before-venv/bin/python .venv/bin/python]
 """
@@ -94,11 +95,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--json", type=Path, default=None, help="also write every sample here")
+    parser.add_argument("--api-url", default=None,
+                        help="PREFECT_API_URL of a running server to use (default: none, the temporary API)")
     args = parser.parse_args()
     args.python = [os.path.abspath(p) for p in args.python]  # not resolved: a venv's python is a symlink
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL" and k != "DLRMFLOW_DASK_ADDRESS"}
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    if args.api_url:
+        env["PREFECT_API_URL"] = args.api_url
     with tempfile.TemporaryDirectory(prefix="dlrmflow-startup-") as tmp:
         work = Path(tmp)
         dataset = work / "ds"
