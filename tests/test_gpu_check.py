@@ -8,7 +8,6 @@ orchestration tests run stand-in commands. The GPU figures come only from a run 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -20,6 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
+from benchmark_helpers import benchmark_module
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
@@ -30,12 +30,8 @@ REQUIRED = ("device", "cuda-tests", "trainers-cuda", "trainers-cpu", "recovery",
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("benchmark_gpu_check", GPU_CHECK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("gpu_check.py") as module:
+        yield module
 
 
 def _default_report() -> tuple[bool, float | None]:

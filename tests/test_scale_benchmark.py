@@ -5,25 +5,21 @@ benchmark's run, not a test.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from benchmark_helpers import benchmark_module
 
 SCALE = Path(__file__).resolve().parents[1] / "benchmarks" / "scale.py"
 
 
 @pytest.fixture(scope="module")
 def scale():
-    spec = importlib.util.spec_from_file_location("benchmark_scale", SCALE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("scale.py") as module:
+        yield module
 
 
 # A parent that starts a child; the child holds 200 MiB of written (anonymous) memory for a while.
