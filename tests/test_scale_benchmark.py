@@ -8,12 +8,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from benchmark_helpers import benchmark_module
-
-SCALE = Path(__file__).resolve().parents[1] / "benchmarks" / "scale.py"
 
 
 @pytest.fixture(scope="module")
