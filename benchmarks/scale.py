@@ -80,6 +80,7 @@ class Measured:
     scale: float | None = None  # the generator's cardinality scale (None: not recorded)
     peaks: list[int] | None = None  # with --repeats K > 1: each run's largest-process peak (the least is kept)
     role_peaks: dict[str, int] | None = None  # the largest RssAnon of one process of each kind (see _role)
+    cpu_seconds: float | None = None  # user + system CPU of every process of the command (None: not measured)
 
     @property
     def rows_per_second(self) -> float:
@@ -98,7 +99,9 @@ def _rss_anon(pid: int) -> int:
 
 
 class TreeMemory:
-    """Samples the summed and the largest RssAnon of a process and all its descendants until stopped."""
+    """Samples the summed and the largest RssAnon of a process and all its descendants until stopped, and
+    their CPU seconds: each process's last sample, summed (a process's last interval before it ended is
+    missed: at most ``interval`` of CPU per process)."""
 
     def __init__(self, pid: int, interval: float = 0.05) -> None:
         self.pid, self.interval = pid, interval
@@ -106,6 +109,7 @@ class TreeMemory:
         self.largest = ""  # the role of the process of peak_one
         self.role_peaks: dict[str, int] = {}  # the largest RssAnon of one process of each role
         self._roles: dict[int, str] = {}
+        self._cpu: dict[int, float] = {}  # pid -> its user + system CPU seconds at the last sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -123,6 +127,12 @@ class TreeMemory:
             except psutil.NoSuchProcess:
                 return
             sizes = [_rss_anon(pid) for pid in pids]
+            for pid in pids:
+                try:
+                    times = psutil.Process(pid).cpu_times()
+                    self._cpu[pid] = times.user + times.system
+                except psutil.Error:
+                    pass
             self.peak_sum = max(self.peak_sum, sum(sizes))
             for pid, size in zip(pids, sizes, strict=True):
                 role = self._roles.get(pid)
@@ -138,6 +148,10 @@ class TreeMemory:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self._cpu.values())
 
 
 def _role(pid: int, command_pid: int) -> str:
@@ -186,7 +200,8 @@ def run_stage(stage: str, argv: list[str], rows: int, log: Path) -> Measured:
     lines = out.strip().splitlines()
     result = json.loads(lines[-1]) if lines else {}
     return Measured(stage, rows, seconds, memory.peak_sum, memory.peak_one, memory.processes, result,
-                    load=os.getloadavg()[0], largest=memory.largest, role_peaks=dict(memory.role_peaks))
+                    load=os.getloadavg()[0], largest=memory.largest, role_peaks=dict(memory.role_peaks),
+                    cpu_seconds=memory.cpu_seconds)
 
 
 def pipeline(rows: int, work: Path, args: argparse.Namespace, scale: float | None = None,
@@ -270,19 +285,20 @@ def embedding_rows(measured: list[Measured]) -> int | None:
 def table(results: dict[int, list[Measured]], target: int = KAGGLE_ROWS) -> str:
     """The measured stages side by side, then the linear extrapolation to ``target`` rows."""
     mib = 2**20
-    out = ["| rows | embedding rows | stage | wall s | rows/s | peak anon MiB (all processes) "
+    out = ["| rows | embedding rows | stage | wall s | CPU s | rows/s | peak anon MiB (all processes) "
            "| largest process MiB | output MB | load |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for rows, measured in sorted(results.items()):
         emb = embedding_rows(measured)
         for m in measured:
+            cpu = "-" if m.cpu_seconds is None else format(m.cpu_seconds, ".1f")
             out.append(f"| {rows:,} | {emb if emb is None else format(emb, ',')} | {m.stage} | {m.seconds:.1f} "
-                       f"| {m.rows_per_second:,.0f} | {m.peak_anon_bytes / mib:,.0f} | "
+                       f"| {cpu} | {m.rows_per_second:,.0f} | {m.peak_anon_bytes / mib:,.0f} | "
                        f"{m.peak_process_bytes / mib:,.0f} | "
                        f"{'-' if m.output_bytes is None else format(m.output_bytes / 1e6, ',.0f')} | "
                        f"{'-' if m.load is None else format(m.load, '.1f')} |")
         total = sum(m.seconds for m in measured)
-        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | {rows / total:,.0f} | | | | |")
+        out.append(f"| {rows:,} | | **all stages** | {total:.1f} | | {rows / total:,.0f} | | | | |")
     sizes = sorted(results)
     if len(sizes) < 2:  # a line through one point would be a guess at the fixed costs
         return "\n".join([*out, "", "(no extrapolation: it needs at least two row counts)"])

@@ -36,6 +36,19 @@ def test_tree_memory_counts_the_children_of_the_command(scale):
     assert memory.role_peaks["other"] == memory.peak_one and memory.role_peaks["command"] < 200 * 2**20
 
 
+# A parent whose child spins one core for a second.
+SPINNER = "import time; t = time.process_time(); exec('while time.process_time() - t < 1.0: pass')"
+SPINNING_PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {SPINNER!r}])"
+
+
+def test_tree_memory_counts_the_cpu_of_the_command_s_children(scale):
+    proc = subprocess.Popen([sys.executable, "-c", SPINNING_PARENT])
+    memory = scale.TreeMemory(proc.pid, interval=0.02)
+    proc.wait(timeout=60)
+    memory.stop()
+    assert 0.9 <= memory.cpu_seconds < 5.0, memory.cpu_seconds  # the child's second, the interpreters' start
+
+
 def test_the_extrapolation_is_the_least_squares_line(scale):
     assert scale.linear_fit([1.0, 2.0, 3.0], [3.0, 5.0, 7.0]) == pytest.approx((1.0, 2.0))
 
@@ -45,7 +58,7 @@ def test_the_extrapolation_is_the_least_squares_line(scale):
     results = {n: [stage("generate", n, 10 + n / 1e5), stage("preprocess", n, 5 + n / 2e5)]
                for n in (1_000_000, 4_000_000)}
     text = scale.table(results, target=10_000_000)
-    assert "| 4,000,000 | 2,000,000 | preprocess | 25.0 | 160,000 | 381 | 38 | 0 | - |" in text
+    assert "| 4,000,000 | 2,000,000 | preprocess | 25.0 | - | 160,000 | 381 | 38 | 0 | - |" in text  # CPU: not measured
     assert "| generate | 10.00 | 10.0 | 110 |" in text  # s per 1M rows, fixed s, wall s at 10M rows
     assert "| **all stages** | | | 165 | | |" in text
     assert "no extrapolation" in scale.table({1_000_000: results[1_000_000]})
