@@ -16,10 +16,14 @@ import os
 import sys
 import time
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from dlrmflow import __version__
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.training.timing import LAUNCHED_AT_ENV
+
+if TYPE_CHECKING:  # Prefect loads only once the options passed
+    from dlrmflow.flows.prefect_internals import TemporaryApi
 
 # How long a command waits for its temporary local Prefect API to answer. A cold start imports the
 # server and migrates its database: seconds on an idle machine, a minute or more on busy cores.
@@ -67,7 +71,7 @@ def _hide_user_error_tracebacks() -> None:
     logging.setLogRecordFactory(factory)
 
 
-def temporary_prefect_api():
+def temporary_prefect_api() -> TemporaryApi | None:
     """Without ``PREFECT_API_URL``: the command's temporary local Prefect API, its server launched now (its
     seconds of start-up overlap the command's imports); the command waits for it before its flow runs
     (:meth:`~dlrmflow.flows.prefect_internals.TemporaryApi.wait_until_answering`: on busy cores up to
