@@ -1,13 +1,21 @@
 """Model quality against DeepCTR-Torch: the four models trained by dlrmflow and by DeepCTR-Torch 0.3.0 on the
-same generated rows, held-out AUC and log loss side by side, with the constant prediction's log loss as
-the floor a model must beat.
+same rows, held-out AUC and log loss side by side over several seeds, with the constant prediction's log loss
+as the floor a model must beat (and, on generated labels, the true probability's as the best reachable).
 
-Data: ``--rows`` synthetic Criteo rows (``dlrmflow.datasets.synthetic``, preprocessed as `dlrmflow
-preprocess` writes them: ids by popularity rank, dense log(1 + x)); the last ``--eval-fraction`` are held
-out. Both libraries train one epoch over the same training rows in the same order (dlrmflow: every whole
-batch before the held-out rows; DeepCTR-Torch: those rows, ``shuffle=False``) with the same batch size,
-and are scored on the same held-out rows by the same AUC and log-loss functions
-(``dlrmflow.engine.training.metrics``).
+Data: each ``--sources`` entry (benchmarks/quality_data.py) or ``--dataset DIR``, any preprocessed dataset
+(`dlrmflow preprocess` output):
+
+    generator      ``--rows`` rows of the project's generator (dlrmflow.datasets.synthetic, tables at ``--scale``)
+    first-order    ``--rows`` rows of another generator whose click depends on a few ids of two tables alone
+    pairwise       the same generator, the click a product of two tables' per-id effects
+    criteo-sample  the 200 real Criteo Kaggle rows the tests ship (use a small ``--batch-size``, e.g. 16)
+
+The last ``--eval-fraction`` of the rows are held out. Both libraries train one epoch over the same training
+rows in the same order (dlrmflow: every whole batch before the held-out rows; DeepCTR-Torch: those rows,
+``shuffle=False``) with the same batch size, and are scored on the same held-out rows by the same AUC and
+log-loss functions (``dlrmflow.engine.training.metrics``). Every ``--seeds`` entry is one run of each
+library on the same data (the seed sets each library's initialisation); a cell shows the mean over the
+seeds and their range.
 
     dlrmflow        DeepCTR-Torch
     dlrm            (none: DeepCTR-Torch has no DLRM; its row shows dlrmflow's figures only)
@@ -18,17 +26,25 @@ and are scored on the same held-out rows by the same AUC and log-loss functions
 Settings mirrored on the DeepCTR-Torch side: embedding dim 16 (dlrmflow's default), no L2 regularisation,
 no dropout or batch norm (dlrmflow has none), the mean log loss per batch (DeepCTR-Torch's ``fit`` sums
 it: a custom loss keeps the gradient's scale), and the optimizers' families: the embeddings by Adagrad
-(dlrmflow: row-wise, one accumulator per row; DeepCTR-Torch: torch.optim.Adagrad, one per value) at
-``--embedding-lr``, the dense parameters by ``--dense-optimizer`` (SGD or Adam) at ``--lr``. DeepCTR-Torch
-initialises itself (``init_std`` 1e-4, its DNN weights N(0, 1e-4)).
+(dlrmflow: row-wise, one accumulator per row for the embedding and one for a first-order weight;
+DeepCTR-Torch: torch.optim.Adagrad, one per value) at ``--embedding-lr``, the dense parameters by
+``--dense-optimizer`` (SGD or Adam) at ``--lr``. DeepCTR-Torch initialises itself (``init_std`` 1e-4, its DNN
+weights N(0, 1e-4)).
 
-A second table checks the first goal of issue 31: each model trained by dlrmflow with every default but
-the model (batch 128, SGD 0.01 for the dense part, row-wise Adagrad 0.01 for the rows) and
-``--eval-every 10`` for 50 iterations; it shows the first evaluation whose held-out log loss is below the
-constant prediction's.
+The goal (issue 47), per source and model: dlrmflow's mean held-out log loss no worse than DeepCTR-Torch's
+by more than the seeds' spread (the larger range of the two), and its mean AUC at least DeepCTR-Torch's minus
+0.001; the ``goal`` column says whether both hold.
+
+A second table checks the first goal of issue 31 (first seed, sources with enough rows): each model trained
+by dlrmflow with every default but the model (batch 128, SGD 0.01 for the dense part, row-wise Adagrad 0.01
+for the rows) and ``--eval-every 10`` for 50 iterations; it shows the first evaluation whose held-out log
+loss is below the constant prediction's.
 
     .venv/bin/pip install -e '.[bench]'      # DeepCTR-Torch without its dependencies (pyproject.toml)
-    .venv/bin/python benchmarks/quality.py [--rows 1000000] [--batch-size 4096] [--models dlrm,...]
+    .venv/bin/python benchmarks/quality.py [--sources generator,first-order,pairwise] [--rows 400000]
+        [--batch-size 2048] [--seeds 0,1,2] [--models dlrm,...]
+    .venv/bin/python benchmarks/quality.py --sources criteo-sample --batch-size 16 --seeds 0,1,2
+    .venv/bin/python benchmarks/quality.py --dataset DIR --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,12 +70,13 @@ from dlrmflow.engine.training.job import train
 from dlrmflow.engine.training.metrics import log_loss, roc_auc
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_data import synthetic_dataset  # noqa: E402
+from quality_data import SOURCES, click_probability, source_dataset  # noqa: E402
 
 EMBEDDING_DIM = 16  # dlrmflow's default
 DNN = {"wide-deep": (400, 400, 400), "deepfm": (400, 400, 400), "dcn-v2": (500, 500, 500)}  # the published sizes
 CROSS_LAYERS = 3
-EARLY_ITERATIONS, EARLY_EVAL_EVERY = 50, 10
+EARLY_ITERATIONS, EARLY_EVAL_EVERY, EARLY_BATCH = 50, 10, 128
+AUC_MARGIN = 0.001  # the goal: dlrmflow's mean AUC at least DeepCTR-Torch's minus this
 
 
 def read_rows(dataset: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
@@ -104,9 +122,9 @@ def deepctr_model(name: str, num_dense: int, cards: list[int], seed: int):
                l2_reg_cross=0.0, **none), features
 
 
-def run_deepctr(name: str, rows, train_rows: int, eval_start: int, args) -> dict[str, Any]:
+def run_deepctr(name: str, rows, train_rows: int, eval_start: int, args, seed: int) -> dict[str, Any]:
     labels, dense, sparse, cards = rows
-    model, features = deepctr_model(name, dense.shape[1], cards, args.seed)
+    model, features = deepctr_model(name, dense.shape[1], cards, seed)
     embedding = [p for n, p in model.named_parameters() if "embedding_dict" in n]
     ids = {id(p) for p in embedding}
     dense_params = [p for p in model.parameters() if id(p) not in ids]
@@ -129,14 +147,14 @@ def run_deepctr(name: str, rows, train_rows: int, eval_start: int, args) -> dict
     return {"auc": roc_auc(y, p), "logloss": log_loss(y, p), "train_seconds": seconds}
 
 
-def run_dlrmflow(name: str, dataset: Path, work: Path, args, **settings: Any) -> dict[str, Any]:
+def run_dlrmflow(name: str, dataset: Path, work: Path, args, seed: int, **settings: Any) -> dict[str, Any]:
     out = work / f"dlrmflow-{name}"
     shutil.rmtree(out, ignore_errors=True)
     arch = {"dnn": DNN[name]} if name in DNN else {}
     if name == "dcn-v2":
         arch["cross_layers"] = CROSS_LAYERS
     base = dict(dataset_dir=str(dataset), mode="local", output_dir=str(out), model=name, save_state=False,
-                eval_fraction=args.eval_fraction, seed=args.seed, metrics_every=100, **arch)
+                eval_fraction=args.eval_fraction, seed=seed, metrics_every=100, **arch)
     summary = train(TrainConfig(**{**base, **settings}))
     return {"auc": summary["eval_auc"], "logloss": summary["eval_log_loss"], "summary": summary,
             "train_seconds": summary["train_seconds"]}
@@ -150,11 +168,115 @@ def figure(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def spread(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Mean, lowest and highest of ``key`` over the seeds' runs."""
+    values = [float(r[key]) for r in runs]
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def cell(stats: dict[str, float] | None) -> str:
+    """``mean (min-max)``, or the one value of a single seed."""
+    if stats is None:
+        return "-"
+    if stats["min"] == stats["max"]:
+        return figure(stats["mean"])
+    return f"{figure(stats['mean'])} ({figure(stats['min'])}-{figure(stats['max'])})"
+
+
+def goal_met(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Issue 47's goal (module docstring): log loss within the seeds' spread, AUC within AUC_MARGIN."""
+    loss, auc = ours["logloss"], ours["auc"]
+    allowed = max(loss["max"] - loss["min"], theirs["logloss"]["max"] - theirs["logloss"]["min"])
+    return (loss["mean"] <= theirs["logloss"]["mean"] + allowed
+            and auc["mean"] >= theirs["auc"]["mean"] - AUC_MARGIN)
+
+
+def compare_on(source: str, dataset: Path, work: Path, models: list[str], seeds: list[int], args) -> dict[str, Any]:
+    """Every model, both libraries, every seed on one dataset; the figures and their spreads."""
+    rows = read_rows(dataset)
+    labels = rows[0]
+    eval_start = len(labels) - int(round(args.eval_fraction * len(labels)))
+    train_rows = (eval_start // args.batch_size) * args.batch_size  # dlrmflow's whole batches
+    if train_rows == 0:
+        raise SystemExit(f"{source}: {eval_start} training rows hold no batch of {args.batch_size} (lower "
+                         "--batch-size)")
+    rate = float(labels[:train_rows].mean())
+    held_out = labels[eval_start:]
+    floor = log_loss(held_out, np.full(len(held_out), rate))
+    probability = click_probability(dataset)
+    best = None if probability is None else log_loss(held_out, probability[eval_start:])
+    print(f"\n{source} ({dataset}): {len(labels):,} rows: {train_rows:,} trained ({train_rows // args.batch_size} "
+          f"iterations of batch {args.batch_size:,}), {len(held_out):,} held out; click rate {rate:.4f}, constant "
+          f"prediction's held-out log loss {floor:.4f}"
+          + ("" if best is None else f", the true probability's {best:.4f}"), flush=True)
+    result: dict[str, Any] = {"dataset": str(dataset), "rows": len(labels), "train_rows": train_rows,
+                              "eval_rows": len(held_out), "batch_size": args.batch_size, "click_rate": rate,
+                              "constant_logloss": floor, "best_logloss": best, "seeds": seeds, "models": {}}
+    settings = dict(batch_size=args.batch_size, dense_optimizer=args.dense_optimizer, lr=args.lr,
+                    embedding_lr=args.embedding_lr, embedding_optimizer="adagrad")
+    for name in models:
+        entry = result["models"][name] = {"dlrmflow": [], "deepctr": []}
+        for seed in seeds:
+            ours = run_dlrmflow(name, dataset, work, args, seed, **settings)
+            ours.pop("summary")
+            entry["dlrmflow"].append({"seed": seed, **ours})
+            print(f"{source} {name} seed {seed}: dlrmflow {ours}", flush=True)
+            if name != "dlrm" and not args.skip_deepctr:
+                theirs = run_deepctr(name, rows, train_rows, eval_start, args, seed)
+                entry["deepctr"].append({"seed": seed, **theirs})
+                print(f"{source} {name} seed {seed}: DeepCTR-Torch {theirs}", flush=True)
+        for library in ("dlrmflow", "deepctr"):
+            if entry[library]:
+                entry[f"{library}_spread"] = {key: spread(entry[library], key) for key in ("auc", "logloss",
+                                                                                           "train_seconds")}
+        if entry["deepctr"]:
+            entry["goal_met"] = goal_met(entry["dlrmflow_spread"], entry["deepctr_spread"])
+        if not args.skip_early and train_rows >= EARLY_ITERATIONS * EARLY_BATCH:
+            early = run_dlrmflow(name, dataset, work, args, seeds[0], iterations=EARLY_ITERATIONS,
+                                 eval_every=EARLY_EVAL_EVERY)
+            entry["early"] = {"evaluations": early["summary"]["evaluations"],
+                              "first_below_constant": first_below(early["summary"]["evaluations"], floor)}
+            print(f"{source} {name}: defaults, first {EARLY_ITERATIONS} iterations {entry['early']}", flush=True)
+    return result
+
+
+def print_tables(source: str, result: dict[str, Any], args) -> None:
+    best = result["best_logloss"]
+    print(f"\n{source}: one epoch, batch {result['batch_size']:,}, dense {args.dense_optimizer} {args.lr:g}, "
+          f"embeddings Adagrad {args.embedding_lr:g}; seeds {', '.join(map(str, result['seeds']))}: mean (lowest-"
+          f"highest); constant prediction's log loss {result['constant_logloss']:.4f}"
+          + ("" if best is None else f", the true probability's {best:.4f}"))
+    print("| model | dlrmflow AUC | DeepCTR-Torch AUC | dlrmflow log loss | DeepCTR-Torch log loss | AUC difference "
+          "| log loss difference | goal | dlrmflow s | DeepCTR-Torch s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, entry in result["models"].items():
+        ours, theirs = entry["dlrmflow_spread"], entry.get("deepctr_spread")
+        difference = {key: None if theirs is None else ours[key]["mean"] - theirs[key]["mean"]
+                      for key in ("auc", "logloss")}
+        goal = "-" if "goal_met" not in entry else ("met" if entry["goal_met"] else "not met")
+        print(f"| {name} | {cell(ours['auc'])} | {cell(theirs and theirs['auc'])} | {cell(ours['logloss'])} | "
+              f"{cell(theirs and theirs['logloss'])} | {figure(difference['auc'], 4)} | "
+              f"{figure(difference['logloss'], 4)} | {goal} | {ours['train_seconds']['mean']:.0f} | "
+              f"{figure(theirs and theirs['train_seconds']['mean'], 0)} |")
+    early = {name: entry["early"] for name, entry in result["models"].items() if "early" in entry}
+    if early:
+        print(f"\nEvery default (batch {EARLY_BATCH}), --eval-every {EARLY_EVAL_EVERY}: held-out log loss after "
+              f"10..{EARLY_ITERATIONS} iterations (constant: {result['constant_logloss']:.4f})")
+        for name, entry in early.items():
+            losses = ", ".join(f"{e['logloss']:.4f}" for e in entry["evaluations"])
+            first = entry["first_below_constant"]
+            print(f"| {name} | {losses} | below the constant from iteration {first if first else 'never'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sources", default="generator",
+                        help=f"comma-separated data sources: {', '.join(SOURCES)} (default: generator)")
+    parser.add_argument("--dataset", help="a preprocessed dataset directory, in place of --sources")
     parser.add_argument("--rows", type=int, default=1_000_000, help="generated rows (default 1,000,000)")
     parser.add_argument("--scale", type=float, default=0.001,
                         help="table sizes: Criteo Kaggle's x SCALE (default 0.001: 133,381 rows in all)")
+    parser.add_argument("--data-seed", type=int, default=0, help="the generated rows' seed (default 0)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: all four)")
     parser.add_argument("--batch-size", type=int, default=4096, help="both libraries (default 4096, BARS's)")
     parser.add_argument("--dense-optimizer", choices=("sgd", "adam"), default="adam")
@@ -162,7 +284,7 @@ def main() -> None:
     parser.add_argument("--embedding-lr", type=float, default=0.01, help="Adagrad's rate for the embeddings")
     parser.add_argument("--eval-fraction", type=float, default=0.1)
     parser.add_argument("--eval-batch-size", type=int, default=16384)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated training seeds, one run each (default 0)")
     parser.add_argument("--skip-deepctr", action="store_true", help="dlrmflow's runs only")
     parser.add_argument("--skip-early", action="store_true", help="not the 50-iteration check of the defaults")
     parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-quality")
@@ -172,57 +294,29 @@ def main() -> None:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    sources = [s for s in args.sources.split(",") if s]
+    if not args.dataset and (not sources or any(s not in SOURCES for s in sources)):
+        parser.error(f"--sources: choose from {', '.join(SOURCES)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        parser.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        parser.error("--seeds: at least one seed")
     torch.set_num_threads(min(os.cpu_count() or 1, torch.get_num_threads()))
 
     work = Path(args.work_dir)
-    dataset = synthetic_dataset(work / f"data-{args.rows}-{args.scale}", args.rows, args.scale, seed=args.seed)
-    rows = read_rows(dataset)
-    labels = rows[0]
-    eval_start = len(labels) - int(round(args.eval_fraction * len(labels)))
-    train_rows = (eval_start // args.batch_size) * args.batch_size  # dlrmflow's whole batches
-    rate = float(labels[:train_rows].mean())
-    floor = log_loss(labels[eval_start:], np.full(len(labels) - eval_start, rate))
-    print(f"{len(labels):,} rows: {train_rows:,} trained ({train_rows // args.batch_size} iterations of batch "
-          f"{args.batch_size:,}), {len(labels) - eval_start:,} held out; click rate {rate:.4f}, constant "
-          f"prediction's held-out log loss {floor:.4f}", flush=True)
-
-    results: dict[str, Any] = {"rows": len(labels), "train_rows": train_rows, "eval_rows": len(labels) - eval_start,
-                               "batch_size": args.batch_size, "constant_logloss": floor, "models": {}}
-    settings = dict(batch_size=args.batch_size, dense_optimizer=args.dense_optimizer, lr=args.lr,
-                    embedding_lr=args.embedding_lr, embedding_optimizer="adagrad")
-    for name in models:
-        entry = results["models"][name] = {}
-        entry["dlrmflow"] = run_dlrmflow(name, dataset, work, args, **settings)
-        entry["dlrmflow"].pop("summary")
-        print(f"{name}: dlrmflow {entry['dlrmflow']}", flush=True)
-        if name != "dlrm" and not args.skip_deepctr:
-            entry["deepctr"] = run_deepctr(name, rows, train_rows, eval_start, args)
-            print(f"{name}: DeepCTR-Torch {entry['deepctr']}", flush=True)
-        if not args.skip_early:
-            early = run_dlrmflow(name, dataset, work, args, iterations=EARLY_ITERATIONS, eval_every=EARLY_EVAL_EVERY)
-            entry["early"] = {"evaluations": early["summary"]["evaluations"],
-                              "first_below_constant": first_below(early["summary"]["evaluations"], floor)}
-            print(f"{name}: defaults, first {EARLY_ITERATIONS} iterations {entry['early']}", flush=True)
-
-    print(f"\nOne epoch, batch {args.batch_size:,}, dense {args.dense_optimizer} {args.lr:g}, embeddings Adagrad "
-          f"{args.embedding_lr:g}; constant prediction's log loss {floor:.4f}")
-    print("| model | dlrmflow AUC | DeepCTR-Torch AUC | dlrmflow log loss | DeepCTR-Torch log loss | "
-          "dlrmflow s | DeepCTR-Torch s |")
-    print("|---|---|---|---|---|---|---|")
-    for name, entry in results["models"].items():
-        ours, theirs = entry["dlrmflow"], entry.get("deepctr") or {}
-        print(f"| {name} | {figure(ours['auc'])} | {figure(theirs.get('auc'))} | {figure(ours['logloss'])} | "
-              f"{figure(theirs.get('logloss'))} | {ours['train_seconds']:.0f} | "
-              f"{figure(theirs.get('train_seconds'), 0)} |")
-    if not args.skip_early:
-        print(f"\nEvery default (batch 128), --eval-every {EARLY_EVAL_EVERY}: held-out log loss after "
-              f"10..{EARLY_ITERATIONS} iterations (constant: {floor:.4f})")
-        for name, entry in results["models"].items():
-            losses = ", ".join(f"{e['logloss']:.4f}" for e in entry["early"]["evaluations"])
-            first = entry["early"]["first_below_constant"]
-            print(f"| {name} | {losses} | below the constant from iteration {first if first else 'never'} |")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=1, default=float))
+    if args.dataset:
+        datasets = {f"dataset {args.dataset}": Path(args.dataset)}
+    else:
+        datasets = {s: source_dataset(s, work, args.rows, args.scale, args.data_seed) for s in sources}
+    results: dict[str, Any] = {"settings": vars(args), "sources": {}}
+    for source, dataset in datasets.items():
+        results["sources"][source] = compare_on(source, dataset, work, models, seeds, args)
+        if args.json_out:  # after every source: a long run keeps what it measured
+            Path(args.json_out).write_text(json.dumps(results, indent=1, default=float))
+    for source, result in results["sources"].items():
+        print_tables(source, result, args)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,26 @@ The final state is a dict (what :func:`load_state` returns)::
     dense                the model's parameters (state_dict: name -> tensor)
     dense_optimizer      the dense optimizer's state_dict (SGD: no state; Adam: step, exp_avg, exp_avg_sq)
     embedding            {"rows": float32 [total_rows, dim + state_width] in global id order,
-                          "dim", "optimizer", "state_width", "table_offsets", "cardinalities"}
+                          "dim", "optimizer", "state_width", "own_accumulator_columns", "table_offsets",
+                          "cardinalities"}
 
 Each embedding row is the row layout of :mod:`dlrmflow.engine.serving.embedding_rows`: ``dim``
-weights, then the optimizer state (row-wise Adagrad: one accumulator; SGD: nothing). ``dim`` is
-the model's row width: every per-id parameter of the model (``embedding_dim`` values, plus the
-first-order weight of Wide & Deep and DeepFM in the last weight column; docs/models.md).
+weights, then ``state_width`` optimizer values. ``dim`` is the model's row width: every per-id
+parameter of the model (``embedding_dim`` values, plus the first-order weight of Wide & Deep and
+DeepFM in the last weight column; docs/models.md). Column by column (``D = embedding_dim``)::
+
+    model                  optimizer   columns
+    dlrm, dcn-v2           adagrad     v_0..v_{D-1}, a_v                 (width D + 1)
+    wide-deep, deepfm      adagrad     v_0..v_{D-1}, w, a_v, a_w         (width D + 3)
+    dlrm, dcn-v2           sgd         v_0..v_{D-1}                      (width D)
+    wide-deep, deepfm      sgd         v_0..v_{D-1}, w                   (width D + 1)
+
+``v`` the embedding, ``w`` the first-order weight, ``a_v`` the row-wise Adagrad accumulator the
+embedding values share (sum over steps of the mean of their squared gradients), ``a_w`` the first-order
+weight's own (sum of its squared gradients): ``own_accumulator_columns`` (1 for Wide & Deep and DeepFM)
+weights at the end of the row keep one each. A state that does not record ``own_accumulator_columns``
+was written with one accumulator shared by all ``dim`` weights (Wide & Deep and DeepFM: width D + 2);
+it scores as before but cannot be continued from (``--init-from`` names the layouts).
 
 On disk (a run writes it; no process ever holds every row)::
 

@@ -22,9 +22,10 @@ from dlrmflow.datasets.meta import PartFile, read_meta, write_meta
 from dlrmflow.datasets.preprocess import preprocess
 from dlrmflow.datasets.synthetic import generate_rows
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.run_state import load_state, read_summary, state_differences
+from dlrmflow.engine.run_state import load_state, read_summary, save_sharded_state, state_differences
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.job import prepare_run, train
+from dlrmflow.engine.training.scoring import evaluate_run
 
 ROWS_PER_DAY = 1024  # whole batches of 128: day 1's first batch is the reference's batch after day 0's last
 
@@ -155,6 +156,29 @@ def test_init_from_refuses_what_it_cannot_continue(days, tmp_path):
     stateless = tmp_path / "stateless"
     train(config(days["ds0"], stateless, "local", save_state=False))
     assert "kept no final state" in _refusal(days, tmp_path, init_from=str(stateless))
+
+
+def test_a_final_state_with_the_shared_accumulator_layout_is_refused_and_still_scores(days, tmp_path):
+    """A Wide & Deep final state whose first-order weight shares the row's accumulator (rows of D + 2 values,
+    no own_accumulator_columns recorded): --init-from names both layouts instead of misreading the optimizer
+    state; dlrmflow evaluate reads its weights, which sit where they sit in the layout of today."""
+    run = tmp_path / "day0"
+    train(config(days["ds0"], run, "local", model="wide-deep"))
+    scored = evaluate_run(run, days["ds1"])
+    state = load_state(run)
+    assert state["embedding"]["rows"].shape[1] == 4 + 1 + 2 and state["embedding"]["own_accumulator_columns"] == 1
+    state["embedding"]["rows"] = state["embedding"]["rows"][:, :-1].contiguous()  # v, w, one accumulator
+    state["embedding"]["state_width"] = 1
+    del state["embedding"]["own_accumulator_columns"]
+    save_sharded_state(run, state)
+    message = _refusal(days, tmp_path, init_from=str(run), model="wide-deep")
+    assert message == (
+        f"embedding_optimizer: --init-from {run} stores rows of 6 values (5 weights, then 1 optimizer value), this "
+        "version 7 (5 weights, then one Adagrad accumulator shared by the first 4 and one for each of the last 1): "
+        "the run was trained by a dlrmflow with another row layout; continue it with that version, or train it "
+        "again with this one")
+    old = evaluate_run(run, days["ds1"])
+    assert (old["auc"], old["log_loss"]) == (scored["auc"], scored["log_loss"])
 
 
 def test_train_init_from_on_the_command_line_refuses_in_one_line(days, tmp_path, capsys):

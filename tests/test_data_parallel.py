@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 from distributed import Client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_trainers import _plan_with_capacity, make_dataset, small_config
 
 from dlrmflow.cli import main
@@ -31,9 +33,14 @@ from dlrmflow.engine.batch_stream import BatchStream, global_ids
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.planning import planner
 from dlrmflow.engine.planning.holders import holder_counts, slice_masks
-from dlrmflow.engine.run_state import load_state
+from dlrmflow.engine.run_state import bit_equal, load_state
 from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update_rowwise
+from dlrmflow.engine.serving.embedding_rows import (
+    RowSpec,
+    apply_update,
+    apply_update_rowwise,
+    rowwise_adagrad_update,
+)
 from dlrmflow.engine.serving.placement import NoWorkersError, place_trainers
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
@@ -91,6 +98,37 @@ def test_a_rows_update_does_not_depend_on_the_block_it_sits_in(optimizer):
         index = torch.from_numpy(pick)
         part = apply_update_rowwise(spec, rows[index].clone(), grads[index])
         assert torch.equal(part, whole[index])
+
+
+@settings(max_examples=80, deadline=None)
+@given(dim=st.integers(2, 20), own=st.integers(0, 3), rows=st.integers(1, 70), seed=st.integers(0, 2**32 - 1),
+       lr=st.sampled_from([0.01, 0.037, 1.0]))
+def test_the_row_wise_and_the_vectorised_update_agree_on_the_own_accumulator_columns(dim, own, rows, seed, lr):
+    """With first-order columns (``own_accumulator_columns``), both updates give those weights and their own
+    accumulators the same bits, and the row-wise update gives every column of a row the same bits wherever
+    the row sits. The shared columns are the vectorised kernel's (a fused multiply-add in its body), so there
+    the two may differ in the last bit, as they always did; with no own columns the vectorised update is
+    row-wise Adagrad over the whole row, bit for bit (DLRM's and DCN-v2's rows)."""
+    own = min(own, dim - 1)
+    spec = RowSpec(dim=dim, optimizer="adagrad", seed=0, table_offsets=(0,), cardinalities=(1000,), lr=lr,
+                   own_accumulator_columns=own)
+    assert (spec.state_width, spec.width) == (1 + own, dim + 1 + own)
+    rng = np.random.default_rng(seed)
+    block = torch.from_numpy(rng.standard_normal((rows, spec.width)).astype(np.float32)).abs()
+    grads = torch.from_numpy(rng.standard_normal((rows, dim)).astype(np.float32))
+    grads[torch.from_numpy(rng.random((rows, dim)) < 0.2)] = 0.0  # ids whose weight the batch left alone
+    vectorised = apply_update(spec, block.clone(), grads)
+    rowwise = apply_update_rowwise(spec, block.clone(), grads)
+    shared = dim - own
+    assert bit_equal(vectorised[:, shared:dim], rowwise[:, shared:dim])
+    assert bit_equal(vectorised[:, dim + 1:], rowwise[:, dim + 1:])
+    for _ in range(5):
+        index = torch.from_numpy(rng.permutation(rows)[: int(rng.integers(1, rows + 1))])
+        assert bit_equal(apply_update_rowwise(spec, block[index].clone(), grads[index]), rowwise[index])
+    if own == 0:
+        expected = block.clone()
+        rowwise_adagrad_update(expected[:, :dim], expected[:, dim], grads, lr, spec.eps)
+        assert bit_equal(vectorised, expected)
 
 
 def test_a_batch_split_gives_each_trainer_its_slice():

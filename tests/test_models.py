@@ -32,7 +32,7 @@ from dlrmflow.engine.models.dcn_v2 import DCNv2Config
 from dlrmflow.engine.models.deepfm import DeepFMConfig
 from dlrmflow.engine.models.wide_deep import WideDeepConfig
 from dlrmflow.engine.run_state import bit_equal, load_state
-from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
+from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise, init_rows
 from dlrmflow.engine.training.config import MODELS, TrainConfig
 from dlrmflow.engine.training.job import prepare_run, train
 
@@ -61,6 +61,49 @@ def test_a_row_holds_every_per_id_parameter():
     """Wide & Deep's wide weight and DeepFM's first-order weight sit next to the factor vector."""
     assert {name: models.row_width(name, 16) for name in MODELS} == {
         "dlrm": 16, "wide-deep": 17, "deepfm": 17, "dcn-v2": 16}
+
+
+def test_a_first_order_weight_keeps_an_accumulator_of_its_own(tmp_path):
+    """Under row-wise Adagrad the row of Wide & Deep and DeepFM is [v (D), w, a_v, a_w]: the embedding shares
+    one accumulator, the first-order weight has its own; DLRM's and DCN-v2's is [v (D), a_v]; SGD keeps no
+    state."""
+    assert {name: models.first_order_columns(name) for name in MODELS} == {
+        "dlrm": 0, "wide-deep": 1, "deepfm": 1, "dcn-v2": 0}
+    dataset = make_dataset(tmp_path / "data", 3)
+    for name in MODELS:
+        for optimizer, state in (("adagrad", 1 + models.first_order_columns(name)), ("sgd", 0)):
+            spec = prepare_run(run_config(dataset, tmp_path / name, "local", name,
+                                          embedding_optimizer=optimizer)).spec
+            assert (spec.dim, spec.state_width, spec.width) == (
+                models.row_width(name, 4), state, models.row_width(name, 4) + state), (name, optimizer)
+
+
+@pytest.mark.parametrize("update", [apply_update, apply_update_rowwise])
+def test_only_the_first_order_weights_gradient_moves_its_accumulator(update):
+    """A gradient on the first-order weight alone changes that weight and its own accumulator, nothing else
+    (Adagrad per value: ``a_w += g^2``, ``w -= lr * g / (sqrt(a_w) + eps)``, each step rounded to float32); a
+    gradient on the embedding alone leaves both as they were."""
+    spec = RowSpec(5, "adagrad", 0, (0,), (40,), lr=0.1, init_std=1e-4, own_accumulator_columns=1)
+    rng = np.random.default_rng(4)
+    rows = init_rows(spec, np.arange(40))
+    rows[:, 5:] = rng.random((40, 2)).astype(np.float32)  # accumulators that have seen some steps
+    first_order = np.zeros((40, 5), np.float32)
+    first_order[:, 4] = rng.standard_normal(40).astype(np.float32)
+    first_order[::7, 4] = 0.0
+    after = update(spec, torch.from_numpy(rows.copy()), torch.from_numpy(first_order)).numpy()
+    assert np.array_equal(after[:, [0, 1, 2, 3, 5]].view(np.int32), rows[:, [0, 1, 2, 3, 5]].view(np.int32))
+    g = first_order[:, 4]
+    own = rows[:, 6] + g * g
+    assert np.array_equal(after[:, 6].view(np.int32), own.view(np.int32))
+    w = rows[:, 4] - g / (np.sqrt(own) + np.float32(spec.eps)) * np.float32(spec.lr)
+    assert np.array_equal(after[:, 4].view(np.int32), w.view(np.int32))
+    assert (after[1:7, 4] != rows[1:7, 4]).all()
+
+    embedding = rng.standard_normal((40, 5)).astype(np.float32)
+    embedding[:, 4] = 0.0
+    after = update(spec, torch.from_numpy(rows.copy()), torch.from_numpy(embedding)).numpy()
+    assert np.array_equal(after[:, [4, 6]].view(np.int32), rows[:, [4, 6]].view(np.int32))
+    assert (after[:, 5] > rows[:, 5]).all() and (after[:, :4] != rows[:, :4]).all()
 
 
 def test_the_published_defaults():

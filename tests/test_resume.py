@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from distributed import Client, LocalCluster
 from test_trainers import assert_bit_identical, make_dataset, small_config
 
@@ -285,6 +286,22 @@ def test_resume_refuses_a_checkpoint_of_another_run(crashed_run, tmp_path, clust
     shutil.copy(tmp_path / "other" / CHECKPOINT_FILE, tmp_path / "run" / CHECKPOINT_FILE)
     with pytest.raises(ResumeError, match="does not belong to the run"):
         train(config, client=cluster)
+
+
+def test_resume_refuses_a_checkpoint_of_another_row_layout(crashed_run, tmp_path):
+    """Rows one optimizer value wider than this version lays them out (a checkpoint written by a dlrmflow whose
+    row layout differed) are refused before any worker starts, naming both layouts."""
+    config = copy_run(crashed_run, tmp_path, resume=True)
+    path = tmp_path / "run" / CHECKPOINT_FILE
+    state = torch.load(path, weights_only=True)
+    state["rows_files"]["width"] += 1
+    torch.save(state, path)
+    with pytest.raises(ResumeError) as error:
+        prepare_run(config)
+    assert str(error.value) == (
+        f"{path} holds rows of 6 values, this version lays the run's rows out in 5 (4 weights, then one Adagrad "
+        "accumulator shared by them): the checkpoint was written by a dlrmflow with another row layout; resume it "
+        "with that version, or start the run over with `dlrmflow train`")
 
 
 # ---- the CLI and the flow ---------------------------------------------------------------------------

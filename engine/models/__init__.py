@@ -10,6 +10,8 @@ without knowing which model reads them. Nothing outside this package looks at th
 
 A model module provides: a frozen config dataclass (``name`` class attribute, checked on
 construction), ``row_width(embedding_dim)``, ``ROW_INIT_STD`` (how its rows start: RowSpec.init_std),
+``FIRST_ORDER_COLUMNS`` (how many of the row's last values are per-id first-order weights, each with an
+optimizer accumulator of its own: RowSpec.own_accumulator_columns),
 ``config_from(settings, num_dense, num_tables)``
 (the architecture a TrainConfig asks for, with the module's published defaults for what it leaves
 unset) and ``MODEL``, the ``nn.Module`` class built from ``(config, seed)``; its initial
@@ -26,7 +28,8 @@ MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
 # The architecture settings each model reads; setting one that the chosen model does not read is an error.
 MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "deepfm": ("dnn",),
                   "dcn-v2": ("dnn", "cross_layers")}
-_REGISTRY = ("MODULES", "architecture", "bce_loss", "build_model", "model_config", "row_init_std", "row_width")
+_REGISTRY = ("MODULES", "architecture", "bce_loss", "build_model", "first_order_columns", "model_config",
+             "row_init_std", "row_width")
 
 
 def __getattr__(name: str) -> Any:

@@ -33,6 +33,8 @@ DEFAULT_DNN = (500, 500, 500)  # BARS DCNv2_criteo_x1: parallel_dnn_hidden_units
 DEFAULT_CROSS_LAYERS = 3  # BARS DCNv2_criteo_x1: num_cross_layers 3
 # Every embedding value starts with this standard deviation (DeepCTR-Torch's and FuxiCTR's embeddings).
 ROW_INIT_STD = REFERENCE_INIT_STD
+# A row is the embedding alone: no per-id first-order weight.
+FIRST_ORDER_COLUMNS = 0
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ computed in O(T D) by Rendle's identity (Rendle 2010, "Factorization Machines", 
 
 Every per-id parameter lives in the id's embedding row: its factor vector ``v_k`` and, in the next
 column, its first-order weight ``w_k`` (``row_width(D) = D + 1``), both trained by the embedding
-optimizer (row-wise Adagrad: one accumulator per row, shared by its D + 1 values); ``a`` and ``b``
-are dense parameters. The dense features enter the first-order term linearly and the DNN
+optimizer (row-wise Adagrad: ``v_k`` shares one accumulator, ``w_k`` has its own, as in Wide & Deep);
+``a`` and ``b`` are dense parameters. The dense features enter the first-order term linearly and the DNN
 concatenated with the embeddings; they have no factor vectors, so the pairwise term is over the
 categorical fields. (BARS / FuxiCTR give each numeric field a factor vector scaled by its value.)
 
@@ -29,9 +29,17 @@ from typing import ClassVar
 
 import torch
 
-from dlrmflow.engine.models.wide_deep import DEFAULT_DNN, ROW_INIT_STD, WideDeep, WideDeepConfig, row_width
+from dlrmflow.engine.models.wide_deep import (
+    DEFAULT_DNN,
+    FIRST_ORDER_COLUMNS,
+    ROW_INIT_STD,
+    WideDeep,
+    WideDeepConfig,
+    row_width,
+)
 
-__all__ = ["DEFAULT_DNN", "ROW_INIT_STD", "DeepFM", "DeepFMConfig", "config_from", "pairwise_interactions", "row_width"]
+__all__ = ["DEFAULT_DNN", "FIRST_ORDER_COLUMNS", "ROW_INIT_STD", "DeepFM", "DeepFMConfig", "config_from",
+           "pairwise_interactions", "row_width"]
 
 
 @dataclass(frozen=True)

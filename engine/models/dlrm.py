@@ -72,6 +72,8 @@ def config_from(settings: Any, num_dense: int, num_tables: int) -> DLRMConfig:
 
 # Rows keep facebookresearch/dlrm's rule, uniform in +-sqrt(1/n) per table (RowSpec.init_std None).
 ROW_INIT_STD = None
+# A row is the embedding alone: no per-id first-order weight.
+FIRST_ORDER_COLUMNS = 0
 
 
 class DLRM(nn.Module):

@@ -25,6 +25,12 @@ def row_width(name: str, embedding_dim: int) -> int:
     return MODULES[name].row_width(embedding_dim)
 
 
+def first_order_columns(name: str) -> int:
+    """How many of the last row values of model ``name`` are per-id first-order weights, each with an optimizer
+    accumulator of its own (RowSpec.own_accumulator_columns)."""
+    return MODULES[name].FIRST_ORDER_COLUMNS
+
+
 def row_init_std(name: str) -> float | None:
     """The standard deviation every row value of model ``name`` starts with (RowSpec.init_std); None:
     facebookresearch/dlrm's per-table bound ``sqrt(1/n)``."""

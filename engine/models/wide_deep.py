@@ -7,11 +7,12 @@
 
 Every per-id parameter lives in the id's embedding row: its deep embedding ``v_k`` and, in the
 next column, its wide weight ``w_k`` (``row_width(D) = D + 1``). Both are trained by the embedding
-optimizer (row-wise Adagrad keeps one accumulator per row, shared by the row's D + 1 values); ``a``
-and ``b`` are dense parameters. The dense features enter both parts: the wide part as a linear term,
-the deep part concatenated with the embeddings (as BARS / FuxiCTR feed Criteo's numeric fields to
-both). The wide part holds the raw features only: the paper's hand-made cross-product features
-are left out, as in BARS.
+optimizer; under row-wise Adagrad ``v_k`` shares one accumulator and ``w_k`` has one of its own
+(``FIRST_ORDER_COLUMNS``), so the wide weight takes per-value Adagrad's step, as in DeepCTR-Torch,
+not one scaled by the embedding's gradients. ``a`` and ``b`` are dense parameters. The dense
+features enter both parts: the wide part as a linear term, the deep part concatenated with the
+embeddings (as BARS / FuxiCTR feed Criteo's numeric fields to both). The wide part holds the raw
+features only: the paper's hand-made cross-product features are left out, as in BARS.
 
 Defaults: a 400-400-400 DNN, BARS WideDeep_criteo_x1 (reczoo/BARS, FuxiCTR v1.1.0 ``WideDeep``,
 ``hidden_units: [400, 400, 400]``; AUC 0.8138 on Criteo_x1). BARS trains with dropout 0.1, batch
@@ -33,6 +34,11 @@ DEFAULT_DNN = (400, 400, 400)  # BARS WideDeep_criteo_x1: hidden_units [400, 400
 # Every value of a row (the deep embedding and the wide weight) starts with this standard deviation:
 # DeepCTR-Torch's embeddings and linear-part embeddings (deepctr_torch/inputs.py, models/basemodel.py).
 ROW_INIT_STD = REFERENCE_INIT_STD
+# The row's last value, the wide weight, is a first-order weight: it keeps an optimizer accumulator of its own
+# (RowSpec.own_accumulator_columns). Sharing the embedding's accumulator would give it steps up to sqrt(D + 1)
+# times per-value Adagrad's while the embedding's gradients are small, which fits the noise of rare ids
+# (measured: benchmarks/RESULTS.md, issue 47).
+FIRST_ORDER_COLUMNS = 1
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,18 @@
 """Embedding rows: their layout, their initial values, and their optimizer updates.
 
 Row layout. Every embedding row travels as one contiguous float32 buffer of ``width`` values:
-``dim`` weights followed by the row's optimizer state (``state_width`` values: none for SGD,
-one accumulator for row-wise Adagrad). A block of ``n`` rows is a ``[n, width]`` array. The
-local table, the embedding servers and the trainer caches all store exactly this layout, so
-a row moves between them by copying bytes, never by converting values.
+``dim`` weights followed by the row's optimizer state (``state_width`` values). With ``m =
+own_accumulator_columns`` (a model's per-id first-order weights: the last ``m`` weights)::
+
+    [w_0 .. w_{dim-m-1} | w_{dim-m} .. w_{dim-1} | state]
+    SGD                 state: nothing
+    row-wise Adagrad    state: a_shared, then a_{dim-m} .. a_{dim-1}: one accumulator shared by the
+                        first dim - m weights (the embedding), one of its own for each of the last m
+
+so an id's first-order weight takes Adagrad steps of its own size, as a per-value Adagrad would give
+it, while the embedding keeps one accumulator per row. A block of ``n`` rows is a ``[n, width]``
+array. The local table, the embedding servers and the trainer caches all store exactly this layout,
+so a row moves between them by copying bytes, never by converting values.
 
 Initial values. Row ``id`` (a global id) is a pure function of ``(seed, id)`` and the table
 layout (which table ``id`` belongs to, fixed by the dataset): weight ``c`` is a counter-based
@@ -39,7 +47,7 @@ import torch
 from dlrmflow.engine.errors import UserInputError
 
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")
-# State values stored after the weights of each row, per optimizer.
+# State values per accumulator group of a row (the shared weights, each own-accumulator column), per optimizer.
 STATE_WIDTH = {"sgd": 0, "adagrad": 1}
 
 # splitmix64 constants (Steele, Lea, Flood 2014): a counter-based generator whose output for
@@ -71,6 +79,9 @@ class RowSpec:
     earlier_cardinalities: tuple[tuple[int, ...], ...] = ()
     # A finished run's final rows to start from (``--init-from``); None: every row from its hash.
     start: StartingRows | None = None
+    # How many of the last weights keep an Adagrad accumulator each (module docstring): the model's per-id
+    # first-order weights (models.first_order_columns); the other weights share the row's one.
+    own_accumulator_columns: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in STATE_WIDTH:
@@ -80,6 +91,9 @@ class RowSpec:
             )
         if self.dim < 1:
             raise UserInputError(f"embedding dim must be >= 1, got {self.dim}")
+        if not 0 <= self.own_accumulator_columns < self.dim:
+            raise ValueError(f"own_accumulator_columns must lie in [0, {self.dim}) (at least one shared weight), "
+                             f"got {self.own_accumulator_columns}")
         if len(self.table_offsets) != len(self.cardinalities):
             raise ValueError("table_offsets and cardinalities disagree on the number of tables")
         for earlier in (*self.earlier_cardinalities, *([self.start.cardinalities] if self.start else [])):
@@ -88,8 +102,24 @@ class RowSpec:
                 raise ValueError(f"an earlier vocabulary's cardinalities {earlier} do not fit in {self.cardinalities}")
 
     @property
+    def shared_columns(self) -> int:
+        """The weights that share the row's accumulator (all but the own-accumulator columns)."""
+        return self.dim - self.own_accumulator_columns
+
+    @property
     def state_width(self) -> int:
-        return STATE_WIDTH[self.optimizer]
+        """float32 optimizer values per row, after the weights."""
+        return STATE_WIDTH[self.optimizer] * (1 + self.own_accumulator_columns)
+
+    def describe_layout(self) -> str:
+        """The row layout in words (what an error about a row width names)."""
+        if self.optimizer == "sgd":
+            return f"{self.dim} weights, no optimizer state"
+        own = self.own_accumulator_columns
+        if not own:
+            return f"{self.dim} weights, then one Adagrad accumulator shared by them"
+        return (f"{self.dim} weights, then one Adagrad accumulator shared by the first {self.shared_columns} and "
+                f"one for each of the last {own}")
 
     @property
     def width(self) -> int:
@@ -220,14 +250,29 @@ def rowwise_adagrad_update(
     weights.addcdiv_(grad, accumulators.sqrt().add_(eps).unsqueeze(1), value=-lr)
 
 
+def per_value_adagrad_update(
+    weights: torch.Tensor, accumulators: torch.Tensor, grad: torch.Tensor, lr: float, eps: float
+) -> None:
+    """Adagrad with an accumulator per value, in place: ``acc += g^2``, ``w -= lr * g / (sqrt(acc) + eps)``.
+
+    Every step is a single elementwise operation (each exactly rounded wherever the value sits in its
+    block), so :func:`apply_update` and :func:`apply_update_rowwise` both call it and give these columns
+    the same bits."""
+    accumulators.add_(grad.mul(grad))
+    weights.sub_(grad.div(accumulators.sqrt().add_(eps)).mul_(lr))
+
+
 def apply_update(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Update a ``[U, width]`` block (weights + state) in place with the weights' gradient ``[U, dim]``."""
-    weights = block[:, : spec.dim]
     if spec.optimizer == "sgd":
-        sgd_update(weights, grad, spec.lr)
-    else:
-        # A [U] view (stride = width) into the block's state column.
-        rowwise_adagrad_update(weights, block[:, spec.dim], grad, spec.lr, spec.eps)
+        sgd_update(block[:, : spec.dim], grad, spec.lr)
+        return block
+    shared = spec.shared_columns
+    # A [U] view (stride = width) into the block's shared accumulator column.
+    rowwise_adagrad_update(block[:, :shared], block[:, spec.dim], grad[:, :shared], spec.lr, spec.eps)
+    if spec.own_accumulator_columns:
+        per_value_adagrad_update(block[:, shared: spec.dim], block[:, spec.dim + 1:], grad[:, shared:], spec.lr,
+                                 spec.eps)
     return block
 
 
@@ -242,16 +287,19 @@ def apply_update_rowwise(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor)
     wherever the element sits) and Adagrad's row mean is a sum over columns in column order. ``grad`` may lie
     on another device (the trainers sum gradients on the host): it is applied where ``block`` lies."""
     grad = grad.to(block.device)
-    weights = block[:, : spec.dim]
     if spec.optimizer == "sgd":
-        weights.sub_(grad.mul(spec.lr))
+        block[:, : spec.dim].sub_(grad.mul(spec.lr))
         return block
+    shared = spec.shared_columns
     squares = grad.mul(grad)
     total = squares[:, 0].clone()
-    for column in range(1, spec.dim):
+    for column in range(1, shared):
         total.add_(squares[:, column])
     accumulators = block[:, spec.dim]
-    accumulators.add_(total.div_(spec.dim))
+    accumulators.add_(total.div_(shared))
     denominator = accumulators.sqrt().add_(spec.eps).unsqueeze(1)
-    weights.sub_(grad.div(denominator).mul_(spec.lr))
+    block[:, :shared].sub_(grad[:, :shared].div(denominator).mul_(spec.lr))
+    if spec.own_accumulator_columns:
+        per_value_adagrad_update(block[:, shared: spec.dim], block[:, spec.dim + 1:], grad[:, shared:], spec.lr,
+                                 spec.eps)
     return block

@@ -156,6 +156,17 @@ def restore_dense(state: dict[str, Any], model: torch.nn.Module, optimizer: torc
     optimizer.load_state_dict(state["dense_optimizer"])
 
 
+def check_row_layout(path: Path, state: dict[str, Any], spec: RowSpec) -> None:
+    """ResumeError when the rows of the checkpoint ``state`` (loaded from ``path``) are not as wide as ``spec``
+    lays a row out: a checkpoint written by a dlrmflow with another row layout (its optimizer state)."""
+    width = int(state["rows_files"]["width"])
+    if width != spec.width:
+        raise ResumeError(f"{path} holds rows of {width} values, this version lays the run's rows out in "
+                          f"{spec.width} ({spec.describe_layout()}): the checkpoint was written by a dlrmflow "
+                          "with another row layout; resume it with that version, or start the run over with "
+                          "`dlrmflow train`")
+
+
 def load_resume_point(run_dir: str | os.PathLike, config: dict[str, Any], spec: RowSpec,
                       iterations: int) -> dict[str, Any]:
     """The checkpoint a resume starts from, checked against the run it belongs to; its ``rows`` a
@@ -165,6 +176,7 @@ def load_resume_point(run_dir: str | os.PathLike, config: dict[str, Any], spec: 
     if state["config_sha256"] != config_sha256(config) or state["log"] is None:
         raise ResumeError(f"{path} does not belong to the run in {run_dir} (another configuration); "
                           "start a new run with `dlrmflow train`")
+    check_row_layout(path, state, spec)
     rows = checkpoint_rows(path, state)
     if rows.shape != (spec.total_rows, spec.width) or not 0 <= state["iteration"] < iterations:
         raise ResumeError(f"{path} does not fit the run: rows {rows.shape}, iteration "

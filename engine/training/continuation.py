@@ -111,10 +111,10 @@ def parent_cardinalities(run: FinishedRun, meta: Any, where: str) -> list[int]:
 
 
 def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, architecture: dict[str, Any],
-                    row_width: int, width: int) -> tuple[FinishedRun, Any]:
+                    row_width: int, width: int, layout: str) -> tuple[FinishedRun, Any]:
     """The finished run ``config.init_from`` names, checked against this run's model (``architecture``, as a
-    summary records it), row layout (``row_width`` weights, ``width`` values with the optimizer state) and
-    dataset (``meta``); the rows it starts from."""
+    summary records it), row layout (``row_width`` weights, ``width`` values with the optimizer state, ``layout``
+    in words: RowSpec.describe_layout) and dataset (``meta``); the rows it starts from."""
     run = read_finished_run(run_dir)
     where = f"--init-from {run_dir}"
     summary = run.summary
@@ -131,9 +131,15 @@ def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, archi
         if summary[key] != getattr(config, key):
             raise InitFromError(f"{key}: {where} trained with --{key.replace('_', '-')} {summary[key]}, this run "
                                 f"{getattr(config, key)} (the optimizer state would not fit)")
-    if int(run.manifest["width"]) != width:
-        raise InitFromError(f"embedding_optimizer: {where} stores rows of {run.manifest['width']} values, this "
-                            f"run {width}")
+    theirs_width = int(run.manifest["width"])
+    if theirs_width != width:
+        # Same model, weights and optimizer: the optimizer state is laid out otherwise (a final state written
+        # before the model's first-order weights kept accumulators of their own). Its values cannot be split.
+        state = theirs_width - row_width
+        raise InitFromError(f"embedding_optimizer: {where} stores rows of {theirs_width} values ({row_width} "
+                            f"weights, then {state} optimizer value{'' if state == 1 else 's'}), this version "
+                            f"{width} ({layout}): the run was trained by a dlrmflow with another row layout; "
+                            "continue it with that version, or train it again with this one")
     cards = parent_cardinalities(run, meta, where)
     return run, run.starting_rows(cards)
 

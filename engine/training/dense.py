@@ -63,6 +63,7 @@ def dense_state(setup: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
             "dim": spec.dim,
             "optimizer": spec.optimizer,
             "state_width": spec.state_width,
+            "own_accumulator_columns": spec.own_accumulator_columns,
             "table_offsets": list(spec.table_offsets),
             "cardinalities": list(spec.cardinalities),
         },

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,13 +14,15 @@ import torch
 
 from dlrmflow.datasets.meta import DatasetMeta, read_meta
 from dlrmflow.engine.batch_stream import BatchStream, batches_ending_by, global_ids
-from dlrmflow.engine.models import architecture, model_config, row_init_std, row_width
+from dlrmflow.engine.models import architecture, first_order_columns, model_config, row_init_std, row_width
 from dlrmflow.engine.planning.planner import CapacityError, Plan, load_plan
 from dlrmflow.engine.serving.embedding_rows import RowSpec
+from dlrmflow.engine.training.checkpoint_format import check_row_layout, load_checkpoint
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.continuation import FinishedRun, check_init_from
 from dlrmflow.engine.training.faults import Kill, check_kills
 from dlrmflow.engine.training.modes import MODES
+from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE
 from dlrmflow.engine.training.run_directory_checks import check_resumable, refuse_unfinished_run
 
 
@@ -133,12 +136,13 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         lr=config.embedding_lr if config.embedding_lr is not None else config.lr,
         init_std=row_init_std(config.model),
         earlier_cardinalities=meta.earlier_cardinalities,
+        own_accumulator_columns=first_order_columns(config.model),
     )
     init_from = None
     if config.init_from is not None:  # InitFromError: not a finished run, another model, unrelated data
         init_from, start = check_init_from(config.init_from, config=config, meta=meta,
                                            architecture=architecture(architecture_config), row_width=spec.dim,
-                                           width=spec.width)
+                                           width=spec.width, layout=spec.describe_layout())
         spec = dataclasses.replace(spec, start=start)
     checks: dict[str, Any] = {}
     if plan is not None:
@@ -161,6 +165,8 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     if config.resume:  # ResumeError: no checkpoint, a finished run, changed data or plan, another configuration
         resume_at = check_resumable(config.output_dir, config.model_dump(), dataset_fingerprint=meta.fingerprint,
                                     plan_fingerprint=plan_fp, iterations=iterations)
+        checkpoint = Path(config.output_dir) / CHECKPOINT_FILE
+        check_row_layout(checkpoint, load_checkpoint(checkpoint, mmap=True), spec)  # before any worker starts
     else:
         refuse_unfinished_run(config.output_dir)  # names `dlrmflow resume RUN_DIR`
     return RunSetup(config, meta, stream, iterations, eval_start, architecture_config, spec, plan, checks, kills,

@@ -79,10 +79,13 @@ def scoring_setup(run: FinishedRun, meta: DatasetMeta, dataset_dir: str | os.Pat
                             f"{len(meta.sparse_columns)}")
     cards = parent_cardinalities(run, meta, where)
     embedding = dense["embedding"]
+    # The run's own row layout, whatever this version's: scoring reads only the weights. A final state that does
+    # not record own_accumulator_columns has the layout before it: one accumulator shared by every weight.
     spec = RowSpec(dim=int(embedding["dim"]), optimizer=embedding["optimizer"], seed=int(run.summary.get("seed", 0)),
                    table_offsets=tuple(meta.table_offsets), cardinalities=tuple(meta.cardinalities),
                    init_std=row_init_std(dense["model"]), earlier_cardinalities=meta.earlier_cardinalities,
-                   start=run.starting_rows(cards))
+                   start=run.starting_rows(cards),
+                   own_accumulator_columns=int(embedding.get("own_accumulator_columns", 0)))
     return dense, model_config, cards, spec
 
 
