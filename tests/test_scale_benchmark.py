@@ -24,12 +24,18 @@ CHILD = "import time; b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::409
 PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {CHILD!r}])"
 
 
-def test_tree_memory_counts_the_children_of_the_command(scale):
-    proc = subprocess.Popen([sys.executable, "-c", PARENT])
+def watched(scale, parent_code: str):
+    """A TreeMemory of ``python -c PARENT_CODE`` from its start to its end."""
+    proc = subprocess.Popen([sys.executable, "-c", parent_code])
     memory = scale.TreeMemory(proc.pid, interval=0.02)
     proc.wait(timeout=60)
     time.sleep(0.05)
     memory.stop()
+    return memory
+
+
+def test_tree_memory_counts_the_children_of_the_command(scale):
+    memory = watched(scale, PARENT)
     assert memory.processes == 2
     assert memory.peak_one >= 200 * 2**20 and memory.largest == "other"  # the child's, not the parent's
     assert memory.peak_sum >= memory.peak_one
@@ -42,10 +48,7 @@ SPINNING_PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c'
 
 
 def test_tree_memory_counts_the_cpu_of_the_command_s_children(scale):
-    proc = subprocess.Popen([sys.executable, "-c", SPINNING_PARENT])
-    memory = scale.TreeMemory(proc.pid, interval=0.02)
-    proc.wait(timeout=60)
-    memory.stop()
+    memory = watched(scale, SPINNING_PARENT)
     assert 0.9 <= memory.cpu_seconds < 5.0, memory.cpu_seconds  # the child's second, the interpreters' start
 
 
