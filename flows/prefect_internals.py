@@ -118,8 +118,12 @@ class TemporaryApi:
         self.timeout_s = timeout_s
         self.port: int | None = None
         self.process: subprocess.Popen[bytes] | None = None
-        self.answering = False
-        self._settings: contextlib.AbstractContextManager[None] | None = None
+        self._settings: contextlib.AbstractContextManager[None] | None = None  # entered while it answers
+
+    @property
+    def answering(self) -> bool:
+        """Whether it answered and this process's Prefect points at it."""
+        return self._settings is not None
 
     @property
     def url(self) -> str:
@@ -167,20 +171,18 @@ class TemporaryApi:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.05)
-        self._settings = use_api_everywhere(self.url)
-        self._settings.__enter__()
-        self.answering = True
+        settings = use_api_everywhere(self.url)
+        settings.__enter__()
+        self._settings = settings
 
     def stop(self) -> None:
         """Send what Prefect still holds for the server (logs, events: at most 5 s each), SIGTERM the server (no
         wait) and give this process's Prefect its settings back. Call it in the thread that called
         :meth:`wait_until_answering`."""
-        if self.answering:
-            drain_prefect_workers(timeout_s=5)
         if self._settings is not None:
+            drain_prefect_workers(timeout_s=5)
             self._settings.__exit__(None, None, None)
             self._settings = None
-        self.answering = False
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
 
