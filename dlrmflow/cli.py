@@ -95,7 +95,9 @@ def temporary_prefect_api() -> TemporaryApi | None:
 
 
 def import_flows(module: ModuleType) -> None:
-    """Import what a command will import (``module.FLOWS``: its flows module and what its flow loads later)."""
+    """Import what a command will import, while its temporary Prefect API starts (the seconds it would otherwise
+    wait for it): ``module.FLOWS``, its flows module, then what its flow loads later (torch's deterministic
+    settings where it trains or scores, matplotlib where it plots)."""
     for name in module.FLOWS:
         importlib.import_module(name)
 

@@ -13,9 +13,7 @@ from dlrmflow.engine.training.config import TrainConfig
 NAME = "compare-caches"
 HELP = "simulate cache policies on one batch stream: rows fetched, bytes, write-backs, hit rate"
 # The oracle's settings are the plan's (PlanConfig; the capacity here is a list); the row width is training's.
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.plan", "matplotlib.pyplot")
+FLOWS = ("dlrmflow.flows.plan", "matplotlib.pyplot")  # cli.import_flows
 PLAN_FIELDS = ("batch_size", "lookahead", "prefetch_distance", "drop_last")
 
 

@@ -8,9 +8,7 @@ from typing import Any
 NAME = "daily"
 HELP = ("each day file of LANDING not yet processed: preprocess with the previous day's vocabulary, plan, "
         "evaluate the latest model on it, train from it (oracle, parity); the day-by-day table")
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.daily", "torch._inductor.config", "matplotlib.pyplot")
+FLOWS = ("dlrmflow.flows.daily", "torch._inductor.config", "matplotlib.pyplot")  # cli.import_flows
 
 OPTIONS = ("format", "min_frequency", "max_rows_per_table", "seed", "model", "embedding_dim", "batch_size",
            "lookahead", "prefetch_distance", "shards", "parity", "lr")

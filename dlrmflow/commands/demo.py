@@ -7,9 +7,7 @@ from typing import Any
 
 NAME = "demo"
 HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare caches, train (LocalCluster)"
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.pipeline", "torch._inductor.config", "matplotlib.pyplot")
+FLOWS = ("dlrmflow.flows.pipeline", "torch._inductor.config", "matplotlib.pyplot")  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

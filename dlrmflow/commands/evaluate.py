@@ -12,9 +12,7 @@ from typing import Any
 NAME = "evaluate"
 HELP = ("score a finished run's model on a dataset (its own, or a later day's preprocessed with --vocabulary): "
         "AUC, log loss and the constant-prediction log loss, without training")
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.evaluate", "torch._inductor.config")
+FLOWS = ("dlrmflow.flows.evaluate", "torch._inductor.config")  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

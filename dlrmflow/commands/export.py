@@ -12,7 +12,7 @@ from typing import Any
 NAME = "export"
 HELP = ("write a finished run's model for TorchRec: TorchRec's DLRM state dict (a torch.export program for the "
         "other models) and its dataset's vocabulary, into a new directory")
-FLOWS = ("dlrmflow.flows.export",)  # what the command imports: loaded while a temporary Prefect API starts
+FLOWS = ("dlrmflow.flows.export",)  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,9 +9,7 @@ from dlrmflow.engine.errors import UserInputError
 
 NAME = "generate"
 HELP = "write a synthetic Criteo-format TSV (power-law skew like the real data)"
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.dataset",)
+FLOWS = ("dlrmflow.flows.dataset",)  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,9 +11,7 @@ from dlrmflow.engine.planning.planner import PlanJobConfig
 NAME = "plan"
 HELP = "plan the embedding cache ahead of training: per-iteration prefetches, cache slots and evictions"
 # Metavars of the options whose value is not a plain word (shared with compare-caches).
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.plan",)
+FLOWS = ("dlrmflow.flows.plan",)  # cli.import_flows
 METAVARS = {"batch_size": "B", "lookahead": "L", "prefetch_distance": "P", "capacity": "ROWS",
             "output_dir": "PLAN_DIR", "chunk_iterations": "N"}
 

@@ -12,9 +12,7 @@ from typing import Any
 NAME = "predict"
 HELP = ("score raw files (the run's format) or a preprocessed dataset with a finished run's model: Parquet parts of "
         "row, click probability and label in a new directory; rows/s, new ids, and AUC and log loss with labels")
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.predict", "torch._inductor.config")
+FLOWS = ("dlrmflow.flows.predict", "torch._inductor.config")  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,9 +11,7 @@ from dlrmflow.datasets.preprocess_config import PreprocessConfig
 
 NAME = "preprocess"
 HELP = "turn raw Criteo/Avazu files into a shuffled Parquet dataset with meta.json"
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.dataset",)
+FLOWS = ("dlrmflow.flows.dataset",)  # cli.import_flows
 METAVARS = {"output": "DIR", "min_frequency": "N", "max_rows_per_table": "ROWS", "max_reject_fraction": "F",
             "block_bytes": "BYTES"}
 

@@ -10,9 +10,7 @@ from dlrmflow.engine.planning.profile import ProfileConfig
 
 NAME = "profile"
 HELP = "count embedding-row accesses and report the skew (profile.json + coverage plot)"
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.dataset", "matplotlib.pyplot")
+FLOWS = ("dlrmflow.flows.dataset", "matplotlib.pyplot")  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

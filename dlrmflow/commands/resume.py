@@ -14,9 +14,7 @@ from dlrmflow.commands import train
 
 NAME = "resume"
 HELP = "resume an unfinished training run (trained with --checkpoint-every) from its last checkpoint"
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.train", "torch._inductor.config", "matplotlib.pyplot")
+FLOWS = ("dlrmflow.flows.train", "torch._inductor.config", "matplotlib.pyplot")  # cli.import_flows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

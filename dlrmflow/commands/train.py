@@ -14,9 +14,7 @@ from dlrmflow.engine.training.faults import KILL_METAVAR
 NAME = "train"
 HELP = ("train a CTR model (DLRM, Wide & Deep, DeepFM, DCN-v2) in mode local, remote, lru or oracle; writes "
         "final_state/ (one file per embedding server) and summary.json")
-# What the command imports (its flows; torch's deterministic settings and matplotlib where its flow uses
-# them), loaded while a temporary Prefect API starts: the seconds the command would otherwise wait for it.
-FLOWS = ("dlrmflow.flows.train", "torch._inductor.config", "matplotlib.pyplot")
+FLOWS = ("dlrmflow.flows.train", "torch._inductor.config", "matplotlib.pyplot")  # cli.import_flows
 
 
 # Metavars of the options whose value is not a plain word (the option names: TrainConfig.cli_option).

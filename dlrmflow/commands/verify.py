@@ -16,7 +16,7 @@ from typing import Any
 NAME = "verify"
 HELP = ("check a run trained with --parity: parity re-encoded from its final state equals its parity shards, "
         "and its files their manifest (exit status 1 when not)")
-FLOWS = ("dlrmflow.flows.recovery",)  # what the command imports: loaded while a temporary Prefect API starts
+FLOWS = ("dlrmflow.flows.recovery",)  # cli.import_flows
 MISMATCH_EXIT_STATUS = 1
 
 
