@@ -21,6 +21,7 @@ between the trainer (this process) and a server crosses the shaped link.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import dask
 from distributed import Client, LocalCluster, Nanny
@@ -261,6 +263,37 @@ def cluster_workers(client: Client, timeout: float | None = None) -> dict[str, d
     between ``scheduler_info()``'s fetch and its return, the cluster looks empty (seen here:
     "no workers to host embedding servers" on a cluster with five)."""
     return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
+
+
+PROBE_TIMEOUT_SECONDS = 3.0  # a worker's answer to a probe (connection and reply) later than this is a miss
+
+
+async def answering_workers(workers: list[str], timeout: float, connection_args: dict[str, Any]) -> set[str]:
+    """The workers among ``workers`` that answer an ``identity`` call within ``timeout`` seconds, asked
+    directly on a connection of its own each (not the scheduler's view, not a pooled connection, whose
+    unanswered call could leave a late reply for the next caller)."""
+    from distributed.comm import connect
+    from distributed.core import send_recv
+
+    async def answers(address: str) -> bool:
+        comm = None
+
+        async def ask() -> None:
+            nonlocal comm
+            comm = await connect(address, timeout=timeout, **connection_args)
+            await send_recv(comm, op="identity", reply=True)
+
+        try:
+            await asyncio.wait_for(ask(), timeout)
+            return True
+        except Exception:  # noqa: BLE001 - refused, reset, timed out: every way of not answering is a miss
+            return False
+        finally:
+            if comm is not None:
+                comm.abort()
+
+    found = await asyncio.gather(*(answers(address) for address in workers))
+    return {address for address, ok in zip(workers, found, strict=True) if ok}
 
 
 SERVER_START_TIMEOUT_S = 120.0

@@ -45,7 +45,7 @@ from dlrmflow.engine.row_files import (
     shard_file,
     write_rows_file,
 )
-from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.cluster import PROBE_TIMEOUT_SECONDS, answering_workers, cluster_workers
 from dlrmflow.engine.serving.dask_internals import (
     actor_address,
     actor_client,
@@ -506,7 +506,11 @@ def warm_up_workers(client: Client, module: str = "dlrmflow.engine.serving.shard
                     workers: list[str] | None = None) -> None:
     """Import the server code (torch included) on every worker (or on ``workers``) now: a spare that
     later hosts a rebuilt or restored shard then starts it at once instead of importing while
-    training waits."""
+    training waits. Every worker means every worker that answers a probe: the scheduler lists a machine
+    that failed outright until Dask's TCP timeout, and a call to it would wait that long, then fail."""
+    if workers is None:
+        listed = list(cluster_workers(client))
+        workers = sorted(client.sync(answering_workers, listed, PROBE_TIMEOUT_SECONDS, client.connection_args))
     client.run(_import, module, workers=workers)
 
 

@@ -4,9 +4,10 @@ synchronised by torch.distributed.
 :func:`run_trainers` runs a group of one in the caller's process. For W > 1 it places one trainer per
 worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`), picks a rendezvous port on rank
 0's worker, submits :func:`train_on_worker` to each, relays rank 0's progress to its callbacks, and
-watches the trainers' workers: a trainer whose worker dies fails the run at once with
-:class:`TrainerLostError`, one line naming the trainer; a trainer that raises fails it with its own error,
-and the workers of trainers left blocked in a collective are restarted (:func:`release_blocked_trainers`).
+watches the trainers' workers: a trainer whose worker dies, or whose machine stops answering the driver's
+own probes (:class:`SilentTrainers`), fails the run with :class:`TrainerLostError`, one line naming the
+trainer; a trainer that raises fails it with its own error, and the workers of trainers left blocked in a
+collective are restarted (:func:`release_blocked_trainers`).
 Each trainer runs :func:`~.trainer.train_rank`.
 
 Each trainer reads and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1`` of every global batch. What it
@@ -32,8 +33,16 @@ import torch
 
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import engine_events_to, phase_reported
-from dlrmflow.engine.serving.cluster import cluster_workers
-from dlrmflow.engine.serving.placement import GPU_RESOURCE, WORKER_LOG, host_of, place_trainers, where_placed
+from dlrmflow.engine.serving.cluster import PROBE_TIMEOUT_SECONDS, answering_workers, cluster_workers
+from dlrmflow.engine.serving.placement import (
+    GPU_RESOURCE,
+    TRAINER_RESOURCE,
+    WORKER_LOG,
+    eligible_workers,
+    host_of,
+    place_trainers,
+    where_placed,
+)
 from dlrmflow.engine.training.collectives import TrainerGroup
 from dlrmflow.engine.training.run_context import RunContext
 from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE, resume_command
@@ -50,10 +59,39 @@ REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every m
 
 
 SCHEDULER_SILENCE_SECONDS = 30.0  # a scheduler that does not answer this long is taken as lost
+# The scheduler drops the worker of a machine that failed outright (power, link) only after Dask's TCP timeout
+# (30 s and more), while its peers wait in a collective; the driver asks each trainer's worker itself instead.
+PROBE_SECONDS = 2.0  # how often the driver asks each trainer's worker whether it is there
+SILENT_PROBES = 3  # this many misses in a row: the trainer's machine is taken as lost (about 12 s)
 
 
 class TrainerLostError(UserInputError):
-    """A trainer process died: the run cannot go on without its slice of the batch."""
+    """A trainer process died, or its machine stopped answering: the run cannot go on without its slice of the
+    batch. ``worker``: the lost trainer's Dask worker."""
+
+    def __init__(self, message: str, worker: str | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class SilentTrainers:
+    """How many of the driver's probes in a row each trainer's worker left unanswered.
+
+    Owned by the driver's watch loop (:func:`_watch`), the only code that changes it: one :meth:`probed` per
+    round of probes. A worker that answers starts again from zero; one that missed ``limit`` in a row is
+    lost (:meth:`probed` returns its rank)."""
+
+    def __init__(self, workers: list[str], limit: int = SILENT_PROBES) -> None:
+        if limit < 1:
+            raise ValueError(f"a trainer is lost after at least one missed probe, not {limit}")
+        self.workers, self.limit = list(workers), limit
+        self.misses = dict.fromkeys(self.workers, 0)
+
+    def probed(self, answered: set[str]) -> list[int]:
+        """One round of probes whose answers came from ``answered``; the ranks now taken as lost."""
+        for worker in self.workers:
+            self.misses[worker] = 0 if worker in answered else self.misses[worker] + 1
+        return [rank for rank, worker in enumerate(self.workers) if self.misses[worker] >= self.limit]
 
 
 class SchedulerLostError(UserInputError):
@@ -155,7 +193,7 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
     if client is None:
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers
-    info = cluster_workers(client)
+    info = answering_candidates(client, cluster_workers(client))
     workers = place_trainers(info, size, gpu=setup.config.device.startswith("cuda"))
     EVENTS.info("trainers on %s", where_placed([f"trainer {r}" for r in range(size)], workers, info))
     setup = prepare_trainers(setup, setup.config.output_dir)
@@ -177,8 +215,10 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
     except SchedulerLostError:
         scheduler_lost = True  # nothing to release, cancel or unsubscribe: its workers close with it
         raise
-    except BaseException:
-        release_blocked_trainers(client, futures, workers)
+    except BaseException as exc:
+        gone = {exc.worker} if isinstance(exc, TrainerLostError) and exc.worker else set()
+        # A peer whose machine is gone leaves the others in a collective until gloo's timeout: no grace.
+        release_blocked_trainers(client, futures, workers, grace_s=0.0 if gone else STOP_GRACE_SECONDS, gone=gone)
         raise
     finally:
         if not scheduler_lost:
@@ -186,9 +226,24 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
             client.unsubscribe_topic(topic)
 
 
-def release_blocked_trainers(client, futures, workers: list[str], grace_s: float = STOP_GRACE_SECONDS
-                             ) -> list[str]:
+def answering_candidates(client, info: dict[str, dict]) -> dict[str, dict]:
+    """``info`` (the scheduler's workers) less the workers that may run a trainer but do not answer a probe: the
+    scheduler lists a machine that failed outright until Dask's TCP timeout, and a trainer placed there (a
+    resume started right after a trainer machine's loss) would leave the others waiting for it."""
+    candidates = eligible_workers(info, TRAINER_RESOURCE)
+    answered = client.sync(answering_workers, candidates, PROBE_TIMEOUT_SECONDS, client.connection_args)
+    silent = [w for w in candidates if w not in answered]
+    if silent:
+        EVENTS.warning("trainers: not placed on %s: no answer within %.0f s (the scheduler still lists them; their "
+                       "machine may have failed)", ", ".join(silent), PROBE_TIMEOUT_SECONDS)
+    return {w: i for w, i in info.items() if w not in silent}
+
+
+def release_blocked_trainers(client, futures, workers: list[str], grace_s: float = STOP_GRACE_SECONDS,
+                             gone: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """After the run failed: the workers of trainers still running ``grace_s`` later, restarted; returns them.
+    ``gone``: workers taken as lost (their machine stopped answering), never restarted: the scheduler may list
+    them still, and a restart would wait for a machine that is not there.
 
     A trainer whose peer raised can stay blocked in a collective until the gloo timeout (10 minutes), even
     though the peer destroyed its process group (seen with LRPP: trainer 0 in the dense gradients' all_gather
@@ -200,7 +255,8 @@ def release_blocked_trainers(client, futures, workers: list[str], grace_s: float
     while any(f.status == "pending" for f in futures) and time.monotonic() < deadline:
         time.sleep(0.2)
     alive = cluster_workers(client)
-    blocked = [w for f, w in zip(futures, workers, strict=True) if f.status == "pending" and w in alive]
+    blocked = [w for f, w in zip(futures, workers, strict=True)
+               if f.status == "pending" and w in alive and w not in gone]
     if blocked:
         with phase_reported(f"trainers: restarting {len(blocked)} trainer worker(s) still waiting for the "
                             f"failed trainer ({', '.join(blocked)})"):
@@ -231,6 +287,7 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
         if report["metrics"] is not None and on_metrics is not None:
             on_metrics(report["metrics"])
 
+    silent, next_probe = SilentTrainers(workers), time.monotonic() + PROBE_SECONDS
     while True:
         try:
             relay(reports.get(timeout=WATCH_SECONDS))
@@ -243,7 +300,14 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
             raise SchedulerLostError(_scheduler_lost_message(setup, client, done, exc)) from None
         for rank, worker in enumerate(workers):
             if worker not in alive:
-                raise TrainerLostError(_lost_message(setup, rank, worker, done))
+                raise TrainerLostError(_lost_message(setup, rank, worker, done), worker)
+        if time.monotonic() >= next_probe:
+            answered = client.sync(answering_workers, workers, PROBE_TIMEOUT_SECONDS, client.connection_args)
+            next_probe = time.monotonic() + PROBE_SECONDS
+            for rank in silent.probed(answered)[:1]:
+                why = (f"its machine stopped answering: no answer to {SILENT_PROBES} probes in a row, each given "
+                       f"{PROBE_TIMEOUT_SECONDS:.0f} s")
+                raise TrainerLostError(_lost_message(setup, rank, workers[rank], done, why), workers[rank])
         if any(f.status == "error" for f in futures):
             _raise_the_cause(futures)
         if all(f.status == "finished" for f in futures):
@@ -295,8 +359,9 @@ def _scheduler_lost_message(setup: RunSetup, client, done: int, exc: BaseExcepti
                     f"and {setup.config.trainers} workers that may run a trainer (`--resources trainer=1`) run again")
 
 
-def _lost_message(setup: RunSetup, rank: int, worker: str, done: int) -> str:
+def _lost_message(setup: RunSetup, rank: int, worker: str, done: int, why: str = "") -> str:
     trainers = setup.config.trainers
-    return _stopped(setup, f"trainer {rank} of {trainers} (Dask worker {worker}) died after iteration {done} of "
+    lost = f"was lost ({why})" if why else "died"
+    return _stopped(setup, f"trainer {rank} of {trainers} (Dask worker {worker}) {lost} after iteration {done} of "
                            f"{setup.iterations}",
                     f"once the cluster has {trainers} workers that may run a trainer (`--resources trainer=1`)")
