@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, tags
+from prefect import get_run_logger, tags
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
@@ -33,7 +33,7 @@ from dlrmflow.flows.daily_config import DailyConfig, DailyConfigError, day_name
 from dlrmflow.flows.dataset import preprocess_flow
 from dlrmflow.flows.export import export_flow
 from dlrmflow.flows.plan import plan_flow
-from dlrmflow.flows.prefect_internals import untraced
+from dlrmflow.flows.prefect_internals import flow, untraced
 from dlrmflow.flows.run_names import daily_run_name, daily_tags, night_label, night_start, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.daily import publish_daily_report_task

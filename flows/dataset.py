@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.datasets.preprocess_config import PreprocessConfig, PreprocessResult
 from dlrmflow.engine.planning.profile import ProfileConfig, ProfileResult
+from dlrmflow.flows.prefect_internals import flow
 from dlrmflow.flows.run_names import generate_run_name, preprocess_run_name, profile_run_name
 from dlrmflow.tasks.dataset import generate_task, preprocess_task, profile_task, publish_profile_task
 from dlrmflow.tasks.reporting import reported_dask_scheduler

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
+from dlrmflow.flows.prefect_internals import flow
 from dlrmflow.flows.run_names import evaluate_run_name
 from dlrmflow.tasks.evaluate import evaluate_task, publish_evaluation_task
 

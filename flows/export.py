@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
+from dlrmflow.flows.prefect_internals import flow
 from dlrmflow.flows.run_names import export_run_name
 from dlrmflow.tasks.export import export_task, publish_export_task
 

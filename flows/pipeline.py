@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, tags
+from prefect import get_run_logger, tags
 
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 from dlrmflow.engine.planning.cache_policies import capacity_sweep
@@ -35,7 +35,7 @@ from dlrmflow.engine.training.summary import TrainSummary, saved_run, train_summ
 from dlrmflow.flows.dataset import generate_flow, preprocess_flow, profile_flow
 from dlrmflow.flows.pipeline_config import PipelineConfig
 from dlrmflow.flows.plan import compare_caches_flow, plan_flow
-from dlrmflow.flows.prefect_internals import untraced
+from dlrmflow.flows.prefect_internals import flow, untraced
 from dlrmflow.flows.run_names import pipeline_run_name, pipeline_tags, tag_this_run
 from dlrmflow.flows.train import train_flow
 from dlrmflow.tasks.pipeline_report import publish_pipeline_summary_task

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
 from dlrmflow.datasets.meta import read_meta
 from dlrmflow.engine.planning.planner import PlanConfig, PlanJobConfig, PlanResult
 from dlrmflow.engine.training.config import TrainConfig
+from dlrmflow.flows.prefect_internals import flow
 from dlrmflow.flows.run_names import compare_caches_run_name, plan_run_name
 from dlrmflow.tasks.plan import compare_task, plan_task, publish_comparison_task, publish_plan_task
 from dlrmflow.tasks.reporting import reported_dask_scheduler

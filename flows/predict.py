@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
 from prefect.runtime import flow_run
 
+from dlrmflow.flows.prefect_internals import flow
 from dlrmflow.tasks.predict import inputs_label, predict_task, publish_prediction_task
 from dlrmflow.tasks.reporting import artifact_key, run_dir_label
 

@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 
 from dlrmflow.engine.coding.record import rebuild_start_sentence, recovery_sentence
-from dlrmflow.flows.prefect_internals import capture_run_context, outside_task_run
+from dlrmflow.flows.prefect_internals import capture_run_context, flow, outside_task_run
 from dlrmflow.flows.run_names import recover_run_name, recover_tags, tag_this_run, verify_run_name
 from dlrmflow.tasks.recovery import publish_recovery_task
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.logging.loggers import flow_run_logger
 
 from dlrmflow.engine.serving.cluster import coded_cluster_workers, dask_scheduler
@@ -25,7 +25,7 @@ from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.run_directory_checks import unfinished_run_message
 from dlrmflow.engine.training.summary import train_summary
-from dlrmflow.flows.prefect_internals import untraced
+from dlrmflow.flows.prefect_internals import flow, untraced
 from dlrmflow.flows.recovery import recovery_runner
 from dlrmflow.flows.run_names import tag_this_run, train_run_name, train_tags
 from dlrmflow.tasks.reporting import PHASES_LOGGER, PROGRESS, engine_events_to_run_log, train_run_label

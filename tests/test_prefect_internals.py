@@ -253,3 +253,59 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
                 assert client.read_task_run(recovery.parent_task_run_id).flow_run_id == train_run
             else:  # Prefect finds no parent in the thread's context: a top-level run
                 assert recovery.parent_task_run_id is None
+
+
+def test_a_flow_run_ends_without_joining_its_heartbeat_thread(monkeypatch):
+    """flow_runs_end_without_waiting_for_heartbeats: the sync engine starts each run's heartbeats through
+    ``prefect.flow_engine._send_heartbeats`` (a flow and its subflow: two runs), never joining the thread."""
+    import contextlib
+
+    from prefect import flow, flow_engine
+
+    calls: list[bool] = []
+    original = getattr(flow_engine._send_heartbeats, "unjoined", flow_engine._send_heartbeats)  # Prefect's own
+
+    @contextlib.contextmanager
+    def spy(engine, join_on_exit=True):
+        calls.append(join_on_exit)
+        with original(engine, join_on_exit=join_on_exit):
+            yield
+
+    monkeypatch.setattr(flow_engine, "_send_heartbeats", spy)
+    prefect_internals.flow_runs_end_without_waiting_for_heartbeats()
+    assert flow_engine._send_heartbeats is not spy
+    prefect_internals.flow_runs_end_without_waiting_for_heartbeats()  # idempotent: one wrapper, not two
+
+    @flow
+    def inner() -> int:
+        return 1
+
+    @flow
+    def outer() -> int:
+        return inner() + 1
+
+    assert outer() == 2
+    assert calls == [False, False]
+
+
+def test_every_flow_is_made_with_the_unjoined_heartbeats_flow_decorator():
+    """Every flow module makes its flows with ``prefect_internals.flow`` (never ``prefect.flow`` itself), so that
+    a process that runs a dlrmflow flow (a deployment's, which loads its module by path, included) has
+    :func:`flow_runs_end_without_waiting_for_heartbeats` applied."""
+    import ast
+    from pathlib import Path
+
+    flows_dir = Path(__file__).resolve().parents[1] / "flows"
+    wrong = []
+    for path in sorted(flows_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "prefect" and any(
+                    a.name == "flow" for a in node.names):
+                wrong.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "flow" and isinstance(node.value, ast.Name) and \
+                    node.value.id == "prefect" and path.name != "prefect_internals.py":
+                wrong.append(f"{path.name}:{node.lineno}")
+    assert not wrong, f"flows made with prefect.flow, not prefect_internals.flow: {wrong}"
+    from dlrmflow.flows.train import train_flow
+
+    assert train_flow.name == "train"  # a Prefect Flow all the same
