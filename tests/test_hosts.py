@@ -241,7 +241,7 @@ def with_options(argv: list[str], **options: str | None) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("mode,parity", [("remote", "0"), ("lru", "1")])
+@pytest.mark.parametrize("mode,parity", [("remote", "1"), ("lru", "0")])  # lru with parity: one trainer only
 def test_each_mode_across_hosts_ends_in_the_local_cluster_bits(mode, parity, cluster, workload, local_run, tmp_path):
     """remote and lru with two trainers, parity or none, on the hosts: the bits of the LocalCluster oracle run
     (every mode trains to the same bits; one trainer: the docs commands' test)."""
@@ -251,6 +251,24 @@ def test_each_mode_across_hosts_ends_in_the_local_cluster_bits(mode, parity, clu
     assert across["state_sha256"] == local_run["state_sha256"]
     members = {s["host"] for s in across["servers"]}
     assert members <= {cluster.network[name].address for name in SERVERS}, across["servers"]
+
+
+def test_a_night_of_daily_across_hosts_ends_in_the_local_cluster_bits(cluster, tmp_path):
+    """One night of `dlrmflow daily` (preprocess building the vocabulary, plan, oracle training with parity,
+    export) on the hosts' cluster: the night's model ends in the bits of the same night on a LocalCluster."""
+    from dlrmflow.datasets.synthetic import generate_rows
+
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    (landing / "day_0.tsv").write_bytes(generate_rows(0, 3000, seed=100, scale=0.002))
+    argv = ["daily", str(landing), "--batch-size", "512", "--lookahead", "20", "--embedding-dim", "4"]
+    with without_cluster_settings():
+        across = cli_json([*argv, "--state-dir", str(tmp_path / "hosts"), "--dask-address", cluster.address], cluster)
+        local = cli_json([*argv, "--state-dir", str(tmp_path / "local")])
+    assert across["new_days"] == local["new_days"] == ["day_0"]
+    [on_hosts], [on_local] = across["days"], local["days"]
+    assert on_hosts["state_sha256"] == on_local["state_sha256"]
+    assert Path(on_hosts["export_dir"], "export.json").is_file()
 
 
 KILLED_BUILDER = """
