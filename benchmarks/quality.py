@@ -29,7 +29,11 @@ it: a custom loss keeps the gradient's scale), and the optimizers' families: the
 (dlrmflow: row-wise, one accumulator per row for the embedding and one for a first-order weight;
 DeepCTR-Torch: torch.optim.Adagrad, one per value) at ``--embedding-lr``, the dense parameters by
 ``--dense-optimizer`` (SGD or Adam) at ``--lr``. DeepCTR-Torch initialises itself (``init_std`` 1e-4, its DNN
-weights N(0, 1e-4)).
+weights N(0, 1e-4)); dlrmflow's hidden layers start as ``--hidden-init`` says (default auto: DeepCTR-Torch's
+rule under Adam, Glorot's under SGD; docs/models.md).
+
+``--deepctr-from FILE`` takes DeepCTR-Torch's figures from an earlier run's ``--json-out`` instead of training
+it again (the same data and settings; a seed the file does not hold is run).
 
 The goal (issue 47), per source and model: dlrmflow's mean held-out log loss no worse than DeepCTR-Torch's
 by more than the seeds' spread (the larger range of the two), and its mean AUC at least DeepCTR-Torch's minus
@@ -45,6 +49,7 @@ loss is below the constant prediction's.
         [--batch-size 2048] [--seeds 0,1,2] [--models dlrm,...]
     .venv/bin/python benchmarks/quality.py --sources criteo-sample --batch-size 16 --seeds 0,1,2
     .venv/bin/python benchmarks/quality.py --dataset DIR --seeds 0,1,2
+    .venv/bin/python benchmarks/quality.py ... --deepctr-from EARLIER.json   # dlrmflow's runs only, compared
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from dlrmflow.engine.batch_stream import BatchStream
-from dlrmflow.engine.models import MODELS
+from dlrmflow.engine.models import HIDDEN_INIT_SETTINGS, MODELS
 from dlrmflow.engine.training.config import TrainConfig
 from dlrmflow.engine.training.job import train
 from dlrmflow.engine.training.metrics import log_loss, roc_auc
@@ -77,6 +82,9 @@ DNN = {"wide-deep": (400, 400, 400), "deepfm": (400, 400, 400), "dcn-v2": (500, 
 CROSS_LAYERS = 3
 EARLY_ITERATIONS, EARLY_EVAL_EVERY, EARLY_BATCH = 50, 10, 128
 AUC_MARGIN = 0.001  # the goal: dlrmflow's mean AUC at least DeepCTR-Torch's minus this
+# The settings that must be equal for DeepCTR-Torch's recorded figures to stand for a new run's (--deepctr-from).
+DEEPCTR_SETTINGS = ("rows", "scale", "data_seed", "dataset", "batch_size", "dense_optimizer", "lr", "embedding_lr",
+                    "eval_fraction", "eval_batch_size")
 
 
 def read_rows(dataset: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
@@ -153,6 +161,8 @@ def run_dlrmflow(name: str, dataset: Path, work: Path, args, seed: int, **settin
     arch = {"dnn": DNN[name]} if name in DNN else {}
     if name == "dcn-v2":
         arch["cross_layers"] = CROSS_LAYERS
+    if name in DNN:  # DLRM reads no --hidden-init (and refuses one)
+        arch["hidden_init"] = args.hidden_init
     base = dict(dataset_dir=str(dataset), mode="local", output_dir=str(out), model=name, save_state=False,
                 eval_fraction=args.eval_fraction, seed=seed, metrics_every=100, **arch)
     summary = train(TrainConfig(**{**base, **settings}))
@@ -191,8 +201,21 @@ def goal_met(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
             and auc["mean"] >= theirs["auc"]["mean"] - AUC_MARGIN)
 
 
-def compare_on(source: str, dataset: Path, work: Path, models: list[str], seeds: list[int], args) -> dict[str, Any]:
-    """Every model, both libraries, every seed on one dataset; the figures and their spreads."""
+def recorded_deepctr(path: str, args) -> dict[str, Any]:
+    """The sources of an earlier ``--json-out`` whose DeepCTR-Torch runs stand for this run's: SystemExit naming
+    the first setting that differs."""
+    earlier = json.loads(Path(path).read_text())
+    for key in DEEPCTR_SETTINGS:
+        if earlier["settings"].get(key) != vars(args).get(key):
+            raise SystemExit(f"--deepctr-from {path}: recorded with {key} {earlier['settings'].get(key)!r}, this run "
+                             f"{vars(args).get(key)!r}")
+    return earlier["sources"]
+
+
+def compare_on(source: str, dataset: Path, work: Path, models: list[str], seeds: list[int], args,
+               recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every model, both libraries, every seed on one dataset; the figures and their spreads. ``recorded``: this
+    source's figures from --deepctr-from, whose DeepCTR-Torch runs are taken as they are."""
     rows = read_rows(dataset)
     labels = rows[0]
     eval_start = len(labels) - int(round(args.eval_fraction * len(labels)))
@@ -222,9 +245,13 @@ def compare_on(source: str, dataset: Path, work: Path, models: list[str], seeds:
             entry["dlrmflow"].append({"seed": seed, **ours})
             print(f"{source} {name} seed {seed}: dlrmflow {ours}", flush=True)
             if name != "dlrm" and not args.skip_deepctr:
-                theirs = run_deepctr(name, rows, train_rows, eval_start, args, seed)
+                earlier = [r for r in ((recorded or {}).get("models", {}).get(name, {}).get("deepctr", []))
+                           if r["seed"] == seed]
+                theirs = ({k: v for k, v in earlier[0].items() if k != "seed"} if earlier
+                          else run_deepctr(name, rows, train_rows, eval_start, args, seed))
                 entry["deepctr"].append({"seed": seed, **theirs})
-                print(f"{source} {name} seed {seed}: DeepCTR-Torch {theirs}", flush=True)
+                print(f"{source} {name} seed {seed}: DeepCTR-Torch{' (recorded)' if earlier else ''} {theirs}",
+                      flush=True)
         for library in ("dlrmflow", "deepctr"):
             if entry[library]:
                 entry[f"{library}_spread"] = {key: spread(entry[library], key) for key in ("auc", "logloss",
@@ -282,10 +309,14 @@ def main() -> None:
     parser.add_argument("--dense-optimizer", choices=("sgd", "adam"), default="adam")
     parser.add_argument("--lr", type=float, default=1e-3, help="dense learning rate (default 1e-3, BARS's Adam)")
     parser.add_argument("--embedding-lr", type=float, default=0.01, help="Adagrad's rate for the embeddings")
+    parser.add_argument("--hidden-init", choices=HIDDEN_INIT_SETTINGS, default="auto",
+                        help="dlrmflow's hidden layers (wide-deep, deepfm, dcn-v2; default auto)")
     parser.add_argument("--eval-fraction", type=float, default=0.1)
     parser.add_argument("--eval-batch-size", type=int, default=16384)
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds, one run each (default 0)")
     parser.add_argument("--skip-deepctr", action="store_true", help="dlrmflow's runs only")
+    parser.add_argument("--deepctr-from", metavar="FILE",
+                        help="DeepCTR-Torch's figures from an earlier --json-out of the same data and settings")
     parser.add_argument("--skip-early", action="store_true", help="not the 50-iteration check of the defaults")
     parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-quality")
     parser.add_argument("--json-out", help="also write every figure to this JSON file")
@@ -310,9 +341,10 @@ def main() -> None:
         datasets = {f"dataset {args.dataset}": Path(args.dataset)}
     else:
         datasets = {s: source_dataset(s, work, args.rows, args.scale, args.data_seed) for s in sources}
+    recorded = recorded_deepctr(args.deepctr_from, args) if args.deepctr_from else {}
     results: dict[str, Any] = {"settings": vars(args), "sources": {}}
     for source, dataset in datasets.items():
-        results["sources"][source] = compare_on(source, dataset, work, models, seeds, args)
+        results["sources"][source] = compare_on(source, dataset, work, models, seeds, args, recorded.get(source))
         if args.json_out:  # after every source: a long run keeps what it measured
             Path(args.json_out).write_text(json.dumps(results, indent=1, default=float))
     for source, result in results["sources"].items():

@@ -1,7 +1,7 @@
 """The four models (``--model dlrm|wide-deep|deepfm|dcn-v2``): each forward pass against its paper's
-formula, written out here; the per-id weights living in the embedding row; every mode ending
-bit-identical to local for every model; learning the generator's labels and real Criteo rows;
-bad input as one line.
+formula, written out here; the per-id weights living in the embedding row; the hidden layers'
+initialisation (``--hidden-init``); every mode ending bit-identical to local for every model;
+learning the generator's labels and real Criteo rows; bad input as one line.
 
 How forward passes are compared. The models evaluate their formulas in other orders than a loop
 does (Rendle's identity for the FM term, batched matrix products, vectorised sums), so float32
@@ -13,13 +13,14 @@ is then exact in float64, any order of operations gives the same bits, and ``tor
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from test_recovery import Cluster
-from test_resume import crash_then_resume
+from test_resume import Crash, crash_at, crash_then_resume
 from test_trainers import assert_bit_identical, keep_all_plan, make_dataset
 
 from dlrmflow.cli import main
@@ -33,8 +34,9 @@ from dlrmflow.engine.models.deepfm import DeepFMConfig
 from dlrmflow.engine.models.wide_deep import WideDeepConfig
 from dlrmflow.engine.run_state import bit_equal, load_state
 from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise, init_rows
-from dlrmflow.engine.training.config import MODELS, TrainConfig
+from dlrmflow.engine.training.config import DENSE_OPTIMIZERS, MODELS, TrainConfig, replace
 from dlrmflow.engine.training.job import prepare_run, train
+from dlrmflow.engine.training.run_directory import RUN_CONFIG_FILE, config_sha256
 
 DATA = Path(__file__).parent / "data"
 
@@ -118,9 +120,19 @@ def test_the_published_defaults():
     assert models.model_config("dcn-v2", settings, num_dense=13, num_tables=26).input_width == 26 * 16 + 13
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_init_is_a_function_of_the_config_and_seed(name):
-    config = models.model_config(name, run_config(Path("d"), Path("o"), "local", name), num_dense=3, num_tables=4)
+# Every model with each hidden layers' initialisation it can have (DLRM: its own, no --hidden-init).
+INITS = [(name, None) for name in MODELS if "hidden_init" not in models.MODEL_SETTINGS[name]] + [
+    (name, init) for name in MODELS if "hidden_init" in models.MODEL_SETTINGS[name] for init in models.HIDDEN_INITS]
+
+
+def hidden_init_setting(init: str | None) -> dict:
+    return {} if init is None else {"hidden_init": init}
+
+
+@pytest.mark.parametrize(("name", "init"), INITS)
+def test_init_is_a_function_of_the_config_and_seed(name, init):
+    config = models.model_config(name, run_config(Path("d"), Path("o"), "local", name, **hidden_init_setting(init)),
+                                 num_dense=3, num_tables=4)
     a, b, c = (models.build_model(config, seed) for seed in (1, 1, 2))
     for (key, p), q, r in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values(),
                               strict=True):
@@ -141,18 +153,18 @@ def fresh_rows() -> tuple[torch.Tensor, np.ndarray, list[int]]:
     return torch.from_numpy(dense), sparse, [c + 1 for c in synthetic.max_cardinalities(scale)]
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_the_initial_logit_is_small(name, fresh_rows):
+@pytest.mark.parametrize(("name", "init"), INITS)
+def test_the_initial_logit_is_small(name, init, fresh_rows):
     """With the published architectures and the rows as the run initialises them, the initial logit's
-    standard deviation over the rows is below 0.25 for every seed: training starts near a constant
-    prediction (a spread of 0.25 moves a probability near the click rate by about +-5 points) and the
-    one output bias is free to find the click rate. The initialisation before the references' (rows
-    uniform in +-sqrt(1/n), Glorot dense weights on features up to 15, normal output biases) gave 1.7 to
-    2.6 for wide-deep, 3.3 to 3.9 for deepfm and 0.33 to 0.83 for dcn-v2 on these rows; dlrm keeps
-    facebookresearch/dlrm's rule (0.10 to 0.12)."""
+    standard deviation over the rows is below 0.25 for every seed and either hidden layers' initialisation:
+    training starts near a constant prediction (a spread of 0.25 moves a probability near the click rate by
+    about +-5 points) and the one output bias is free to find the click rate. The initialisation before the
+    references' (rows uniform in +-sqrt(1/n), Glorot dense weights on features up to 15, normal output
+    biases) gave 1.7 to 2.6 for wide-deep, 3.3 to 3.9 for deepfm and 0.33 to 0.83 for dcn-v2 on these rows;
+    dlrm keeps facebookresearch/dlrm's rule (0.10 to 0.12)."""
     dense, sparse, cards = fresh_rows
-    config = models.model_config(name, TrainConfig(dataset_dir="d", mode="local", output_dir="o", model=name),
-                                 num_dense=dense.shape[1], num_tables=sparse.shape[1])
+    settings = TrainConfig(dataset_dir="d", mode="local", output_dir="o", model=name, **hidden_init_setting(init))
+    config = models.model_config(name, settings, num_dense=dense.shape[1], num_tables=sparse.shape[1])
     offsets = tuple(int(o) for o in np.cumsum([0, *cards[:-1]]))
     width = models.row_width(name, config.embedding_dim)
     ids = (sparse + np.asarray(offsets)).reshape(-1)
@@ -173,6 +185,118 @@ def test_only_dlrm_keeps_the_per_table_row_bound():
     rows = init_rows(spec, np.arange(1004))
     assert np.abs(rows[:, :5]).max() <= np.float32(np.sqrt(3) * 1e-4) and 0.8e-4 < rows[:, :5].std() < 1.2e-4
     assert not rows[:, 5:].any()  # the Adagrad accumulator starts at 0
+
+
+# ---- the hidden layers' initialisation (--hidden-init) ------------------------------------------------
+
+
+def hidden_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The DNN's hidden layers (Wide & Deep's and DeepFM's deep part without its output unit; DCN-v2's DNN)."""
+    layers = [m for m in model.deep if isinstance(m, torch.nn.Linear)]
+    return layers if model.config.name == "dcn-v2" else layers[:-1]
+
+
+def test_auto_picks_the_hidden_init_by_the_dense_optimizer():
+    """auto: Glorot under SGD (a DNN of 1e-4 weights does not learn by SGD's steps), DeepCTR-Torch's rule under
+    Adam; every dense optimizer has its rule; an explicit setting is taken as it is."""
+    assert set(models.AUTO_HIDDEN_INIT) == set(DENSE_OPTIMIZERS)
+    assert models.AUTO_HIDDEN_INIT == {"sgd": "glorot", "adam": "deepctr"}
+    for name in ("wide-deep", "deepfm", "dcn-v2"):
+        for optimizer in DENSE_OPTIMIZERS:
+            for setting in models.HIDDEN_INIT_SETTINGS:
+                settings = TrainConfig(dataset_dir="d", mode="local", output_dir="o", model=name,
+                                       dense_optimizer=optimizer, hidden_init=setting)
+                config = models.model_config(name, settings, num_dense=3, num_tables=4)
+                expected = models.AUTO_HIDDEN_INIT[optimizer] if setting == "auto" else setting
+                assert config.hidden_init == expected, (name, optimizer, setting)
+
+
+@pytest.mark.parametrize("name", ["wide-deep", "deepfm", "dcn-v2"])
+def test_the_hidden_init_reaches_the_model(name, tmp_path):
+    """`dlrmflow train --hidden-init` reaches the run's architecture, its summary and final state, and the
+    model's hidden layers: glorot, N(0, sqrt(2 / (in + out))) weights and zero biases; deepctr, N(0, 1e-4)
+    weights and biases uniform in +-1/sqrt(in). DCN-v2's cross layers are the same bits under either."""
+    from dlrmflow.cli import build_parser
+    from dlrmflow.commands.train import config_from_args
+
+    dataset = make_dataset(tmp_path / "data", 3)
+    built = {}
+    for init in models.HIDDEN_INITS:
+        args = build_parser().parse_args(["train", str(dataset), "--mode", "local", "--output", str(tmp_path / init),
+                                          "--model", name, "--dnn", "64-32", "--hidden-init", init])
+        config = config_from_args(args)
+        setup = prepare_run(config)
+        assert setup.model_config.hidden_init == init
+        model = built[init] = models.build_model(setup.model_config, 0)
+        for layer in hidden_linears(model):
+            weight, bias, bound = layer.weight, layer.bias, 1 / np.sqrt(layer.in_features)
+            if init == "glorot":
+                assert 0.8 < float(weight.detach().std()) / np.sqrt(2 / (layer.in_features + layer.out_features)) < 1.2
+                assert not bias.any()
+            else:
+                assert 0.8e-4 < float(weight.detach().std()) < 1.2e-4 and float(bias.detach().abs().max()) <= bound
+                assert float(bias.detach().std()) > 0.8 * bound / np.sqrt(3)
+        summary = train(replace(config, iterations=2))
+        assert summary["architecture"]["hidden_init"] == init
+        assert load_state(tmp_path / init)["model_config"]["hidden_init"] == init
+    glorot, deepctr = (dict(built[init].named_parameters()) for init in models.HIDDEN_INITS)
+    assert {k: v.shape for k, v in glorot.items()} == {k: v.shape for k, v in deepctr.items()}
+    if name == "dcn-v2":  # drawn before the DNN: the cross layers are the same bits under either rule
+        assert all(bit_equal(glorot[k], deepctr[k]) for k in glorot if k.startswith("cross."))
+
+
+def test_dlrm_refuses_the_hidden_init():
+    """DLRM keeps facebookresearch/dlrm's initialisation: an explicit --hidden-init is refused in one line."""
+    with pytest.raises(UserInputError) as error:
+        TrainConfig(dataset_dir="d", mode="local", output_dir="o", hidden_init="deepctr")
+    assert str(error.value) == ("hidden_init: --hidden-init is used by --model wide-deep, deepfm, dcn-v2, not "
+                                "--model dlrm")
+    assert not hasattr(models.model_config("dlrm", TrainConfig(dataset_dir="d", mode="local", output_dir="o",
+                                                               dense_optimizer="adam"), num_dense=3, num_tables=4),
+                       "hidden_init")
+
+
+def test_a_run_recorded_before_the_hidden_init_resumes_as_it_started(clusters, tmp_path, monkeypatch):
+    """A checkpointed run whose run_config.json has no hidden_init (a dlrmflow before the setting: its hidden layers
+    Glorot's, whatever the dense optimizer) resumes with glorot, under the configuration SHA-256 its checkpoint
+    recorded, and ends bit-identical to the uninterrupted run. A DLRM configuration hashes as it did."""
+    from dlrmflow.commands.resume import resumed_config
+
+    dataset = make_dataset(tmp_path / "data", 5)
+    config = run_config(dataset, tmp_path / "full", "lru", "deepfm", capacity=120, checkpoint_every=4,
+                        dense_optimizer="adam", hidden_init="glorot")
+    full = train(config, client=clusters.get())
+    crashed = replace(config, output_dir=str(tmp_path / "crashed"))
+    with monkeypatch.context() as patch:
+        crash_at(patch, 7)
+        with pytest.raises(Crash):
+            train(crashed, client=clusters.get())
+    path = tmp_path / "crashed" / RUN_CONFIG_FILE
+    recorded = json.loads(path.read_text())
+    del recorded["config"]["hidden_init"]
+    path.write_text(json.dumps(recorded))
+    resumed = resumed_config(str(tmp_path / "crashed"))
+    assert resumed.hidden_init == "glorot"
+    summary = train(resumed, client=clusters.get())
+    assert summary["state_sha256"] == full["state_sha256"] and summary["architecture"]["hidden_init"] == "glorot"
+    dlrm = run_config(dataset, tmp_path / "dlrm", "lru", "dlrm", capacity=120, checkpoint_every=4).model_dump()
+    assert config_sha256(dlrm) == config_sha256({k: v for k, v in dlrm.items() if k != "hidden_init"})
+
+
+def test_init_from_a_run_recorded_before_the_hidden_init(tmp_path):
+    """A finished run whose summary records no hidden_init was built with glorot hidden layers: a run continues
+    it with glorot, and another rule is refused in one line naming both."""
+    dataset = make_dataset(tmp_path / "data", 6)
+    parent = tmp_path / "parent"
+    train(run_config(dataset, parent, "local", "wide-deep", iterations=3))
+    summary = json.loads((parent / "summary.json").read_text())
+    del summary["architecture"]["hidden_init"]
+    (parent / "summary.json").write_text(json.dumps(summary))
+    assert prepare_run(run_config(dataset, tmp_path / "child", "local", "wide-deep", init_from=str(parent))).init_from
+    with pytest.raises(UserInputError) as error:
+        prepare_run(run_config(dataset, tmp_path / "other", "local", "wide-deep", init_from=str(parent),
+                               hidden_init="deepctr"))
+    assert str(error.value) == f"hidden_init: --init-from {parent} has hidden_init glorot, this run deepctr"
 
 
 # ---- forward passes against the papers' formulas -------------------------------------------------------
@@ -306,15 +430,17 @@ def clusters():
     holder.close()
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_every_mode_ends_bit_identical_to_local(name, clusters, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "dense"), [(name, {}) for name in MODELS]
+                         + [("deepfm", {"dense_optimizer": "adam"}), ("dcn-v2", {"dense_optimizer": "adam"})])
+def test_every_mode_ends_bit_identical_to_local(name, dense, clusters, tmp_path, monkeypatch):
     """remote, lru, oracle; oracle with a parity shard and a killed data shard; lru with checkpoints, a
-    trainer crash and a resume: each run's final state equals local's, bit for bit."""
+    trainer crash and a resume: each run's final state equals local's, bit for bit (under Adam too, whose
+    hidden layers start DeepCTR-Torch's way)."""
     dataset = make_dataset(tmp_path / "data", 3)
     plan = keep_all_plan(dataset, 16, 12, 2)
 
     def run(out: str, mode: str, **kw) -> dict:
-        config = run_config(dataset, tmp_path / out, mode, name, **kw)
+        config = run_config(dataset, tmp_path / out, mode, name, **dense, **kw)
         return train(config, client=clusters.get(), setup=prepare_run(config, plan=plan if mode == "oracle" else None))
 
     local = run("local", "local")
@@ -326,7 +452,7 @@ def test_every_mode_ends_bit_identical_to_local(name, clusters, tmp_path, monkey
         assert summary["state_sha256"] == local["state_sha256"], out
         assert_bit_identical(reference, load_state(tmp_path / out), out)
     assert summary["parity"]["recoveries"] and summary["parity"]["verify"]["ok"]
-    crashed = run_config(dataset, tmp_path / "full", "lru", name, capacity=120, checkpoint_every=4)
+    crashed = run_config(dataset, tmp_path / "full", "lru", name, capacity=120, checkpoint_every=4, **dense)
     *_, resumed = crash_then_resume(crashed, tmp_path, monkeypatch, clusters.get(), crash=7, every=4)
     assert resumed["state_sha256"] == local["state_sha256"]
     assert_bit_identical(reference, load_state(tmp_path / "crashed"), "resumed")
@@ -474,6 +600,8 @@ def test_bad_model_settings_are_one_line(capsys):
         (["--model", "wide-deep", "--bottom-mlp", "64-16"],
          "bottom_mlp: --bottom-mlp is used by --model dlrm, not --model wide-deep"),
         (["--model", "dcn-v2", "--top-mlp", "64-1"], "top_mlp: --top-mlp is used by --model dlrm, not --model dcn-v2"),
+        (["--hidden-init", "glorot"],
+         "hidden_init: --hidden-init is used by --model wide-deep, deepfm, dcn-v2, not --model dlrm"),
     ]:
         assert _train_cli(capsys, *argv) == (2, [f"dlrmflow train: error: {message}"]), argv
 

@@ -14,20 +14,29 @@ construction), ``row_width(embedding_dim)``, ``ROW_INIT_STD`` (how its rows star
 optimizer accumulator of its own: RowSpec.own_accumulator_columns),
 ``config_from(settings, num_dense, num_tables)``
 (the architecture a TrainConfig asks for, with the module's published defaults for what it leaves
-unset) and ``MODEL``, the ``nn.Module`` class built from ``(config, seed)``; its initial
-parameters are a function of the config and the seed.
+unset, and for Wide & Deep, DeepFM and DCN-v2 the hidden layers' initialisation: :func:`hidden_init_for`)
+and ``MODEL``, the ``nn.Module`` class built from ``(config, seed)``; its initial parameters are a
+function of the config and the seed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dlrmflow.engine.models.hidden_init import (
+    ADDED_ARCHITECTURE,
+    AUTO_HIDDEN_INIT,
+    HIDDEN_INIT_SETTINGS,
+    HIDDEN_INITS,
+    hidden_init_for,
+)
+
 # The --model choices. Declared here, without torch, so that the training configuration (which the CLI
 # imports to build its options) can name them; the modules are in .registry.
 MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
 # The architecture settings each model reads; setting one that the chosen model does not read is an error.
-MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn",), "deepfm": ("dnn",),
-                  "dcn-v2": ("dnn", "cross_layers")}
+MODEL_SETTINGS = {"dlrm": ("bottom_mlp", "top_mlp"), "wide-deep": ("dnn", "hidden_init"),
+                  "deepfm": ("dnn", "hidden_init"), "dcn-v2": ("dnn", "cross_layers", "hidden_init")}
 _REGISTRY = ("MODULES", "architecture", "bce_loss", "build_model", "first_order_columns", "model_config",
              "row_init_std", "row_width")
 
@@ -41,4 +50,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["MODELS", "MODEL_SETTINGS", *_REGISTRY]
+__all__ = ["ADDED_ARCHITECTURE", "AUTO_HIDDEN_INIT", "HIDDEN_INITS", "HIDDEN_INIT_SETTINGS", "MODELS",
+           "MODEL_SETTINGS", "hidden_init_for", *_REGISTRY]

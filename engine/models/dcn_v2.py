@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.models.layers import REFERENCE_INIT_STD, check_layers, linear, mlp
+from dlrmflow.engine.models.hidden_init import ADDED_ARCHITECTURE, hidden_init_for
+from dlrmflow.engine.models.layers import REFERENCE_INIT_STD, check_hidden_init, check_layers, hidden_layers, linear
 
 DEFAULT_DNN = (500, 500, 500)  # BARS DCNv2_criteo_x1: parallel_dnn_hidden_units [500, 500, 500]
 DEFAULT_CROSS_LAYERS = 3  # BARS DCNv2_criteo_x1: num_cross_layers 3
@@ -44,10 +45,12 @@ class DCNv2Config:
     embedding_dim: int = 16
     dnn: tuple[int, ...] = DEFAULT_DNN  # hidden layer sizes of the deep network
     cross_layers: int = DEFAULT_CROSS_LAYERS
+    hidden_init: str = ADDED_ARCHITECTURE["hidden_init"]  # how the DNN's hidden layers start (models.HIDDEN_INITS)
     name: ClassVar[str] = "dcn-v2"
 
     def __post_init__(self) -> None:
         check_layers("dnn", self.dnn)
+        check_hidden_init(self.hidden_init)
         if self.cross_layers < 1:
             raise UserInputError(f"cross_layers: DCN-v2 needs at least one cross layer, got {self.cross_layers}")
 
@@ -63,7 +66,7 @@ def row_width(embedding_dim: int) -> int:
 def config_from(settings: Any, num_dense: int, num_tables: int) -> DCNv2Config:
     cross_layers = settings.cross_layers if settings.cross_layers is not None else DEFAULT_CROSS_LAYERS
     return DCNv2Config(num_dense, num_tables, settings.embedding_dim, tuple(settings.dnn or DEFAULT_DNN),
-                       cross_layers)
+                       cross_layers, hidden_init_for(settings.hidden_init, settings.dense_optimizer))
 
 
 class DCNv2(nn.Module):
@@ -72,11 +75,12 @@ class DCNv2(nn.Module):
         self.config = config
         generator = torch.Generator().manual_seed(seed)
         width = config.input_width
-        # Glorot weights and zero biases: DeepCTR-Torch's CrossNet (matrix kernels xavier_normal_, biases
-        # zeros_) and FuxiCTR's linear layers. The output unit's weights as DeepCTR-Torch's dnn_linear
-        # (nn.Linear's default); its bias, zero, is the model's one output bias c (PredictionLayer's).
+        # Cross layers: Glorot weights and zero biases, DeepCTR-Torch's CrossNet (matrix kernels xavier_normal_,
+        # biases zeros_) and FuxiCTR's linear layers, whatever the DNN's rule. The DNN's hidden layers by the
+        # config's rule. The output unit's weights as DeepCTR-Torch's dnn_linear (nn.Linear's default); its bias,
+        # zero, is the model's one output bias c (PredictionLayer's).
         self.cross = nn.ModuleList(linear(width, width, generator, bias="zero") for _ in range(config.cross_layers))
-        self.deep = mlp([width, *config.dnn], generator, bias="zero")
+        self.deep = hidden_layers([width, *config.dnn], generator, config.hidden_init)
         self.output = linear(width + config.dnn[-1], 1, generator, bias="zero", weight="torch")
 
     def cross_network(self, x0: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dlrmflow.engine.models.layers import REFERENCE_INIT_STD, check_layers, linear, mlp
+from dlrmflow.engine.models.hidden_init import ADDED_ARCHITECTURE, hidden_init_for
+from dlrmflow.engine.models.layers import REFERENCE_INIT_STD, check_hidden_init, check_layers, hidden_layers, linear
 
 DEFAULT_DNN = (400, 400, 400)  # BARS WideDeep_criteo_x1: hidden_units [400, 400, 400]
 # Every value of a row (the deep embedding and the wide weight) starts with this standard deviation:
@@ -47,10 +48,12 @@ class WideDeepConfig:
     num_tables: int
     embedding_dim: int = 16
     dnn: tuple[int, ...] = DEFAULT_DNN  # hidden layer sizes; the output unit follows
+    hidden_init: str = ADDED_ARCHITECTURE["hidden_init"]  # how the hidden layers start (models.HIDDEN_INITS)
     name: ClassVar[str] = "wide-deep"
 
     def __post_init__(self) -> None:
         check_layers("dnn", self.dnn)
+        check_hidden_init(self.hidden_init)
 
     @property
     def deep_input_width(self) -> int:
@@ -58,7 +61,8 @@ class WideDeepConfig:
 
     @classmethod
     def from_settings(cls, settings: Any, num_dense: int, num_tables: int) -> WideDeepConfig:
-        return cls(num_dense, num_tables, settings.embedding_dim, tuple(settings.dnn or DEFAULT_DNN))
+        return cls(num_dense, num_tables, settings.embedding_dim, tuple(settings.dnn or DEFAULT_DNN),
+                   hidden_init_for(settings.hidden_init, settings.dense_optimizer))
 
 
 def row_width(embedding_dim: int) -> int:
@@ -73,10 +77,10 @@ class WideDeep(nn.Module):
         super().__init__()
         self.config = config
         generator = torch.Generator().manual_seed(seed)
-        # Hidden layers as FuxiCTR's (Glorot weights, zero biases); the output unit as DeepCTR-Torch's
+        # Hidden layers by the config's rule (FuxiCTR's or DeepCTR-Torch's); the output unit as DeepCTR-Torch's
         # dnn_linear (nn.Linear's default weights, no bias): b below is the model's one output bias (two
         # would move the logit's offset at twice the rate).
-        hidden = mlp([config.deep_input_width, *config.dnn], generator, bias="zero")
+        hidden = hidden_layers([config.deep_input_width, *config.dnn], generator, config.hidden_init)
         self.deep = nn.Sequential(*hidden, linear(config.dnn[-1], 1, generator, bias="none", weight="torch"))
         self.dense_weight = nn.Parameter(torch.empty(config.num_dense))  # a: the wide part's dense weights
         self.bias = nn.Parameter(torch.zeros(()))  # b, DeepCTR-Torch's PredictionLayer bias: zero

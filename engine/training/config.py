@@ -21,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from dlrmflow.engine.coding import PARITY_BATCHES, REBUILD_CHUNK
 from dlrmflow.engine.config_model import ConfigModel
 from dlrmflow.engine.errors import UserInputError
-from dlrmflow.engine.models import MODEL_SETTINGS, MODELS
+from dlrmflow.engine.models import AUTO_HIDDEN_INIT, HIDDEN_INIT_SETTINGS, MODEL_SETTINGS, MODELS
 from dlrmflow.engine.training.faults import KILL_SYNTAX, check_kills
 from dlrmflow.engine.training.modes import MODE_NAMES, MODES, SERVER_MODES
 
@@ -93,6 +93,12 @@ class TrainConfig(ConfigModel):
                           "400-400-400 (default: the model's published sizes, 400-400-400 for wide-deep and "
                           "deepfm, 500-500-500 for dcn-v2)")
     cross_layers: int | None = Field(None, ge=1, description="cross layers of --model dcn-v2 (default 3)")
+    hidden_init: Literal[HIDDEN_INIT_SETTINGS] = Field(
+        "auto", description="how the DNN's hidden layers of --model wide-deep, deepfm or dcn-v2 start: glorot "
+                            "(Glorot normal weights, zero biases: FuxiCTR's), deepctr (DeepCTR-Torch's: weights "
+                            "N(0, 1e-4), biases uniform in +-1/sqrt(inputs)); auto: "
+                            + ", ".join(f"{init} under --dense-optimizer {opt}"
+                                        for opt, init in AUTO_HIDDEN_INIT.items()))
     embedding_optimizer: Literal[EMBEDDING_OPTIMIZERS] = Field("adagrad", description="row-wise Adagrad or SGD")
     dense_optimizer: Literal[DENSE_OPTIMIZERS] = Field("sgd", description="optimizer of the dense parameters")
     lr: float = Field(0.01, gt=0, description="dense learning rate")
@@ -208,7 +214,7 @@ class TrainConfig(ConfigModel):
     def _check_model_settings(self) -> None:
         """Each architecture setting is for the models that read it; layer sizes are positive."""
         # A setting counts as set when it differs from its default: the CLI passes every option's default.
-        for name in ("bottom_mlp", "top_mlp", "dnn", "cross_layers"):
+        for name in ("bottom_mlp", "top_mlp", "dnn", "cross_layers", "hidden_init"):
             if getattr(self, name) != type(self).model_fields[name].default and name not in MODEL_SETTINGS[self.model]:
                 users = [m for m, names in MODEL_SETTINGS.items() if name in names]
                 raise TrainConfigError(f"{name}: {cli_option(name)} is used by --model {', '.join(users)}, not "

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.models import ADDED_ARCHITECTURE
 from dlrmflow.engine.training.run_directory import SUMMARY_FILE, UNFINISHED_FILE
 
 STATE_DIR = "final_state"  # run_state.STATE_DIR (that module loads torch)
@@ -123,7 +124,8 @@ def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, archi
     if summary["row_width"] != row_width:
         raise InitFromError(f"embedding_dim: {where} has rows of {summary['row_width']} weights, this run "
                             f"{row_width}")
-    theirs = summary["architecture"]
+    # A run recorded before a field of this run's architecture existed was built as ADDED_ARCHITECTURE says.
+    theirs = {**{k: v for k, v in ADDED_ARCHITECTURE.items() if k in architecture}, **summary["architecture"]}
     for key in sorted(set(theirs) | set(architecture)):
         if theirs.get(key) != architecture.get(key):
             raise InitFromError(f"{key}: {where} has {key} {theirs.get(key)}, this run {architecture.get(key)}")

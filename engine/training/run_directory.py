@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.models import ADDED_ARCHITECTURE, MODEL_SETTINGS
 
 RUN_CONFIG_FILE = "run_config.json"
 UNFINISHED_FILE = "UNFINISHED"
@@ -39,6 +40,19 @@ CHECKPOINT_FORMAT_VERSION = 1  # run_config.json's
 NOT_COMPARED = ("output_dir", "resume", "dataset_dir", "plan_dir")
 
 
+def _hidden_init_before(config: dict[str, Any]) -> str:
+    # Before --hidden-init the models that read it started their hidden layers as ADDED_ARCHITECTURE says; a model
+    # that reads none (DLRM) has the default.
+    reads = "hidden_init" in MODEL_SETTINGS[config.get("model", "dlrm")]
+    return ADDED_ARCHITECTURE["hidden_init"] if reads else "auto"
+
+
+# Settings added to TrainConfig after runs had recorded their configuration, each with the value that a
+# configuration recorded without it ran with: such a run resumes as it started (read_run_config fills the value
+# in), and its checkpoint's configuration SHA-256 still matches (comparable_config leaves a setting out at that value).
+ADDED_SETTINGS = {"hidden_init": _hidden_init_before}
+
+
 class ResumeError(UserInputError):
     """A run directory cannot be resumed, or holds an unfinished run a new run would overwrite."""
 
@@ -49,8 +63,10 @@ def resume_command(run_dir: str | os.PathLike) -> str:
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a TrainConfig (as a dict) that a resumed run must share with its start, as JSON."""
-    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_COMPARED}))
+    """The parts of a TrainConfig (as a dict) that a resumed run must share with its start, as JSON: an added
+    setting at the value of a configuration recorded without it is left out (:data:`ADDED_SETTINGS`)."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_COMPARED
+                                  and not (k in ADDED_SETTINGS and v == ADDED_SETTINGS[k](config))}))
 
 
 def config_sha256(config: dict[str, Any]) -> str:
@@ -107,6 +123,8 @@ def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
     if info.get("format_version") != CHECKPOINT_FORMAT_VERSION:
         raise ResumeError(f"{path} has format_version {info.get('format_version')!r}; expected "
                           f"{CHECKPOINT_FORMAT_VERSION}")
+    recorded = info["config"]
+    info["config"] = {**{k: before(recorded) for k, before in ADDED_SETTINGS.items()}, **recorded}
     return info
 
 

@@ -95,7 +95,7 @@ def check_resumable(run_dir: str | os.PathLike, config: dict[str, Any], *, datas
         raise ResumeError(
             f"the plan changed since {run_dir} started (fingerprint {str(info['plan_fingerprint'])[:12]}…, now "
             f"{str(plan_fingerprint)[:12]}…): start a new run with `dlrmflow train`")
-    saved, now = info["config"], comparable_config(config)
+    saved, now = comparable_config(info["config"]), comparable_config(config)
     differ = [k for k in sorted(set(saved) | set(now)) if k not in NOT_COMPARED and saved.get(k) != now.get(k)]
     if differ:
         what = ", ".join(f"{k} {saved.get(k)!r} (now {now.get(k)!r})" for k in differ)
