@@ -236,7 +236,7 @@ def compare_on(source: str, dataset: Path, work: Path, models: list[str], seeds:
                               "eval_rows": len(held_out), "batch_size": args.batch_size, "click_rate": rate,
                               "constant_logloss": floor, "best_logloss": best, "seeds": seeds, "models": {}}
     settings = dict(batch_size=args.batch_size, dense_optimizer=args.dense_optimizer, lr=args.lr,
-                    embedding_lr=args.embedding_lr, embedding_optimizer="adagrad")
+                    embedding_lr=args.embedding_lr, embedding_optimizer=args.embedding_optimizer)
     for name in models:
         entry = result["models"][name] = {"dlrmflow": [], "deepctr": []}
         for seed in seeds:
@@ -309,6 +309,9 @@ def main() -> None:
     parser.add_argument("--dense-optimizer", choices=("sgd", "adam"), default="adam")
     parser.add_argument("--lr", type=float, default=1e-3, help="dense learning rate (default 1e-3, BARS's Adam)")
     parser.add_argument("--embedding-lr", type=float, default=0.01, help="Adagrad's rate for the embeddings")
+    parser.add_argument("--embedding-optimizer", choices=("adagrad", "adagrad-per-value"), default="adagrad",
+                        help="dlrmflow's row update: row-wise Adagrad (default) or an accumulator per value, as "
+                             "DeepCTR-Torch's Adagrad")
     parser.add_argument("--hidden-init", choices=HIDDEN_INIT_SETTINGS, default="auto",
                         help="dlrmflow's hidden layers (wide-deep, deepfm, dcn-v2; default auto)")
     parser.add_argument("--eval-fraction", type=float, default=0.1)

@@ -80,6 +80,35 @@ def test_a_first_order_weight_keeps_an_accumulator_of_its_own(tmp_path):
                 models.row_width(name, 4), state, models.row_width(name, 4) + state), (name, optimizer)
 
 
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("update", [apply_update, apply_update_rowwise])
+def test_adagrad_per_value_keeps_an_accumulator_for_every_value_of_a_row(update, name, tmp_path):
+    """--embedding-optimizer adagrad-per-value: a row of D values carries D accumulators, and three steps of
+    random sparse gradients move each value by its own (Adagrad per value, as torch.optim.Adagrad and
+    DeepCTR-Torch: ``a += g^2``, ``v -= g / (sqrt(a) + eps) * lr``, each step rounded to float32), bit for bit."""
+    dataset = make_dataset(tmp_path / "data", 3)
+    spec = prepare_run(run_config(dataset, tmp_path / "run", "local", name,
+                                  embedding_optimizer="adagrad-per-value")).spec
+    width = models.row_width(name, 4)
+    assert (spec.dim, spec.state_width, spec.width) == (width, width, 2 * width)
+    rng = np.random.default_rng(5)
+    rows = init_rows(spec, np.arange(30))
+    values, sums = rows[:, :width].copy(), np.zeros((30, width), np.float32)
+    for _ in range(3):
+        grad = rng.standard_normal((30, width)).astype(np.float32)
+        grad[rng.random(30) < 0.3] = 0.0  # ids not in this batch
+        rows = update(spec, torch.from_numpy(rows), torch.from_numpy(grad)).numpy()
+        sums = sums + grad * grad
+        values = values - grad / (np.sqrt(sums) + np.float32(spec.eps)) * np.float32(spec.lr)
+    # The shared accumulator (first state value) serves value 0; the own accumulators, values 1..D-1, follow.
+    own = np.concatenate([rows[:, width + 1:], rows[:, width:width + 1]], axis=1)
+    assert np.array_equal(own.view(np.int32), np.roll(sums, -1, axis=1).view(np.int32))
+    # Value 0 sits in the row's shared group, which apply_update steps with one fused addcdiv (its rounding);
+    # the others, and all of them row by row, are the formula's bits.
+    exact = slice(0, width) if update is apply_update_rowwise else slice(1, width)
+    assert np.array_equal(rows[:, exact].view(np.int32), values[:, exact].view(np.int32))
+
+
 @pytest.mark.parametrize("update", [apply_update, apply_update_rowwise])
 def test_only_the_first_order_weights_gradient_moves_its_accumulator(update):
     """A gradient on the first-order weight alone changes that weight and its own accumulator, nothing else
@@ -431,11 +460,12 @@ def clusters():
 
 
 @pytest.mark.parametrize(("name", "dense"), [(name, {}) for name in MODELS]
-                         + [("deepfm", {"dense_optimizer": "adam"}), ("dcn-v2", {"dense_optimizer": "adam"})])
+                         + [("deepfm", {"dense_optimizer": "adam", "embedding_optimizer": "adagrad-per-value"}),
+                            ("dcn-v2", {"dense_optimizer": "adam"})])
 def test_every_mode_ends_bit_identical_to_local(name, dense, clusters, tmp_path, monkeypatch):
     """remote, lru, oracle; oracle with a parity shard and a killed data shard; lru with checkpoints, a
     trainer crash and a resume: each run's final state equals local's, bit for bit (under Adam too, whose
-    hidden layers start DeepCTR-Torch's way)."""
+    hidden layers start DeepCTR-Torch's way, and with an Adagrad accumulator per value)."""
     dataset = make_dataset(tmp_path / "data", 3)
     plan = keep_all_plan(dataset, 16, 12, 2)
 

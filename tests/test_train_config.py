@@ -80,7 +80,14 @@ def test_the_pipeline_derives_its_training_fields():
 
 
 def test_the_optimizer_choices_are_the_engines():
-    assert set(TrainConfig.model_fields["embedding_optimizer"].annotation.__args__) == set(EMBEDDING_OPTIMIZERS)
+    """Each --embedding-optimizer is one of the engine's row updates, with its accumulator columns; every engine
+    update is offered."""
+    from dlrmflow.engine.training.run_setup import row_optimizer
+
+    choices = TrainConfig.model_fields["embedding_optimizer"].annotation.__args__
+    assert {row_optimizer(choice, 5, 1)[0] for choice in choices} == set(EMBEDDING_OPTIMIZERS)
+    assert row_optimizer("adagrad", 5, 1) == ("adagrad", 1) and row_optimizer("sgd", 5, 1) == ("sgd", 1)
+    assert row_optimizer("adagrad-per-value", 5, 1) == ("adagrad", 4)  # every value but the first its own
 
 
 # ---- validation names the field ----------------------------------------------------------------------

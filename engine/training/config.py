@@ -25,7 +25,10 @@ from dlrmflow.engine.models import AUTO_HIDDEN_INIT, HIDDEN_INIT_SETTINGS, MODEL
 from dlrmflow.engine.training.faults import KILL_SYNTAX, check_kills
 from dlrmflow.engine.training.modes import MODE_NAMES, MODES, SERVER_MODES
 
-EMBEDDING_OPTIMIZERS = ("sgd", "adagrad")  # the row-wise updates of dlrmflow.engine.serving.embedding_rows
+# The row updates of dlrmflow.engine.serving.embedding_rows: row-wise Adagrad (one accumulator per row, a model's
+# first-order weight its own), SGD, and Adagrad with an accumulator per value (as torch's Adagrad and DeepCTR-Torch:
+# a row of D values carries D accumulators instead of one; run_setup.row_optimizer).
+EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adagrad-per-value")
 DENSE_OPTIMIZERS = ("sgd", "adam")
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
 DEFAULT_TOP_MLP = (512, 256, 1)
@@ -99,7 +102,8 @@ class TrainConfig(ConfigModel):
                             "N(0, 1e-4), biases uniform in +-1/sqrt(inputs)); auto: "
                             + ", ".join(f"{init} under --dense-optimizer {opt}"
                                         for opt, init in AUTO_HIDDEN_INIT.items()))
-    embedding_optimizer: Literal[EMBEDDING_OPTIMIZERS] = Field("adagrad", description="row-wise Adagrad or SGD")
+    embedding_optimizer: Literal[EMBEDDING_OPTIMIZERS] = Field(
+        "adagrad", description="row-wise Adagrad, SGD, or Adagrad with an accumulator per value")
     dense_optimizer: Literal[DENSE_OPTIMIZERS] = Field("sgd", description="optimizer of the dense parameters")
     lr: float = Field(0.01, gt=0, description="dense learning rate")
     embedding_lr: float | None = Field(None, gt=0, description="embedding learning rate (default: --lr)")

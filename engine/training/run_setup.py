@@ -72,6 +72,17 @@ def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:
     return most
 
 
+
+def row_optimizer(embedding_optimizer: str, width: int, first_order: int) -> tuple[str, int]:
+    """RowSpec's optimizer and own-accumulator columns for ``--embedding-optimizer``, a row of ``width`` values
+    whose last ``first_order`` are a model's first-order weights. ``adagrad-per-value`` is Adagrad where every
+    value but the first keeps an accumulator of its own, and the row's shared accumulator serves that first value
+    alone: one accumulator per value."""
+    if embedding_optimizer == "adagrad-per-value":
+        return "adagrad", width - 1
+    return embedding_optimizer, first_order
+
+
 def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
     """Check ``config`` (valid by construction) against the dataset, the plan, the device and the run
     directory; resolve the iteration count. Raises a UserInputError whose message names the field.
@@ -127,16 +138,18 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         raise TrainConfigError(
             f"iterations: the last of the {iterations} batches has {last_rows} rows, which do not split into "
             f"{config.trainers} equal slices (--trainers {config.trainers}); use --iterations {iterations - 1}")
+    width = row_width(config.model, config.embedding_dim)
+    optimizer, own_accumulators = row_optimizer(config.embedding_optimizer, width, first_order_columns(config.model))
     spec = RowSpec(
-        dim=row_width(config.model, config.embedding_dim),
-        optimizer=config.embedding_optimizer,
+        dim=width,
+        optimizer=optimizer,
         seed=config.seed,
         table_offsets=tuple(meta.table_offsets),
         cardinalities=tuple(meta.cardinalities),
         lr=config.embedding_lr if config.embedding_lr is not None else config.lr,
         init_std=row_init_std(config.model),
         earlier_cardinalities=meta.earlier_cardinalities,
-        own_accumulator_columns=first_order_columns(config.model),
+        own_accumulator_columns=own_accumulators,
     )
     init_from = None
     if config.init_from is not None:  # InitFromError: not a finished run, another model, unrelated data
