@@ -66,6 +66,13 @@ CONFIGS = {
     # the oracle fetches several times fewer bytes than `remote` (a speed-up limit above 5x behind a slow link).
     "skewed": dict(name="skewed", scale=0.01, batch=4096, dim=16, bottom=(512, 256, 64, 16), top=(512, 256, 1),
                    iterations=20, zipf=1.4),
+    # Bagpipe's regime at its hardest (issue 45, item 2): MLPerf-like rows of dim 128 (512 bytes) on tiny,
+    # skewed tables (scale 0.0002: 6,765 rows), so a batch's 2,048 x 26 ids hit a few thousand rows that
+    # almost all come back within L = 20 iterations: `remote` moves every one of them each iteration, the
+    # oracle about a sixteenth as many (its initial fill included), so behind a slow link `remote` waits most
+    # of the time while the oracle's traffic hides behind compute.
+    "c": dict(name="mlperf-rows", scale=0.0002, batch=2048, dim=128, bottom=(512, 256, 128), top=(512, 256, 1),
+              iterations=50, zipf=1.1),
 }
 MODES = ("local", "remote", "lru", "oracle")
 MODELS = ("dlrm", "wide-deep", "deepfm", "dcn-v2")
