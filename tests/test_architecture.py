@@ -2,6 +2,8 @@
 
 - every module of the engine imports with Prefect unimportable (the engine is usable without it);
 - no module of ``tasks/`` imports ``flows/`` (flows call tasks, never the other way round);
+- every flow is made with ``prefect_internals.flow``, never ``prefect.flow`` itself (its runs end when their
+  function does, in every process that runs one: a deployment loads its flow's module by path);
 - no import cycle among engine modules, nor among the engine's packages (planning, serving, coding,
   training, models and the top-level modules);
 - the engine imports nothing of the CLI package, the flows or the tasks (its errors are its own);
@@ -157,6 +159,24 @@ def test_no_task_module_imports_a_flow_module():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(flows):
                 found.append(f"{module.path.name}:{node.lineno} names {node.value!r}")
     assert not found, "tasks/ must not import flows/ (the flow hands tasks what they need):\n" + "\n".join(found)
+
+
+def test_every_flow_is_made_with_the_prefect_internals_flow_decorator():
+    import dlrmflow.flows
+
+    found = []
+    for module in modules_of("dlrmflow.flows", Path(dlrmflow.flows.__file__).parent):
+        if module.name == "dlrmflow.flows.prefect_internals":
+            continue
+        found += [f"{module.path.name}:{imp.line} imports prefect.flow" for imp in imports_of(module)
+                  if (imp.module, imp.name) == ("prefect", "flow")]
+        found += [f"{module.path.name}:{node.lineno} uses prefect.flow" for node in ast.walk(module.tree())
+                  if isinstance(node, ast.Attribute) and node.attr == "flow" and isinstance(node.value, ast.Name)
+                  and node.value.id == "prefect"]
+    assert not found, "flows made with prefect.flow, not prefect_internals.flow:\n" + "\n".join(found)
+    from dlrmflow.flows.train import train_flow
+
+    assert train_flow.name == "train"  # a Prefect Flow all the same
 
 
 # --------------------------------------------------------------------------------------------

@@ -286,26 +286,3 @@ def test_a_flow_run_ends_without_joining_its_heartbeat_thread(monkeypatch):
 
     assert outer() == 2
     assert calls == [False, False]
-
-
-def test_every_flow_is_made_with_the_unjoined_heartbeats_flow_decorator():
-    """Every flow module makes its flows with ``prefect_internals.flow`` (never ``prefect.flow`` itself), so that
-    a process that runs a dlrmflow flow (a deployment's, which loads its module by path, included) has
-    :func:`flow_runs_end_without_waiting_for_heartbeats` applied."""
-    import ast
-    from pathlib import Path
-
-    flows_dir = Path(__file__).resolve().parents[1] / "flows"
-    wrong = []
-    for path in sorted(flows_dir.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "prefect" and any(
-                    a.name == "flow" for a in node.names):
-                wrong.append(f"{path.name}:{node.lineno}")
-            if isinstance(node, ast.Attribute) and node.attr == "flow" and isinstance(node.value, ast.Name) and \
-                    node.value.id == "prefect" and path.name != "prefect_internals.py":
-                wrong.append(f"{path.name}:{node.lineno}")
-    assert not wrong, f"flows made with prefect.flow, not prefect_internals.flow: {wrong}"
-    from dlrmflow.flows.train import train_flow
-
-    assert train_flow.name == "train"  # a Prefect Flow all the same

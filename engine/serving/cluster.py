@@ -296,6 +296,12 @@ async def answering_workers(workers: list[str], timeout: float, connection_args:
     return {address for address, ok in zip(workers, found, strict=True) if ok}
 
 
+def probe_workers(client: Client, workers: list[str]) -> set[str]:
+    """:func:`answering_workers` from synchronous code, on ``client``'s loop and connection arguments, each
+    worker given :data:`PROBE_TIMEOUT_SECONDS`."""
+    return client.sync(answering_workers, workers, PROBE_TIMEOUT_SECONDS, client.connection_args)
+
+
 SERVER_START_TIMEOUT_S = 120.0
 SERVER_STOP_GRACE_S = 10.0
 

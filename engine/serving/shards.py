@@ -45,7 +45,7 @@ from dlrmflow.engine.row_files import (
     shard_file,
     write_rows_file,
 )
-from dlrmflow.engine.serving.cluster import PROBE_TIMEOUT_SECONDS, answering_workers, cluster_workers
+from dlrmflow.engine.serving.cluster import cluster_workers, probe_workers
 from dlrmflow.engine.serving.dask_internals import (
     actor_address,
     actor_client,
@@ -509,8 +509,7 @@ def warm_up_workers(client: Client, module: str = "dlrmflow.engine.serving.shard
     training waits. Every worker means every worker that answers a probe: the scheduler lists a machine
     that failed outright until Dask's TCP timeout, and a call to it would wait that long, then fail."""
     if workers is None:
-        listed = list(cluster_workers(client))
-        workers = sorted(client.sync(answering_workers, listed, PROBE_TIMEOUT_SECONDS, client.connection_args))
+        workers = sorted(probe_workers(client, list(cluster_workers(client))))
     client.run(_import, module, workers=workers)
 
 

@@ -33,7 +33,7 @@ import torch
 
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import engine_events_to, phase_reported
-from dlrmflow.engine.serving.cluster import PROBE_TIMEOUT_SECONDS, answering_workers, cluster_workers
+from dlrmflow.engine.serving.cluster import PROBE_TIMEOUT_SECONDS, cluster_workers, probe_workers
 from dlrmflow.engine.serving.placement import (
     GPU_RESOURCE,
     TRAINER_RESOURCE,
@@ -231,7 +231,7 @@ def answering_candidates(client, info: dict[str, dict]) -> dict[str, dict]:
     scheduler lists a machine that failed outright until Dask's TCP timeout, and a trainer placed there (a
     resume started right after a trainer machine's loss) would leave the others waiting for it."""
     candidates = eligible_workers(info, TRAINER_RESOURCE)
-    answered = client.sync(answering_workers, candidates, PROBE_TIMEOUT_SECONDS, client.connection_args)
+    answered = probe_workers(client, candidates)
     silent = [w for w in candidates if w not in answered]
     if silent:
         EVENTS.warning("trainers: not placed on %s: no answer within %.0f s (the scheduler still lists them; their "
@@ -302,12 +302,12 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
             if worker not in alive:
                 raise TrainerLostError(_lost_message(setup, rank, worker, done), worker)
         if time.monotonic() >= next_probe:
-            answered = client.sync(answering_workers, workers, PROBE_TIMEOUT_SECONDS, client.connection_args)
+            lost = silent.probed(probe_workers(client, workers))
             next_probe = time.monotonic() + PROBE_SECONDS
-            for rank in silent.probed(answered)[:1]:
+            if lost:
                 why = (f"its machine stopped answering: no answer to {SILENT_PROBES} probes in a row, each given "
                        f"{PROBE_TIMEOUT_SECONDS:.0f} s")
-                raise TrainerLostError(_lost_message(setup, rank, workers[rank], done, why), workers[rank])
+                raise TrainerLostError(_lost_message(setup, lost[0], workers[lost[0]], done, why), workers[lost[0]])
         if any(f.status == "error" for f in futures):
             _raise_the_cause(futures)
         if all(f.status == "finished" for f in futures):

@@ -72,7 +72,6 @@ def _max_distinct_rows(stream: BatchStream, iterations: int) -> int:
     return most
 
 
-
 def row_optimizer(embedding_optimizer: str, width: int, first_order: int) -> tuple[str, int]:
     """RowSpec's optimizer and own-accumulator columns for ``--embedding-optimizer``, a row of ``width`` values
     whose last ``first_order`` are a model's first-order weights. ``adagrad-per-value`` is Adagrad where every
