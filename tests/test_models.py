@@ -33,7 +33,13 @@ from dlrmflow.engine.models.dcn_v2 import DCNv2Config
 from dlrmflow.engine.models.deepfm import DeepFMConfig
 from dlrmflow.engine.models.wide_deep import WideDeepConfig
 from dlrmflow.engine.run_state import bit_equal, load_state
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise, init_rows
+from dlrmflow.engine.serving.embedding_rows import (
+    RowSpec,
+    apply_update,
+    apply_update_rowwise,
+    correctly_rounded_sqrt,
+    init_rows,
+)
 from dlrmflow.engine.training.config import DENSE_OPTIMIZERS, MODELS, TrainConfig, replace
 from dlrmflow.engine.training.job import prepare_run, train
 from dlrmflow.engine.training.run_directory import RUN_CONFIG_FILE, config_sha256
@@ -107,6 +113,21 @@ def test_adagrad_per_value_keeps_an_accumulator_for_every_value_of_a_row(update,
     # the others, and all of them row by row, are the formula's bits.
     exact = slice(0, width) if update is apply_update_rowwise else slice(1, width)
     assert np.array_equal(rows[:, exact].view(np.int32), values[:, exact].view(np.int32))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_the_rows_square_root_is_the_correctly_rounded_one_on_any_machine(device):
+    """Adagrad's update runs on the servers or on the trainers, by mode, so its square root must give the same
+    bits on every machine: the correctly rounded float32 (IEEE 754's, NumPy's), at every magnitude."""
+    rng = np.random.default_rng(11)
+    exponents = rng.uniform(-149, 128, 200_000)
+    values = (rng.uniform(1, 2, exponents.size) * 2.0 ** exponents).astype(np.float32)
+    edges = np.float32([0.0, 1e-45, np.finfo(np.float32).tiny, 1.0, np.finfo(np.float32).max, np.inf])
+    values = np.concatenate([values, edges])
+    got = correctly_rounded_sqrt(torch.from_numpy(values).to(device)).cpu().numpy()
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.int32), np.sqrt(values).view(np.int32))
 
 
 @pytest.mark.parametrize("update", [apply_update, apply_update_rowwise])

@@ -237,6 +237,19 @@ def _final_rows(state_dir: str, state_sha256: str):
     return state_rows(state_dir)
 
 
+def correctly_rounded_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """``sqrt(values)``, each result the correctly rounded one, on every CPU and GPU.
+
+    Adagrad's update runs on the servers or on the trainers depending on the mode, so its bits must not depend
+    on the machine. torch's float32 sqrt on a CPU does (its vector math comes from MKL): on an AMD EPYC 20% of
+    its results were one unit in the last place off the correctly rounded value that NumPy and an Intel CPU give
+    (tests/test_models.py). The square root in float64, even 1 ulp off there, rounds to the correctly rounded
+    float32: the square root of a float32 is never that close to a point halfway between two float32 values."""
+    if values.dtype != torch.float32:
+        return values.sqrt()
+    return values.double().sqrt_().float()
+
+
 def sgd_update(block: torch.Tensor, grad: torch.Tensor, lr: float) -> torch.Tensor:
     """Plain SGD on the weights of a ``[U, dim]`` block, in place."""
     return block.sub_(grad, alpha=lr)
@@ -247,7 +260,7 @@ def rowwise_adagrad_update(
 ) -> None:
     """Row-wise Adagrad in place: ``acc += mean(g^2)`` per row, ``w -= lr * g / (sqrt(acc) + eps)``."""
     accumulators.add_(grad.square().mean(dim=1))
-    weights.addcdiv_(grad, accumulators.sqrt().add_(eps).unsqueeze(1), value=-lr)
+    weights.addcdiv_(grad, correctly_rounded_sqrt(accumulators).add_(eps).unsqueeze(1), value=-lr)
 
 
 def per_value_adagrad_update(
@@ -259,7 +272,7 @@ def per_value_adagrad_update(
     block), so :func:`apply_update` and :func:`apply_update_rowwise` both call it and give these columns
     the same bits."""
     accumulators.add_(grad.mul(grad))
-    weights.sub_(grad.div(accumulators.sqrt().add_(eps)).mul_(lr))
+    weights.sub_(grad.div(correctly_rounded_sqrt(accumulators).add_(eps)).mul_(lr))
 
 
 def apply_update(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -297,7 +310,7 @@ def apply_update_rowwise(spec: RowSpec, block: torch.Tensor, grad: torch.Tensor)
         total.add_(squares[:, column])
     accumulators = block[:, spec.dim]
     accumulators.add_(total.div_(shared))
-    denominator = accumulators.sqrt().add_(spec.eps).unsqueeze(1)
+    denominator = correctly_rounded_sqrt(accumulators).add_(spec.eps).unsqueeze(1)
     block[:, :shared].sub_(grad[:, :shared].div(denominator).mul_(spec.lr))
     if spec.own_accumulator_columns:
         per_value_adagrad_update(block[:, shared: spec.dim], block[:, spec.dim + 1:], grad[:, shared:], spec.lr,
