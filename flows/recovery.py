@@ -26,7 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger
+from prefect.states import Cancelled
 
+from dlrmflow.engine.coding.rebuild_state import GroupClosedError
 from dlrmflow.engine.coding.record import rebuild_start_sentence, recovery_sentence
 from dlrmflow.flows.prefect_internals import capture_run_context, flow, outside_task_run
 from dlrmflow.flows.run_names import recover_run_name, recover_tags, tag_this_run, verify_run_name
@@ -53,7 +55,10 @@ def recover_shard_flow(recovery_id: str, lost: list[str], stripes: int, chunk: i
         rebuild = _REBUILDS.pop(recovery_id)
     logger.info("%s", report_timing(rebuild, ", ".join(lost), stripes, chunk))
     progress = FlowProgress(f"rebuild of {', '.join(lost)}: stripes copied from the survivors", min_interval_s=0.5)
-    result = rebuild(progress)
+    try:
+        result = rebuild(progress)
+    except GroupClosedError:  # the training run stopped first, for its own reason (which its run reports)
+        return Cancelled(message=f"the training run stopped before the rebuild of {', '.join(lost)} ended")
     logger.info("%s", recovery_sentence(result))
     logger.info("bulk copy %.3f s: %.3f s in the copy tasks on the new shards' worker (%.3f s waiting for the "
                 "survivors, %.3f s decoding and installing)", result["copy_seconds"], result["copy_task_seconds"],

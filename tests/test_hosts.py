@@ -542,3 +542,35 @@ def test_the_scheduler_host_failing_stops_the_run_in_one_line_and_a_new_schedule
     print(f"\nthe scheduler's host failed after iteration {reached}: the command stopped "
           f"{stopped_at - failed_at:.1f} s later with: {message}\nthe resume on a new scheduler ended in the "
           "LocalCluster run's bits")
+
+
+def test_the_scheduler_host_failing_under_a_lone_trainer_stops_the_run_in_one_line(cluster, workload, tmp_path):
+    """After the test above (the scheduler it started again): one trainer, in the command's own process, whose
+    calls go straight to its servers, so it would train on without a scheduler. Its watch on the scheduler
+    stops the command within a minute, exit status 2, one line naming `dlrmflow resume`, with its last
+    checkpoint written. (That a resume from a checkpoint taken after the loss ends in the failure-free bits
+    was measured: docs/terabyte.md.)"""
+    import torch
+
+    argv = with_options(workload.train, trainers="1")
+    run_dir = tmp_path / "run"
+    run = WatchedRun([*argv, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
+                      "--dask-address", cluster.address], run_environment(), tmp_path / "stderr.log")
+    try:
+        after = CHECKPOINT_EVERY + 2
+        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S):
+            pytest.fail(f"the run did not reach iteration {after} (exit {run.proc.poll()}):\n{run.stderr_tail()}")
+        failed_at = cluster.network["scheduler"].fail()
+        code = run.finish(SCHEDULER_LOSS_S * 3)
+    finally:
+        run.stop()
+    errors = [(at, line) for at, line in run.lines if line.startswith("dlrmflow train: error:")]
+    assert code == 2 and len(errors) == 1, f"exit {code}:\n{run.stderr_tail()}"
+    stopped_at, message = errors[0]
+    assert stopped_at - failed_at < SCHEDULER_LOSS_S, (stopped_at - failed_at, message)
+    assert "lost the Dask scheduler" in message and f"dlrmflow resume {run_dir}" in message, message
+    assert not any("Traceback" in line for _, line in run.lines), run.stderr_tail()
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["iteration"] >= CHECKPOINT_EVERY
+    print(f"\nthe scheduler's host failed under one trainer: the command stopped {stopped_at - failed_at:.1f} s "
+          f"later with: {message}")

@@ -255,6 +255,28 @@ def test_a_recovery_runner_called_from_a_bare_thread_starts_a_child_of_the_train
                 assert recovery.parent_task_run_id is None
 
 
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_rebuild_that_the_run_s_stop_cut_short_ends_its_recover_shard_run_cancelled_without_a_traceback(caplog):
+    """A run that stops (the scheduler lost, a trainer lost) closes its shard group while a rebuild may be in
+    flight: that recover-shard run ends Cancelled, saying so, not Failed with the group's error and a traceback."""
+    from prefect import get_client
+
+    from dlrmflow.engine.coding.rebuild_state import GroupClosedError
+    from dlrmflow.flows.recovery import run_recovery_subflow
+
+    def rebuild(progress=None):
+        raise GroupClosedError("the shard group is closed")
+
+    with pytest.raises(BaseException) as stopped:  # the caller (the rebuild's thread) only notes the outcome
+        run_recovery_subflow(rebuild, {"lost": ["data shard 0"], "stripes": 8, "chunk": 8})
+    assert not isinstance(stopped.value, GroupClosedError)
+    with get_client(sync_client=True) as client:
+        [run] = [r for r in client.read_flow_runs() if r.name.startswith("recover-")][-1:]
+    assert run.state.is_cancelled(), run.state
+    assert run.state.message == "the training run stopped before the rebuild of data shard 0 ended"
+    assert not any(record.exc_info for record in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 def test_a_flow_run_ends_without_joining_its_heartbeat_thread(monkeypatch):
     """flow_runs_end_without_waiting_for_heartbeats: the sync engine starts each run's heartbeats through
     ``prefect.flow_engine._send_heartbeats`` (a flow and its subflow: two runs), never joining the thread."""

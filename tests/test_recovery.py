@@ -384,12 +384,43 @@ def test_a_slow_call_asks_the_scheduler_early_then_sparsely_and_fails_once_its_w
             waits.append(timeout)
             raise TimeoutError
 
-    monkeypatch.setattr(embedding_server, "cluster_workers", lambda client: next(listings))
+    asked: list[float | None] = []
+
+    def listing(client, timeout=None):
+        asked.append(timeout)
+        return next(listings)
+
+    monkeypatch.setattr(embedding_server, "cluster_workers", listing)
     call = embedding_server.ServerCall(Unanswered(), "w", client=object())
     with pytest.raises(OSError, match="no longer lists"):
         call.result()
     assert waits == [embedding_server.WATCH_FIRST_S] + 2 * [embedding_server.WATCH_S]
     assert embedding_server.WATCH_FIRST_S < embedding_server.WATCH_S
+    assert asked == 3 * [embedding_server.SCHEDULER_SILENCE_SECONDS]  # a silent scheduler cannot hold it longer
+
+
+@pytest.mark.parametrize("silence", [TimeoutError(), OSError("Timed out trying to connect"), ConnectionRefusedError()])
+def test_a_slow_call_whose_scheduler_does_not_answer_fails_without_losing_its_member(monkeypatch, silence):
+    """The scheduler's machine failed while a member call was slow: the scheduler's silence says nothing of the
+    member, so the call fails with SchedulerSilentError, which is no OSError (the members' loss, which would
+    start a rebuild that needs the scheduler)."""
+    from dlrmflow.engine.serving import shards as embedding_server
+    from dlrmflow.engine.serving.cluster import SchedulerSilentError
+
+    class Unanswered:
+        def done(self) -> bool:
+            return False
+
+        def result(self, timeout: float) -> None:
+            raise TimeoutError
+
+    def silent(client, timeout=None):
+        raise silence
+
+    monkeypatch.setattr(embedding_server, "cluster_workers", silent)
+    with pytest.raises(SchedulerSilentError, match="did not answer within 30 s whether the worker w is there") as err:
+        embedding_server.ServerCall(Unanswered(), "w", client=object()).result()
+    assert not isinstance(err.value, OSError)
 
 
 @pytest.mark.parametrize("outcome", ["rows", ValueError("bad ids"), TimeoutError("the call's own")])

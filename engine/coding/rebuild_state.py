@@ -57,6 +57,10 @@ from dlrmflow.engine.errors import UserInputError
 Standby = tuple[str, Any, Any]  # (worker, actor future, actor): a fresh replacement started in advance
 
 
+class GroupClosedError(RuntimeError):
+    """The group was closed (its run stopped, for whatever reason) before a rebuild in flight ended."""
+
+
 @dataclass(frozen=True)
 class StartRebuild:
     """Action: no rebuild thread owns the lost members; start one."""
@@ -354,7 +358,7 @@ class RebuildState:
         self.recovering = False
 
     def closed(self) -> None:
-        self.fatal = self.fatal or RuntimeError("the shard group is closed")
+        self.fatal = self.fatal or GroupClosedError("the shard group is closed")
 
     def released(self) -> None:
         """The group is closed and its rebuild thread gone: drop every actor handle."""

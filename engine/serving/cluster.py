@@ -254,6 +254,14 @@ def dask_client(address: str | None = None, *, n_workers: int | None = None, tra
         yield client
 
 
+SCHEDULER_SILENCE_SECONDS = 30.0  # a scheduler that does not answer this long is taken as lost
+
+
+class SchedulerSilentError(RuntimeError):
+    """The scheduler did not answer a question within :data:`SCHEDULER_SILENCE_SECONDS`. Not an OSError, which
+    the server calls take for their member's loss: its machine, or the link to it, failed, not the member's."""
+
+
 def cluster_workers(client: Client, timeout: float | None = None) -> dict[str, dict]:
     """The scheduler's info on every worker, keyed by address (as ``client.scheduler_info()["workers"]``);
     ``timeout``: seconds to wait for the answer (None: as long as the connection lives).
@@ -268,10 +276,11 @@ def cluster_workers(client: Client, timeout: float | None = None) -> dict[str, d
 PROBE_TIMEOUT_SECONDS = 3.0  # a worker's answer to a probe (connection and reply) later than this is a miss
 
 
-async def answering_workers(workers: list[str], timeout: float, connection_args: dict[str, Any]) -> set[str]:
-    """The workers among ``workers`` that answer an ``identity`` call within ``timeout`` seconds, asked
-    directly on a connection of its own each (not the scheduler's view, not a pooled connection, whose
-    unanswered call could leave a late reply for the next caller)."""
+async def answering_workers(workers: list[str], timeout: float, connection_args: dict[str, Any],
+                            **identity_args: Any) -> set[str]:
+    """The workers among ``workers`` that answer an ``identity`` call (with ``identity_args``) within ``timeout``
+    seconds, asked directly on a connection of its own each (not the scheduler's view, not a pooled connection,
+    whose unanswered call could leave a late reply for the next caller)."""
     from distributed.comm import connect
     from distributed.core import send_recv
 
@@ -281,7 +290,7 @@ async def answering_workers(workers: list[str], timeout: float, connection_args:
         async def ask() -> None:
             nonlocal comm
             comm = await connect(address, timeout=timeout, **connection_args)
-            await send_recv(comm, op="identity", reply=True)
+            await send_recv(comm, op="identity", reply=True, **identity_args)
 
         try:
             await asyncio.wait_for(ask(), timeout)
@@ -300,6 +309,15 @@ def probe_workers(client: Client, workers: list[str]) -> set[str]:
     """:func:`answering_workers` from synchronous code, on ``client``'s loop and connection arguments, each
     worker given :data:`PROBE_TIMEOUT_SECONDS`."""
     return client.sync(answering_workers, workers, PROBE_TIMEOUT_SECONDS, client.connection_args)
+
+
+def scheduler_answers(client: Client) -> bool:
+    """Whether ``client``'s scheduler answers a probe within :data:`PROBE_TIMEOUT_SECONDS`: asked as
+    :func:`answering_workers` asks, on a connection of its own (the client's own would wait for the client's
+    reconnection), for its identity without its workers'."""
+    address = client.scheduler.address
+    return address in client.sync(answering_workers, [address], PROBE_TIMEOUT_SECONDS, client.connection_args,
+                                  n_workers=0)
 
 
 SERVER_START_TIMEOUT_S = 120.0

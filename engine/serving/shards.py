@@ -45,7 +45,12 @@ from dlrmflow.engine.row_files import (
     shard_file,
     write_rows_file,
 )
-from dlrmflow.engine.serving.cluster import cluster_workers, probe_workers
+from dlrmflow.engine.serving.cluster import (
+    SCHEDULER_SILENCE_SECONDS,
+    SchedulerSilentError,
+    cluster_workers,
+    probe_workers,
+)
 from dlrmflow.engine.serving.dask_internals import (
     actor_address,
     actor_client,
@@ -422,8 +427,18 @@ class ServerCall:
                 if self.future.done():
                     return answer(self.future)
                 wait = WATCH_S
-                if self.worker not in cluster_workers(self.client):
+                if self.worker not in _listed_workers(self.client, self.worker):
                     raise OSError(f"the worker {self.worker} is gone (the scheduler no longer lists it)") from None
+
+
+def _listed_workers(client: Client, worker: str) -> dict[str, dict]:
+    """The workers the scheduler lists, asked about ``worker``; :class:`SchedulerSilentError` when it does not
+    answer (a lost scheduler says nothing of the member a call went to)."""
+    try:
+        return cluster_workers(client, timeout=SCHEDULER_SILENCE_SECONDS)
+    except OSError as exc:  # no answer in time, a connection that broke or was refused (TimeoutError too)
+        raise SchedulerSilentError(f"the Dask scheduler did not answer within {SCHEDULER_SILENCE_SECONDS:.0f} s "
+                                   f"whether the worker {worker} is there ({type(exc).__name__}: {exc})") from exc
 
 
 def call_server(actor: Any, method: str, *args: Any) -> ServerCall:

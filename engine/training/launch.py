@@ -22,10 +22,11 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,13 @@ import torch
 
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import engine_events_to, phase_reported
-from dlrmflow.engine.serving.cluster import PROBE_TIMEOUT_SECONDS, cluster_workers, probe_workers
+from dlrmflow.engine.serving.cluster import (
+    PROBE_TIMEOUT_SECONDS,
+    SCHEDULER_SILENCE_SECONDS,
+    cluster_workers,
+    probe_workers,
+    scheduler_answers,
+)
 from dlrmflow.engine.serving.placement import (
     GPU_RESOURCE,
     TRAINER_RESOURCE,
@@ -58,7 +65,6 @@ RESTART_TIMEOUT_SECONDS = 60.0
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
 
 
-SCHEDULER_SILENCE_SECONDS = 30.0  # a scheduler that does not answer this long is taken as lost
 # The scheduler drops the worker of a machine that failed outright (power, link) only after Dask's TCP timeout
 # (30 s and more), while its peers wait in a collective; the driver asks each trainer's worker itself instead.
 PROBE_SECONDS = 2.0  # how often the driver asks each trainer's worker whether it is there
@@ -96,6 +102,61 @@ class SilentTrainers:
 
 class SchedulerLostError(UserInputError):
     """The Dask scheduler stopped answering (its machine failed): its workers, the trainers', close with it."""
+
+
+class SchedulerWatch:
+    """Whether the Dask scheduler still answers, while one trainer trains in this process.
+
+    A lone trainer's calls go straight to its servers' workers, so it trains on without a scheduler and would
+    notice its loss only in the run's last steps, which need the cluster (after the client's own connection
+    timeout, with its traceback). A thread of its own probes the scheduler (``ask``: whether it answered within
+    the probe's timeout) every ``every`` seconds; ``limit`` misses in a row and the scheduler is lost: the
+    thread keeps why in :attr:`lost` (it is its only writer), calls ``on_lost`` and asks no more. The trainer
+    reads :attr:`lost` between iterations; :meth:`verdict` settles it for an error the run met meanwhile."""
+
+    def __init__(self, ask: Callable[[], bool], every: float = PROBE_SECONDS, limit: int = SILENT_PROBES,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self.ask, self.every, self.on_lost = ask, every, on_lost
+        self.silent = SilentTrainers(["scheduler"], limit)
+        self.lost: str | None = None
+        self._probing = threading.Lock()  # the watch's thread, or verdict's caller: one probe at a time
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlrmflow-scheduler-watch", daemon=True)
+
+    def __enter__(self) -> SchedulerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()  # a probe in flight ends on its own timeout; the daemon thread is not waited for
+
+    def _probe(self) -> bool:
+        """One probe; True when the scheduler is lost."""
+        with self._probing:
+            return self.lost is not None or self._probed()
+
+    def _probed(self) -> bool:
+        if self.silent.probed({"scheduler"} if self.ask() else set()):
+            self.lost = f"no answer to {self.silent.limit} probes in a row, each given {PROBE_TIMEOUT_SECONDS:.0f} s"
+            if self.on_lost is not None:
+                self.on_lost()
+            return True
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if self._probe():
+                return
+
+    def verdict(self) -> str | None:
+        """Whether the scheduler is lost, for an error the run met: the watch's finding, else probes now until
+        one is answered (a live scheduler: at once) or the scheduler is lost."""
+        if self.lost is None:
+            self._stop.set()  # from here this thread probes, and the watch's thread stops
+            while not self._probe():
+                if self.silent.misses["scheduler"] == 0:
+                    return None
+        return self.lost
 
 
 def _free_port() -> int:
@@ -183,13 +244,7 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
     as events, relayed here to ``context.progress`` and ``context.on_metrics``)."""
     progress, on_metrics, client = context.progress, context.on_metrics, context.client
     if setup.config.trainers == 1:
-        def report(done: int, row: dict[str, Any] | None) -> None:
-            if progress is not None:
-                progress(done, setup.iterations)
-            if row is not None and on_metrics is not None:
-                on_metrics(row)
-
-        return [train_rank(setup, TrainerGroup.alone(), context, report=report)]
+        return [_train_here(setup, context)]
     if client is None:
         raise ValueError(f"--trainers {setup.config.trainers} needs a Dask client to run the trainers on")
     size = setup.config.trainers
@@ -224,6 +279,46 @@ def run_trainers(setup: RunSetup, context: RunContext) -> list[dict[str, Any]]:
         if not scheduler_lost:
             client.cancel(futures)
             client.unsubscribe_topic(topic)
+
+
+def _train_here(setup: RunSetup, context: RunContext) -> dict[str, Any]:
+    """The one trainer of ``setup``, in this process; with a Dask client, stopped in one line
+    (:class:`SchedulerLostError`) when the scheduler stops answering (:class:`SchedulerWatch`)."""
+    progress, on_metrics, client, done = context.progress, context.on_metrics, context.client, 0
+    watch = None if client is None else SchedulerWatch(lambda: scheduler_answers(client),
+                                                       on_lost=_quiet_client_reconnects)
+
+    def report(t: int, row: dict[str, Any] | None) -> None:
+        nonlocal done
+        done = t
+        if watch is not None and watch.lost is not None:
+            raise SchedulerLostError(_scheduler_lost_message(setup, client, done, watch.lost))
+        if progress is not None:
+            progress(t, setup.iterations)
+        if row is not None and on_metrics is not None:
+            on_metrics(row)
+
+    with watch or nullcontext():
+        try:
+            return train_rank(setup, TrainerGroup.alone(), context, report=report)
+        except UserInputError:
+            raise  # the run's own one line (bad input, a loss it names, or the scheduler's above)
+        except Exception:
+            lost = None if watch is None else watch.verdict()
+            if lost is not None:  # what failed needed the scheduler (the final evaluation, a rebuild, ...)
+                raise SchedulerLostError(_scheduler_lost_message(setup, client, done, lost)) from None
+            raise
+
+
+class _NoClientErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+def _quiet_client_reconnects() -> None:
+    """Once the scheduler is lost, the Dask client's own errors (its reconnection giving up, with a traceback)
+    say nothing the run's one line does not: they are not shown. The command ends with that line."""
+    logging.getLogger("distributed.client").addFilter(_NoClientErrors())
 
 
 def answering_candidates(client, info: dict[str, dict]) -> dict[str, dict]:
@@ -349,14 +444,19 @@ def _stopped(setup: RunSetup, what: str, resume_when: str) -> str:
     return f"{what}; the run stopped and {config.output_dir} holds no result: run it again"
 
 
-def _scheduler_lost_message(setup: RunSetup, client, done: int, exc: BaseException) -> str:
+def _scheduler_lost_message(setup: RunSetup, client, done: int, exc: BaseException | str) -> str:
     address = getattr(client.scheduler, "address", None) or "its address"
-    why = (f"no answer for {SCHEDULER_SILENCE_SECONDS:.0f} s" if isinstance(exc, TimeoutError) else
-           f"{type(exc).__name__}: {str(exc).rstrip('.')}")
-    return _stopped(setup, f"lost the Dask scheduler at {address} after iteration {done} of {setup.iterations} "
-                           f"({why}; its machine may have failed); the trainers' workers close with it",
+    why = (exc if isinstance(exc, str) else f"no answer for {SCHEDULER_SILENCE_SECONDS:.0f} s"
+           if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {str(exc).rstrip('.')}")
+    trainers = setup.config.trainers
+    lost = f"lost the Dask scheduler at {address} after iteration {done} of {setup.iterations} ({why}; its machine "
+    if trainers == 1:  # the trainer is this process: the servers' workers are what must run again
+        return _stopped(setup, lost + "may have failed)",
+                        "(with --dask-address, or $DLRMFLOW_DASK_ADDRESS, naming the new scheduler) once a scheduler "
+                        "and its workers run again")
+    return _stopped(setup, lost + "may have failed); the trainers' workers close with it",
                     f"(with --dask-address, or $DLRMFLOW_DASK_ADDRESS, naming the new scheduler) once a scheduler "
-                    f"and {setup.config.trainers} workers that may run a trainer (`--resources trainer=1`) run again")
+                    f"and {trainers} workers that may run a trainer (`--resources trainer=1`) run again")
 
 
 def _lost_message(setup: RunSetup, rank: int, worker: str, done: int, why: str = "") -> str:
