@@ -243,8 +243,9 @@ def correctly_rounded_sqrt(values: torch.Tensor) -> torch.Tensor:
     Adagrad's update runs on the servers or on the trainers depending on the mode, so its bits must not depend
     on the machine. torch's float32 sqrt on a CPU does: on an AMD EPYC 20% of its results were one unit in the
     last place off the correctly rounded value that NumPy gives, with every ATen CPU capability (on the Intel
-    CPUs before, tests/test_models.py's formula tests found them exact). The square root in float64, even 1 ulp off there, rounds to the correctly rounded
-    float32: the square root of a float32 is never that close to a point halfway between two float32 values."""
+    CPUs before, tests/test_models.py's formula tests found them exact). The square root in float64, even 1 ulp
+    off there, rounds to the correctly rounded float32: the square root of a float32 is never that close to a
+    point halfway between two float32 values."""
     if values.dtype != torch.float32:
         return values.sqrt()
     return values.double().sqrt_().float()
