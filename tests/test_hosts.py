@@ -59,7 +59,7 @@ SEED = "3"
 # 20,000 rows hold 70 batches of 256 before the held-out tenth. Every run of the module trains the same
 # iterations (one LocalCluster run is the oracle of all). The failed-host test fails its host once the run
 # reports KILL_AFTER of them: the rest (about 0.1 s each here) outlast the failing (well under a second),
-# and training then waits for the loss to be noticed (about 30 s: Dask's TCP timeout).
+# and training then waits for the loss to be noticed (3 probes unanswered: SERVER_LOSS_S).
 ITERATIONS = 60
 KILL_AFTER = 5
 RUN_TIMEOUT_S = 420
@@ -355,7 +355,8 @@ def one_summary(run: WatchedRun) -> dict:
 
 
 CHECKPOINT_EVERY = 20
-LINK_DOWN_S = 4.0  # shorter than Dask's TCP timeout (30 s): a link that comes back before anyone gives up
+LINK_DOWN_S = 4.0  # shorter than 3 unanswered probes (each 3 s) and Dask's TCP timeout (30 s): ridden out
+SERVER_LOSS_S = 20  # a lost server host: 3 probes unanswered (about 11 s), where the scheduler alone took 29 s
 SCHEDULER_LOSS_S = 60  # a lost scheduler stops the command within this
 TRAINER_LOSS_S = 30  # a lost trainer host: 3 missed probes (about 12 s) and the survivors' restart, where
 # the scheduler alone took 33-41 s (Dask's TCP timeout, then the restart)
@@ -487,6 +488,7 @@ def test_a_server_host_failing_mid_run_is_rebuilt_on_the_spare_host_to_the_same_
 
     # The group's clock is trainer 0's perf_counter, this test's time.monotonic: on Linux both CLOCK_MONOTONIC.
     detected = parity["clock_origin"] + recovery["detected_s"] - failed_at
+    assert detected < SERVER_LOSS_S and "stopped answering" in "; ".join(recovery["causes"]), (detected, recovery)
     print(f"\n{victim.name} ({victim.address}, data shard 0) failed after iteration {reached}; the loss was "
           f"detected {detected:.1f} s later ({'; '.join(recovery['causes'])}), rebuilt on {spare} in "
           f"{recovery['seconds']:.2f} s ({recovery['rows_rebuilt']} rows, {recovery['chunks']} chunks, training "

@@ -399,6 +399,61 @@ def test_a_slow_call_asks_the_scheduler_early_then_sparsely_and_fails_once_its_w
     assert asked == 3 * [embedding_server.SCHEDULER_SILENCE_SECONDS]  # a silent scheduler cannot hold it longer
 
 
+@pytest.mark.parametrize("answers", [[], [False, True], [False, False, True, False]])
+def test_a_slow_call_to_a_listed_worker_that_stops_answering_probes_fails_after_three_misses_in_a_row(
+        monkeypatch, answers):
+    """A machine that failed outright stays listed by the scheduler until Dask's TCP timeout (30 s and more): a
+    call still unanswered PROBE_SECONDS after it began probes its worker directly, and fails with OSError (the
+    member's loss) once SILENT_PROBES probes in a row went unanswered; an answer starts the count again."""
+    from dlrmflow.engine.serving import shards as embedding_server
+
+    monkeypatch.setattr(embedding_server, "PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(embedding_server, "WATCH_S", 0.001)
+    monkeypatch.setattr(embedding_server, "cluster_workers", lambda client, timeout=None: {"w": {}})
+    probes = iter(answers)
+    asked: list[list[str]] = []
+
+    def probe(client, workers):
+        asked.append(workers)
+        return set(workers) if next(probes, False) else set()
+
+    class Unanswered:
+        def done(self) -> bool:
+            return False
+
+        def result(self, timeout: float) -> None:
+            raise TimeoutError
+
+    monkeypatch.setattr(embedding_server, "probe_workers", probe)
+    with pytest.raises(OSError, match="stopped answering .no answer to 3 probes in a row, each given 3 s"):
+        embedding_server.ServerCall(Unanswered(), "w", client=object()).result()
+    last_answer = max((i for i, a in enumerate(answers) if a), default=-1)
+    assert len(asked) == last_answer + 1 + embedding_server.SILENT_PROBES and set(map(tuple, asked)) == {("w",)}
+
+
+def test_a_slow_call_answered_before_the_probes_give_up_returns_its_answer(monkeypatch):
+    from dlrmflow.engine.serving import shards as embedding_server
+
+    monkeypatch.setattr(embedding_server, "PROBE_SECONDS", 0.0)
+    monkeypatch.setattr(embedding_server, "WATCH_S", 0.001)
+    monkeypatch.setattr(embedding_server, "cluster_workers", lambda client, timeout=None: {"w": {}})
+    monkeypatch.setattr(embedding_server, "probe_workers", lambda client, workers: set())
+
+    class AnsweredLate:  # the answer lands after two unanswered probes
+        waits = 0
+
+        def done(self) -> bool:
+            return self.waits > 2
+
+        def result(self, timeout: float | None = None) -> str:
+            self.waits += 1
+            if self.waits <= 2:
+                raise TimeoutError
+            return "rows"
+
+    assert embedding_server.ServerCall(AnsweredLate(), "w", client=object()).result() == "rows"
+
+
 @pytest.mark.parametrize("silence", [TimeoutError(), OSError("Timed out trying to connect"), ConnectionRefusedError()])
 def test_a_slow_call_whose_scheduler_does_not_answer_fails_without_losing_its_member(monkeypatch, silence):
     """The scheduler's machine failed while a member call was slow: the scheduler's silence says nothing of the

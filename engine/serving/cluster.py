@@ -274,6 +274,11 @@ def cluster_workers(client: Client, timeout: float | None = None) -> dict[str, d
 
 
 PROBE_TIMEOUT_SECONDS = 3.0  # a worker's answer to a probe (connection and reply) later than this is a miss
+# The scheduler drops the worker of a machine that failed outright (power, link) only after Dask's TCP timeout
+# (30 s and more), while the calls to it wait; a trainer's driver, a lone trainer and a call to a server that
+# is slow to answer ask the worker (or scheduler) themselves instead.
+PROBE_SECONDS = 2.0  # how often a worker (or the scheduler) waited for is probed
+SILENT_PROBES = 3  # this many misses in a row: its machine is taken as lost (about 10-12 s)
 
 
 async def answering_workers(workers: list[str], timeout: float, connection_args: dict[str, Any],

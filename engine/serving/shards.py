@@ -46,7 +46,10 @@ from dlrmflow.engine.row_files import (
     write_rows_file,
 )
 from dlrmflow.engine.serving.cluster import (
+    PROBE_SECONDS,
+    PROBE_TIMEOUT_SECONDS,
     SCHEDULER_SILENCE_SECONDS,
+    SILENT_PROBES,
     SchedulerSilentError,
     cluster_workers,
     probe_workers,
@@ -406,8 +409,11 @@ class ServerCall:
     retries the refused connect until the client's connect timeout runs out (twice while Dask has
     not yet marked the actor lost). The scheduler drops a killed worker quickly, so a call still
     unanswered after WATCH_FIRST_S asks it (and again every WATCH_S), and fails with OSError (as a
-    broken connection does) once the worker is gone. The abandoned attempt ends on its own in the
-    client's loop; nothing reads its outcome."""
+    broken connection does) once the worker is gone. A machine that failed outright (its link down: no
+    connection breaks) stays listed until Dask's TCP timeout, so a call unanswered for PROBE_SECONDS also
+    probes the worker itself, on a connection of its own, every PROBE_SECONDS, and fails with OSError once
+    SILENT_PROBES in a row went unanswered. The abandoned attempt ends on its own in the client's loop;
+    nothing reads its outcome."""
 
     __slots__ = ("future", "worker", "client")
 
@@ -417,7 +423,7 @@ class ServerCall:
     def result(self) -> Any:
         if self.client is None or self.worker is None:
             return answer(self.future)
-        wait = WATCH_FIRST_S
+        wait, misses, next_probe = WATCH_FIRST_S, 0, time.monotonic() + PROBE_SECONDS
         while True:
             try:
                 return answer(self.future, wait)
@@ -429,6 +435,12 @@ class ServerCall:
                 wait = WATCH_S
                 if self.worker not in _listed_workers(self.client, self.worker):
                     raise OSError(f"the worker {self.worker} is gone (the scheduler no longer lists it)") from None
+                if time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + PROBE_SECONDS  # from the probe's start: a miss takes 3 s
+                    misses = 0 if self.worker in probe_workers(self.client, [self.worker]) else misses + 1
+                    if misses >= SILENT_PROBES:
+                        raise OSError(f"the worker {self.worker} stopped answering (no answer to {SILENT_PROBES} "
+                                      f"probes in a row, each given {PROBE_TIMEOUT_SECONDS:.0f} s)") from None
 
 
 def _listed_workers(client: Client, worker: str) -> dict[str, dict]:

@@ -35,8 +35,10 @@ import torch
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.phases import engine_events_to, phase_reported
 from dlrmflow.engine.serving.cluster import (
+    PROBE_SECONDS,
     PROBE_TIMEOUT_SECONDS,
     SCHEDULER_SILENCE_SECONDS,
+    SILENT_PROBES,
     cluster_workers,
     probe_workers,
     scheduler_answers,
@@ -65,10 +67,6 @@ RESTART_TIMEOUT_SECONDS = 60.0
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
 
 
-# The scheduler drops the worker of a machine that failed outright (power, link) only after Dask's TCP timeout
-# (30 s and more), while its peers wait in a collective; the driver asks each trainer's worker itself instead.
-PROBE_SECONDS = 2.0  # how often the driver asks each trainer's worker whether it is there
-SILENT_PROBES = 3  # this many misses in a row: the trainer's machine is taken as lost (about 12 s)
 
 
 class TrainerLostError(UserInputError):
