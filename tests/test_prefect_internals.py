@@ -260,6 +260,8 @@ def test_a_rebuild_that_the_run_s_stop_cut_short_ends_its_recover_shard_run_canc
     """A run that stops (the scheduler lost, a trainer lost) closes its shard group while a rebuild may be in
     flight: that recover-shard run ends Cancelled, saying so, not Failed with the group's error and a traceback."""
     from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
 
     from dlrmflow.engine.coding.rebuild_state import GroupClosedError
     from dlrmflow.flows.recovery import run_recovery_subflow
@@ -270,8 +272,9 @@ def test_a_rebuild_that_the_run_s_stop_cut_short_ends_its_recover_shard_run_canc
     with pytest.raises(BaseException) as stopped:  # the caller (the rebuild's thread) only notes the outcome
         run_recovery_subflow(rebuild, {"lost": ["data shard 0"], "stripes": 8, "chunk": 8})
     assert not isinstance(stopped.value, GroupClosedError)
-    with get_client(sync_client=True) as client:
-        [run] = [r for r in client.read_flow_runs() if r.name.startswith("recover-")][-1:]
+    with get_client(sync_client=True) as client:  # the session's latest recover-shard run: this one
+        [run] = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["recover-shard"])),
+                                      sort=FlowRunSort.START_TIME_DESC, limit=1)
     assert run.state.is_cancelled(), run.state
     assert run.state.message == "the training run stopped before the rebuild of data shard 0 ended"
     assert not any(record.exc_info for record in caplog.records), [r.getMessage() for r in caplog.records]
