@@ -429,7 +429,7 @@ def test_a_server_link_drop_is_ridden_out_and_a_trainer_host_failing_stops_the_r
 
 def test_a_server_host_failing_mid_run_is_rebuilt_on_the_spare_host_to_the_same_bits(cluster, workload, local_run,
                                                                                      tmp_path):
-    """Last in the module: it takes a server host down for good. The run goes on the hosts' cluster as a user
+    """It takes a server host down for good (the spare takes its member). The run goes on the hosts' cluster as a user
     runs it (a command in the root namespace); after KILL_AFTER iterations the host of data shard 0 fails
     (its link down, every process on it SIGKILLed). The run must notice, rebuild the shard on the spare
     host from the survivors while it trains, end with exit status 0 in the LocalCluster run's bits, and
@@ -497,9 +497,36 @@ def test_a_server_host_failing_mid_run_is_rebuilt_on_the_spare_host_to_the_same_
           f"runs still on the server hosts at its start: {sorted(earlier.values())}")
 
 
+def stopped_by_the_scheduler_host_failing(cluster, train: list[str], run_dir: Path,
+                                          tmp_path: Path) -> tuple[int, float, str]:
+    """``dlrmflow train`` (``train`` with checkpoints, into ``run_dir``) on the hosts, its scheduler's host failed
+    a little after the first checkpoint: the command must stop within SCHEDULER_LOSS_S, exit status 2, with one
+    line naming the loss and `dlrmflow resume`, no traceback. The iteration it had reached when the host
+    failed, the seconds until that line, and the line."""
+    run = WatchedRun([*train, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
+                      "--dask-address", cluster.address], run_environment(), tmp_path / "stderr.log")
+    try:
+        after = CHECKPOINT_EVERY + 2
+        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S):
+            pytest.fail(f"the run did not reach iteration {after} (exit {run.proc.poll()}):\n"
+                        f"{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
+        reached = run.done
+        failed_at = cluster.network["scheduler"].fail()
+        code = run.finish(SCHEDULER_LOSS_S * 3)
+    finally:
+        run.stop()
+    errors = [(at, line) for at, line in run.lines if line.startswith("dlrmflow train: error:")]
+    assert code == 2 and len(errors) == 1, f"exit {code}:\n{run.stderr_tail()}"
+    stopped_at, message = errors[0]
+    assert stopped_at - failed_at < SCHEDULER_LOSS_S, (stopped_at - failed_at, message)
+    assert "lost the Dask scheduler" in message and f"dlrmflow resume {run_dir}" in message, message
+    assert not any("Traceback" in line for _, line in run.lines), run.stderr_tail()
+    return reached, stopped_at - failed_at, message
+
+
 def test_the_scheduler_host_failing_stops_the_run_in_one_line_and_a_new_scheduler_resumes_it_to_the_same_bits(
         cluster, workload, local_run, tmp_path):
-    """Last in the module: the scheduler's host fails mid-run (link down, the scheduler SIGKILLed). The command
+    """Next to last in the module: the scheduler's host fails mid-run (link down, the scheduler SIGKILLed). The command
     stops within a minute with exit status 2 and one line naming `dlrmflow resume`; the last checkpoint is
     intact: with a new scheduler at the same address and the workers of the live hosts started again (as an
     operator restarts them), the resume ends in the LocalCluster run's bits."""
@@ -509,24 +536,7 @@ def test_the_scheduler_host_failing_stops_the_run_in_one_line_and_a_new_schedule
     scheduler = network["scheduler"]
     live = [name for name in WORKERS if any(p.poll() is None for p in network[name].processes)]
     run_dir = tmp_path / "run"
-    run = WatchedRun([*workload.train, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
-                      "--dask-address", cluster.address], run_environment(), tmp_path / "stderr.log")
-    try:
-        after = CHECKPOINT_EVERY + 2
-        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S):
-            pytest.fail(f"the run did not reach iteration {after} (exit {run.proc.poll()}):\n"
-                        f"{run.stderr_tail()}\nhost logs:\n{cluster.log_tails()}")
-        reached = run.done
-        failed_at = scheduler.fail()
-        code = run.finish(SCHEDULER_LOSS_S * 3)
-    finally:
-        run.stop()
-    errors = [(at, line) for at, line in run.lines if line.startswith("dlrmflow train: error:")]
-    assert code == 2 and len(errors) == 1, f"exit {code}:\n{run.stderr_tail()}"
-    stopped_at, message = errors[0]
-    assert stopped_at - failed_at < SCHEDULER_LOSS_S, (stopped_at - failed_at, message)
-    assert "scheduler" in message and f"dlrmflow resume {run_dir}" in message, message
-    assert not any("Traceback" in line for _, line in run.lines), run.stderr_tail()
+    reached, took, message = stopped_by_the_scheduler_host_failing(cluster, workload.train, run_dir, tmp_path)
 
     # A new scheduler where the old one was, and the live hosts' workers started again.
     scheduler.set_link(True)
@@ -541,9 +551,8 @@ def test_the_scheduler_host_failing_stops_the_run_in_one_line_and_a_new_schedule
         client.wait_for_workers(len(live), timeout=120)
     resumed = cli_json(["resume", str(run_dir), "--dask-address", address], cluster)
     assert resumed["state_sha256"] == local_run["state_sha256"]
-    print(f"\nthe scheduler's host failed after iteration {reached}: the command stopped "
-          f"{stopped_at - failed_at:.1f} s later with: {message}\nthe resume on a new scheduler ended in the "
-          "LocalCluster run's bits")
+    print(f"\nthe scheduler's host failed after iteration {reached}: the command stopped {took:.1f} s later "
+          f"with: {message}\nthe resume on a new scheduler ended in the LocalCluster run's bits")
 
 
 def test_the_scheduler_host_failing_under_a_lone_trainer_stops_the_run_in_one_line(cluster, workload, tmp_path):
@@ -554,25 +563,9 @@ def test_the_scheduler_host_failing_under_a_lone_trainer_stops_the_run_in_one_li
     was measured: docs/terabyte.md.)"""
     import torch
 
-    argv = with_options(workload.train, trainers="1")
     run_dir = tmp_path / "run"
-    run = WatchedRun([*argv, "--checkpoint-every", str(CHECKPOINT_EVERY), "--output", str(run_dir),
-                      "--dask-address", cluster.address], run_environment(), tmp_path / "stderr.log")
-    try:
-        after = CHECKPOINT_EVERY + 2
-        if not run.wait_for(lambda r: r.done >= after, RUN_TIMEOUT_S):
-            pytest.fail(f"the run did not reach iteration {after} (exit {run.proc.poll()}):\n{run.stderr_tail()}")
-        failed_at = cluster.network["scheduler"].fail()
-        code = run.finish(SCHEDULER_LOSS_S * 3)
-    finally:
-        run.stop()
-    errors = [(at, line) for at, line in run.lines if line.startswith("dlrmflow train: error:")]
-    assert code == 2 and len(errors) == 1, f"exit {code}:\n{run.stderr_tail()}"
-    stopped_at, message = errors[0]
-    assert stopped_at - failed_at < SCHEDULER_LOSS_S, (stopped_at - failed_at, message)
-    assert "lost the Dask scheduler" in message and f"dlrmflow resume {run_dir}" in message, message
-    assert not any("Traceback" in line for _, line in run.lines), run.stderr_tail()
+    _, took, message = stopped_by_the_scheduler_host_failing(cluster, with_options(workload.train, trainers="1"),
+                                                             run_dir, tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["iteration"] >= CHECKPOINT_EVERY
-    print(f"\nthe scheduler's host failed under one trainer: the command stopped {stopped_at - failed_at:.1f} s "
-          f"later with: {message}")
+    print(f"\nthe scheduler's host failed under one trainer: the command stopped {took:.1f} s later with: {message}")
