@@ -406,6 +406,7 @@ def test_a_slow_call_to_a_listed_worker_that_stops_answering_probes_fails_after_
     call still unanswered PROBE_SECONDS after it began probes its worker directly, and fails with OSError (the
     member's loss) once SILENT_PROBES probes in a row went unanswered; an answer starts the count again."""
     from dlrmflow.engine.serving import shards as embedding_server
+    from dlrmflow.engine.serving.cluster import SILENT_PROBES
 
     monkeypatch.setattr(embedding_server, "PROBE_SECONDS", 0.0)
     monkeypatch.setattr(embedding_server, "WATCH_S", 0.001)
@@ -428,7 +429,7 @@ def test_a_slow_call_to_a_listed_worker_that_stops_answering_probes_fails_after_
     with pytest.raises(OSError, match="stopped answering .no answer to 3 probes in a row, each given 3 s"):
         embedding_server.ServerCall(Unanswered(), "w", client=object()).result()
     last_answer = max((i for i, a in enumerate(answers) if a), default=-1)
-    assert len(asked) == last_answer + 1 + embedding_server.SILENT_PROBES and set(map(tuple, asked)) == {("w",)}
+    assert len(asked) == last_answer + 1 + SILENT_PROBES and set(map(tuple, asked)) == {("w",)}
 
 
 def test_a_slow_call_answered_before_the_probes_give_up_returns_its_answer(monkeypatch):

@@ -1,7 +1,7 @@
 """The driver's own probes of the trainers' workers (engine/training/launch.py): a trainer whose machine fails
 outright is taken as lost after a few unanswered probes, not after Dask's TCP timeout.
 
-:class:`SilentTrainers` is the decision, tested without a network on random answer sequences;
+:class:`SilentWorkers` is the decision, tested without a network on random answer sequences;
 :func:`answering_workers` is the probe, tested against a live worker, a port that refuses and a listener that
 never answers (a machine whose link is down looks the same: nothing comes back). :class:`SchedulerWatch`, a lone
 trainer's watch on the scheduler, is tested on schedulers that answer a given number of questions."""
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from dlrmflow.engine.serving.cluster import answering_workers, scheduler_answers
-from dlrmflow.engine.training.launch import SILENT_PROBES, SchedulerWatch, SilentTrainers, answering_candidates
+from dlrmflow.engine.serving.cluster import SilentWorkers, answering_workers, scheduler_answers
+from dlrmflow.engine.training.launch import SILENT_PROBES, SchedulerWatch, answering_candidates
 
 
 def test_a_trainer_is_lost_after_exactly_its_limit_of_misses_in_a_row_on_random_answers():
@@ -24,7 +24,7 @@ def test_a_trainer_is_lost_after_exactly_its_limit_of_misses_in_a_row_on_random_
     for _ in range(200):
         workers = [f"tcp://10.0.0.{i}:1" for i in range(rng.randint(1, 4))]
         limit = rng.randint(1, 4)
-        silent, streak = SilentTrainers(workers, limit), dict.fromkeys(workers, 0)
+        silent, streak = SilentWorkers(workers, limit), dict.fromkeys(workers, 0)
         for _ in range(rng.randint(1, 30)):
             answered = {w for w in workers if rng.random() < 0.6}
             lost = silent.probed(answered)
@@ -34,11 +34,11 @@ def test_a_trainer_is_lost_after_exactly_its_limit_of_misses_in_a_row_on_random_
 
 
 def test_an_answer_starts_the_count_again():
-    silent = SilentTrainers(["a", "b"], limit=3)
+    silent = SilentWorkers(["a", "b"], limit=3)
     assert silent.probed({"b"}) == [] and silent.probed({"b"}) == []
     assert silent.probed({"a", "b"}) == []  # a answered: its two misses are forgotten
     assert silent.probed({"b"}) == [] and silent.probed({"b"}) == [] and silent.probed({"b"}) == [0]
-    assert SilentTrainers(["a"]).limit == SILENT_PROBES
+    assert SilentWorkers(["a"]).limit == SILENT_PROBES
 
 
 def _free_port() -> int:
@@ -81,7 +81,7 @@ def test_the_probe_of_no_workers_is_empty():
 @pytest.mark.parametrize("limit", [0, -1])
 def test_a_limit_below_one_is_refused(limit):
     with pytest.raises(ValueError, match="at least one"):
-        SilentTrainers(["a"], limit)
+        SilentWorkers(["a"], limit)
 
 
 class Scheduler:

@@ -281,6 +281,30 @@ PROBE_SECONDS = 2.0  # how often a worker (or the scheduler) waited for is probe
 SILENT_PROBES = 3  # this many misses in a row: its machine is taken as lost (about 10-12 s)
 
 
+class SilentWorkers:
+    """How many probes in a row each of ``workers`` (Dask addresses, or any names) left unanswered.
+
+    Owned by the code that probes them (the trainers' driver, a lone trainer's watch on the scheduler, a server
+    call), the only code that changes it: one :meth:`probed` per round of probes. A worker that answers starts
+    again from zero; one that missed ``limit`` in a row is lost (:meth:`probed` returns its index)."""
+
+    def __init__(self, workers: list[str], limit: int = SILENT_PROBES) -> None:
+        if limit < 1:
+            raise ValueError(f"a worker is lost after at least one missed probe, not {limit}")
+        self.workers, self.limit = list(workers), limit
+        self.misses = dict.fromkeys(self.workers, 0)
+
+    def probed(self, answered: set[str]) -> list[int]:
+        """One round of probes whose answers came from ``answered``; the indices of the workers now lost."""
+        for worker in self.workers:
+            self.misses[worker] = 0 if worker in answered else self.misses[worker] + 1
+        return [index for index, worker in enumerate(self.workers) if self.misses[worker] >= self.limit]
+
+    def silence(self) -> str:
+        """What made a worker lost, in words."""
+        return f"no answer to {self.limit} probes in a row, each given {PROBE_TIMEOUT_SECONDS:.0f} s"
+
+
 async def answering_workers(workers: list[str], timeout: float, connection_args: dict[str, Any],
                             **identity_args: Any) -> set[str]:
     """The workers among ``workers`` that answer an ``identity`` call (with ``identity_args``) within ``timeout``

@@ -47,10 +47,9 @@ from dlrmflow.engine.row_files import (
 )
 from dlrmflow.engine.serving.cluster import (
     PROBE_SECONDS,
-    PROBE_TIMEOUT_SECONDS,
     SCHEDULER_SILENCE_SECONDS,
-    SILENT_PROBES,
     SchedulerSilentError,
+    SilentWorkers,
     cluster_workers,
     probe_workers,
 )
@@ -423,7 +422,7 @@ class ServerCall:
     def result(self) -> Any:
         if self.client is None or self.worker is None:
             return answer(self.future)
-        wait, misses, next_probe = WATCH_FIRST_S, 0, time.monotonic() + PROBE_SECONDS
+        wait, silent, next_probe = WATCH_FIRST_S, None, time.monotonic() + PROBE_SECONDS
         while True:
             try:
                 return answer(self.future, wait)
@@ -437,10 +436,9 @@ class ServerCall:
                     raise OSError(f"the worker {self.worker} is gone (the scheduler no longer lists it)") from None
                 if time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + PROBE_SECONDS  # from the probe's start: a miss takes 3 s
-                    misses = 0 if self.worker in probe_workers(self.client, [self.worker]) else misses + 1
-                    if misses >= SILENT_PROBES:
-                        raise OSError(f"the worker {self.worker} stopped answering (no answer to {SILENT_PROBES} "
-                                      f"probes in a row, each given {PROBE_TIMEOUT_SECONDS:.0f} s)") from None
+                    silent = silent or SilentWorkers([self.worker])  # made for the slow calls alone
+                    if silent.probed(probe_workers(self.client, [self.worker])):
+                        raise OSError(f"the worker {self.worker} stopped answering ({silent.silence()})") from None
 
 
 def _listed_workers(client: Client, worker: str) -> dict[str, dict]:

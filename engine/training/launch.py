@@ -5,9 +5,9 @@ synchronised by torch.distributed.
 worker process (:func:`~dlrmflow.engine.serving.placement.place_trainers`), picks a rendezvous port on rank
 0's worker, submits :func:`train_on_worker` to each, relays rank 0's progress to its callbacks, and
 watches the trainers' workers: a trainer whose worker dies, or whose machine stops answering the driver's
-own probes (:class:`SilentTrainers`), fails the run with :class:`TrainerLostError`, one line naming the
-trainer; a trainer that raises fails it with its own error, and the workers of trainers left blocked in a
-collective are restarted (:func:`release_blocked_trainers`).
+own probes (:class:`~dlrmflow.engine.serving.cluster.SilentWorkers`), fails the run with
+:class:`TrainerLostError`, one line naming the trainer; a trainer that raises fails it with its own error,
+and the workers of trainers left blocked in a collective are restarted (:func:`release_blocked_trainers`).
 Each trainer runs :func:`~.trainer.train_rank`.
 
 Each trainer reads and trains its slice ``rank * B/W .. (rank + 1) * B/W - 1`` of every global batch. What it
@@ -39,6 +39,7 @@ from dlrmflow.engine.serving.cluster import (
     PROBE_TIMEOUT_SECONDS,
     SCHEDULER_SILENCE_SECONDS,
     SILENT_PROBES,
+    SilentWorkers,
     cluster_workers,
     probe_workers,
     scheduler_answers,
@@ -67,8 +68,6 @@ RESTART_TIMEOUT_SECONDS = 60.0
 REPORT_SECONDS = 0.5  # rank 0 sends progress at most this often (and at every metrics row)
 
 
-
-
 class TrainerLostError(UserInputError):
     """A trainer process died, or its machine stopped answering: the run cannot go on without its slice of the
     batch. ``worker``: the lost trainer's Dask worker."""
@@ -76,26 +75,6 @@ class TrainerLostError(UserInputError):
     def __init__(self, message: str, worker: str | None = None) -> None:
         super().__init__(message)
         self.worker = worker
-
-
-class SilentTrainers:
-    """How many of the driver's probes in a row each trainer's worker left unanswered.
-
-    Owned by the driver's watch loop (:func:`_watch`), the only code that changes it: one :meth:`probed` per
-    round of probes. A worker that answers starts again from zero; one that missed ``limit`` in a row is
-    lost (:meth:`probed` returns its rank)."""
-
-    def __init__(self, workers: list[str], limit: int = SILENT_PROBES) -> None:
-        if limit < 1:
-            raise ValueError(f"a trainer is lost after at least one missed probe, not {limit}")
-        self.workers, self.limit = list(workers), limit
-        self.misses = dict.fromkeys(self.workers, 0)
-
-    def probed(self, answered: set[str]) -> list[int]:
-        """One round of probes whose answers came from ``answered``; the ranks now taken as lost."""
-        for worker in self.workers:
-            self.misses[worker] = 0 if worker in answered else self.misses[worker] + 1
-        return [rank for rank, worker in enumerate(self.workers) if self.misses[worker] >= self.limit]
 
 
 class SchedulerLostError(UserInputError):
@@ -115,7 +94,7 @@ class SchedulerWatch:
     def __init__(self, ask: Callable[[], bool], every: float = PROBE_SECONDS, limit: int = SILENT_PROBES,
                  on_lost: Callable[[], None] | None = None) -> None:
         self.ask, self.every, self.on_lost = ask, every, on_lost
-        self.silent = SilentTrainers(["scheduler"], limit)
+        self.silent = SilentWorkers(["scheduler"], limit)
         self.lost: str | None = None
         self._probing = threading.Lock()  # the watch's thread, or verdict's caller: one probe at a time
         self._stop = threading.Event()
@@ -135,7 +114,7 @@ class SchedulerWatch:
 
     def _probed(self) -> bool:
         if self.silent.probed({"scheduler"} if self.ask() else set()):
-            self.lost = f"no answer to {self.silent.limit} probes in a row, each given {PROBE_TIMEOUT_SECONDS:.0f} s"
+            self.lost = self.silent.silence()
             if self.on_lost is not None:
                 self.on_lost()
             return True
@@ -380,7 +359,7 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
         if report["metrics"] is not None and on_metrics is not None:
             on_metrics(report["metrics"])
 
-    silent, next_probe = SilentTrainers(workers), time.monotonic() + PROBE_SECONDS
+    silent, next_probe = SilentWorkers(workers), time.monotonic() + PROBE_SECONDS
     while True:
         try:
             relay(reports.get(timeout=WATCH_SECONDS))
@@ -398,8 +377,7 @@ def _watch(client, futures, workers, reports: queue.Queue, setup: RunSetup, prog
             lost = silent.probed(probe_workers(client, workers))
             next_probe = time.monotonic() + PROBE_SECONDS
             if lost:
-                why = (f"its machine stopped answering: no answer to {SILENT_PROBES} probes in a row, each given "
-                       f"{PROBE_TIMEOUT_SECONDS:.0f} s")
+                why = f"its machine stopped answering: {silent.silence()}"
                 raise TrainerLostError(_lost_message(setup, lost[0], workers[lost[0]], done, why), workers[lost[0]])
         if any(f.status == "error" for f in futures):
             _raise_the_cause(futures)
