@@ -15,9 +15,30 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 
+import dask
 import pytest
 
+from dlrmflow.engine.serving.cluster import HOUSEKEEPING, WORKER_START, _start_worker_server, housekeeping_environment
+
 DATA = Path(__file__).parent / "data"
+
+# Every Dask process of the tests (their own LocalClusters, the external and emulated hosts' workers, this
+# process's schedulers) does Dask's periodic housekeeping as rarely as the clusters dlrmflow starts do: with
+# Dask's defaults an idle worker costs about 5% of a core and a scheduler 3%, and the suite's clusters wait
+# between and within their tests on CI's 2 cores (tests/test_hosts.py's seven hosts alone: 13 processes).
+os.environ.update(housekeeping_environment())
+dask.config.refresh()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_dask_workers() -> Iterator[None]:
+    """The tests' own LocalClusters start their workers as dlrmflow's do: forked from this process's one server
+    that imported torch and the engine (engine/serving/cluster.py), with its environment. Spawned, each of the
+    suite's 40-odd such workers imported them anew: about 3 CPU seconds each, 136 in all (measured on 2 cores)."""
+    with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
+        _start_worker_server()
+    with dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START}):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -112,9 +133,9 @@ END_TO_END_FIXTURES = {"cluster", "clusters", "external_cluster", "prefect_harne
 # parallel run (`make test`: pytest-xdist, --dist loadfile --no-loadscope-reorder) the workers take whole
 # modules in collection order, so these go first: started last, one of them alone would be the run's tail.
 # Out of date, this list costs only time (`pytest --durations=30` shows the slowest tests).
-LONGEST_MODULES = ["test_readme.py", "test_daily_deployment.py", "test_pipeline.py", "test_prefect_server.py",
-                   "test_external_dask.py", "test_hosts.py", "test_fast_start.py", "test_recovery.py",
-                   "test_dataset_cli.py"]
+LONGEST_MODULES = ["test_hosts.py", "test_prefect_server.py", "test_readme.py", "test_recovery.py", "test_pipeline.py",
+                   "test_external_dask.py", "test_data_parallel.py", "test_preprocess.py", "test_planner.py",
+                   "test_models.py", "test_fast_start.py", "test_resume.py", "test_dataset_cli.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

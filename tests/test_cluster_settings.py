@@ -9,10 +9,9 @@ import subprocess
 import sys
 import time
 
-import dask
 import pytest
 
-from dlrmflow.engine.serving.cluster import HOUSEKEEPING, local_cluster
+from dlrmflow.engine.serving.cluster import HOUSEKEEPING, housekeeping_environment, local_cluster
 
 
 def _policy_seen_by_a_fresh_process(env: dict[str, str]) -> str:
@@ -27,15 +26,40 @@ def test_idle_openmp_threads_sleep_unless_the_environment_says_otherwise():
     assert _policy_seen_by_a_fresh_process({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
 
 
+HOUSEKEEPING_SEEN = """
+import json, dask
+from distributed import Client
+from dlrmflow.engine.serving.cluster import HOUSEKEEPING, housekeeping_environment, local_cluster
+with local_cluster(1) as cluster, Client(cluster) as client:
+    [seen] = client.run(lambda: {key: dask.config.get(key) for key in HOUSEKEEPING}).values()
+    tick = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.periodic_callbacks["tick"].callback_time)
+print(json.dumps({"seen": seen, "tick": tick}))
+"""
+
+
 @pytest.mark.slow
 def test_a_local_clusters_scheduler_and_workers_run_the_rarer_housekeeping():
-    from distributed import Client
+    """In a process whose environment says nothing of it (the tests' own says it: tests/conftest.py)."""
+    import json
 
-    with local_cluster(1) as cluster, Client(cluster) as client:
-        [seen] = client.run(lambda: {key: dask.config.get(key) for key in HOUSEKEEPING}).values()
-        tick = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.periodic_callbacks["tick"].callback_time)
-    assert seen == HOUSEKEEPING
-    assert tick == 500  # ms: the scheduler in this process read the setting when it started
+    env = {k: v for k, v in os.environ.items() if k not in housekeeping_environment()}
+    done = subprocess.run([sys.executable, "-c", HOUSEKEEPING_SEEN], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["seen"] == HOUSEKEEPING
+    assert seen["tick"] == 500  # ms: the scheduler in that process read the setting when it started
+
+
+def test_the_docs_export_is_the_housekeeping_of_dlrmflows_own_clusters():
+    """docs/terabyte.md's optional `export` for a user's workers sets what dlrmflow's LocalCluster sets."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "terabyte.md").read_text()
+    block = text.split("## How to run it", 1)[1].split("```", 2)[1]
+    [export] = [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if line.startswith("export DASK_")]
+    assert dict(word.split("=", 1) for word in export.split("#")[0].split()[1:]) == housekeeping_environment()
 
 
 def _worker_start() -> dict:

@@ -1,7 +1,7 @@
 """The daily loop (issue 30): each night preprocesses the new day files with the growing vocabulary, plans,
 evaluates the latest model on the new day, trains from it; a night with nothing new says so.
 
-In process, against a temporary Prefect API; tests/test_daily_deployment.py runs the README's two nights
+In process, against a temporary Prefect API; tests/test_prefect_server.py runs the README's two nights
 through the ``daily/nightly`` deployment on a real server.
 """
 
@@ -36,7 +36,7 @@ def daily(capsys, landing: Path, state: Path) -> dict:
 
 def test_a_night_with_nothing_new_says_so_and_writes_nothing(tmp_path, capsys):
     """The days in the landing are all in the history: nothing to do (the two nights themselves run in
-    tests/test_daily_deployment.py, through the deployment)."""
+    tests/test_prefect_server.py, through the deployment)."""
     landing, state = tmp_path / "landing", tmp_path / "state"
     write_day(landing, 0, rows=10)
     state.mkdir()

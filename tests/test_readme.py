@@ -86,7 +86,7 @@ def test_the_commands_section_runs_as_written(prefect_harness, tmp_path, monkeyp
     resumed = {argv[1] for argv in steps if argv[0] == "resume"}
     for argv in steps:
         if argv[0] == "predict" and argv[1].startswith("runs/daily/"):  # the deployment's nights' model: run by
-            continue  # tests/test_daily_deployment.py after those nights
+            continue  # tests/test_prefect_server.py after those nights
         if argv[0] == "demo":  # test_pipeline runs these very arguments (and checks their results)
             assert argv[3:] == SMALL
             continue

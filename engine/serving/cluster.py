@@ -53,7 +53,10 @@ ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
 # health check every 20 ms, a system monitor every 500 ms, a statistical profiler sampling every worker
 # thread every 10 ms) cost an idle trainer process (which hosts a LocalCluster's scheduler) about 50 ms
 # of CPU per second, taken from compute when the trainer and the servers share a few cores; with these,
-# about 20 ms (docs/oracle-overhead.md). Nothing dlrmflow does reads the profiles or the tick health.
+# about 20 ms (docs/oracle-overhead.md). Nothing dlrmflow does reads the profiles or the tick health. The
+# memory monitor (every 100 ms by default: each worker's and nanny's RSS, for the pause/spill/terminate
+# thresholds) every second: an idle worker then costs 5 ms of CPU per second, not 10 (48 ms with Dask's
+# defaults; a LocalCluster of 2 workers idle for 30 s, measured here).
 #
 # And no MALLOC_TRIM_THRESHOLD_ in the workers' environment: Dask's nannies set it to 64 KiB to hand freed
 # memory back to the OS, but any explicit trim threshold also turns off glibc's adaptive mmap threshold, so
@@ -64,6 +67,7 @@ HOUSEKEEPING = {
     "distributed.admin.tick.interval": "500ms",
     "distributed.admin.system-monitor.interval": "2s",
     "distributed.worker.profile.enabled": False,
+    "distributed.worker.memory.monitor-interval": "1s",
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,  # None: unset (Dask's convention)
 }
 
@@ -379,9 +383,16 @@ def _worker_environment() -> dict[str, str]:
     env = dict(os.environ)
     env.pop(ADDRESS_ENV, None)
     env.update({k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ", {}).items()})
-    env.update({"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
-                for key, value in HOUSEKEEPING.items()})
+    env.update(housekeeping_environment())
     return env
+
+
+def housekeeping_environment() -> dict[str, str]:
+    """:data:`HOUSEKEEPING`'s intervals and switches as the environment variables a Dask process reads them from
+    (``DASK_...``). Not the nannies' environment for their workers: Dask lowercases the names it reads from the
+    environment, so no variable can name ``MALLOC_TRIM_THRESHOLD_`` there."""
+    return {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): str(value)
+            for key, value in HOUSEKEEPING.items() if not key.startswith("distributed.nanny.pre-spawn-environ.")}
 
 
 def _tail(path: Path, lines: int = 5) -> str:

@@ -26,7 +26,7 @@ from dlrmflow.engine.coding.verify import parity_report
 from dlrmflow.engine.models import build_model
 from dlrmflow.engine.phases import phase_reported
 from dlrmflow.engine.row_files import ShardedRows
-from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.cluster import SCHEDULER_SILENCE_SECONDS, cluster_workers
 from dlrmflow.engine.serving.dask_internals import bind_actor
 from dlrmflow.engine.serving.placement import host_of, where_placed
 from dlrmflow.engine.serving.shards import ShardGroup, start_shards
@@ -87,7 +87,7 @@ def server_hosts(shards: ShardGroup | None, k: int, r: int, client: Any) -> list
     replacement's)."""
     if shards is None or not shards.worker_of:
         return None
-    info = cluster_workers(client)
+    info = cluster_workers(client, timeout=SCHEDULER_SILENCE_SECONDS)  # a lost scheduler: the run's end says so
     return [{"member": name, "worker": worker, "host": host_of(worker, info)}
             for name, worker in zip(server_names(k, r), shards.worker_of, strict=True)]
 
