@@ -21,8 +21,8 @@ run: $(STAMP)
 
 # The tests run in TEST_WORKERS processes (pytest-xdist): some of them wait on subprocesses, servers and
 # sockets rather than on a core, hence more workers than CI's 2 cores, but not many more: measured on 2 cores,
-# the whole suite took 634 s with 3 workers, 705 s with 4 and 781 s with 6 (their contention costs more CPU
-# than the waits they fill: 16.1, 18.7 and more CPU minutes). --dist loadfile keeps a test module in one worker, in order, so a module-scoped fixture (a
+# the whole suite took 669 s with 3 workers and 688 s with 4 (16.4 and 17.3 CPU minutes: their contention
+# costs more CPU than the waits they fill; earlier, 781 s with 6). --dist loadfile keeps a test module in one worker, in order, so a module-scoped fixture (a
 # LocalCluster, an external Dask cluster, a Prefect server) starts once, as in a serial run. (Not --dist
 # loadgroup: pytest-xdist 3.8 ignores xdist_group marks under pytest 9.2, pytest-xdist issue #1386.)
 # --no-loadscope-reorder: modules go out in collection order, where tests/conftest.py puts the longest first

@@ -24,8 +24,9 @@ DATA = Path(__file__).parent / "data"
 
 # Every Dask process of the tests (their own LocalClusters, the external and emulated hosts' workers, this
 # process's schedulers) does Dask's periodic housekeeping as rarely as the clusters dlrmflow starts do: with
-# Dask's defaults an idle worker costs about 5% of a core and a scheduler 3%, and the suite's clusters wait
-# between and within their tests on CI's 2 cores (tests/test_hosts.py's seven hosts alone: 13 processes).
+# Dask's defaults an idle worker costs about 4% of a core, and so does a scheduler (benchmarks/idle_cluster.py),
+# while the suite's clusters wait between and within their tests on CI's 2 cores (tests/test_hosts.py's seven
+# hosts alone: 13 processes).
 os.environ.update(housekeeping_environment())
 dask.config.refresh()
 

@@ -55,8 +55,8 @@ ADDRESS_ENV = "DLRMFLOW_DASK_ADDRESS"
 # of CPU per second, taken from compute when the trainer and the servers share a few cores; with these,
 # about 20 ms (docs/oracle-overhead.md). Nothing dlrmflow does reads the profiles or the tick health. The
 # memory monitor (every 100 ms by default: each worker's and nanny's RSS, for the pause/spill/terminate
-# thresholds) every second: an idle worker then costs 5 ms of CPU per second, not 10 (48 ms with Dask's
-# defaults; a LocalCluster of 2 workers idle for 30 s, measured here).
+# thresholds) every second: an idle worker then costs 4 ms of CPU per second, not 8 (40 ms with Dask's
+# defaults: benchmarks/idle_cluster.py).
 #
 # And no MALLOC_TRIM_THRESHOLD_ in the workers' environment: Dask's nannies set it to 64 KiB to hand freed
 # memory back to the OS, but any explicit trim threshold also turns off glibc's adaptive mmap threshold, so
