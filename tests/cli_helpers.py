@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from dlrmflow.cli import main
 
@@ -14,3 +16,10 @@ def run_json(capsys, argv: list[str]) -> dict:
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1, f"stdout must be one JSON line, got {out!r}"
     return json.loads(out[0])
+
+
+def terabyte_run_block() -> list[str]:
+    """The lines of docs/terabyte.md's "How to run it" code block, as written (continuation lines joined)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "terabyte.md").read_text()
+    block = text.split("## How to run it", 1)[1].split("```", 2)[1]
+    return re.sub(r"\\\n\s*", " ", block).splitlines()

@@ -18,7 +18,7 @@ from pathlib import Path
 import dask
 import pytest
 
-from dlrmflow.engine.serving.cluster import HOUSEKEEPING, WORKER_START, _start_worker_server, housekeeping_environment
+from dlrmflow.engine.serving.cluster import WORKER_START, housekeeping_environment, start_worker_server
 
 DATA = Path(__file__).parent / "data"
 
@@ -36,8 +36,7 @@ def forked_dask_workers() -> Iterator[None]:
     """The tests' own LocalClusters start their workers as dlrmflow's do: forked from this process's one server
     that imported torch and the engine (engine/serving/cluster.py), with its environment. Spawned, each of the
     suite's 40-odd such workers imported them anew: about 3 CPU seconds each, 136 in all (measured on 2 cores)."""
-    with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
-        _start_worker_server()
+    start_worker_server()
     with dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START}):
         yield
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import terabyte_run_block
 
 from dlrmflow.engine.serving.cluster import HOUSEKEEPING, housekeeping_environment, local_cluster
 
@@ -29,7 +30,7 @@ def test_idle_openmp_threads_sleep_unless_the_environment_says_otherwise():
 HOUSEKEEPING_SEEN = """
 import json, dask
 from distributed import Client
-from dlrmflow.engine.serving.cluster import HOUSEKEEPING, housekeeping_environment, local_cluster
+from dlrmflow.engine.serving.cluster import HOUSEKEEPING, local_cluster
 with local_cluster(1) as cluster, Client(cluster) as client:
     [seen] = client.run(lambda: {key: dask.config.get(key) for key in HOUSEKEEPING}).values()
     tick = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.periodic_callbacks["tick"].callback_time)
@@ -53,12 +54,7 @@ def test_a_local_clusters_scheduler_and_workers_run_the_rarer_housekeeping():
 
 def test_the_docs_export_is_the_housekeeping_of_dlrmflows_own_clusters():
     """docs/terabyte.md's optional `export` for a user's workers sets what dlrmflow's LocalCluster sets."""
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "terabyte.md").read_text()
-    block = text.split("## How to run it", 1)[1].split("```", 2)[1]
-    [export] = [line for line in re.sub(r"\\\n\s*", " ", block).splitlines() if line.startswith("export DASK_")]
+    [export] = [line for line in terabyte_run_block() if line.startswith("export DASK_")]
     assert dict(word.split("=", 1) for word in export.split("#")[0].split()[1:]) == housekeeping_environment()
 
 

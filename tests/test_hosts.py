@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cli_helpers import terabyte_run_block
 from hosts import (
     PROGRESS,
     HostsUnavailableError,
@@ -163,10 +164,7 @@ def test_trainers_on_two_hosts_end_in_the_bits_of_a_local_cluster(cluster, workl
 def docs_commands() -> list[str]:
     """The ``dlrmflow`` command lines of docs/terabyte.md's "How to run it" block, as written (continuation
     lines joined)."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "terabyte.md").read_text()
-    block = text.split("## How to run it", 1)[1].split("```", 2)[1]
-    joined = re.sub(r"\\\n\s*", " ", block)
-    return [line.split("#", 1)[0].strip() for line in joined.splitlines() if line.startswith("dlrmflow ")]
+    return [line.split("#", 1)[0].strip() for line in terabyte_run_block() if line.startswith("dlrmflow ")]
 
 
 # docs/terabyte.md's sizes, made small: (as written, here). Each must be in the block (else the test fails:

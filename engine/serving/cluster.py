@@ -104,30 +104,32 @@ class ForkingNanny(Nanny):
             return await super().instantiate()
 
 
-def _start_worker_server() -> None:
+def start_worker_server() -> None:
     """With :data:`WORKER_START` forkserver, start the server now (once per process) with :data:`WORKER_IMPORTS`
-    and the environment a nanny gives the workers it spawns (Dask's ``pre-spawn-environ`` as configured: one
-    OpenMP thread, no malloc trim threshold), whatever this process's environment holds by then: a
-    LocalCluster started here without dlrmflow's settings leaves Dask's in it."""
+    and the environment a nanny gives the workers it spawns (Dask's ``pre-spawn-environ`` under
+    :data:`HOUSEKEEPING`: one OpenMP thread, no malloc trim threshold), whatever this process's environment
+    holds by then: a LocalCluster started here without dlrmflow's settings leaves Dask's in it."""
     if WORKER_START != "forkserver":
         return
-    get_mp_context()  # Dask sets its preload list once per process: ours replaces it
-    multiprocessing.get_context(WORKER_START).set_forkserver_preload(list(WORKER_IMPORTS))
-    spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
-    saved = {key: os.environ.get(key) for key in spawn_env}
-    try:
-        for key, value in spawn_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = str(value)
-        multiprocessing.forkserver.ensure_running()  # inherits os.environ now, and only now
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    # Dask's start method and the nannies' environment as a LocalCluster of dlrmflow's reads them.
+    with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
+        get_mp_context()  # Dask sets its preload list once per process: ours replaces it
+        multiprocessing.get_context(WORKER_START).set_forkserver_preload(list(WORKER_IMPORTS))
+        spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
+        saved = {key: os.environ.get(key) for key in spawn_env}
+        try:
+            for key, value in spawn_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = str(value)
+            multiprocessing.forkserver.ensure_running()  # inherits os.environ now, and only now
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def coded_cluster_workers(num_shards: int, parity: int) -> int | None:
@@ -155,7 +157,7 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
     # Read when the scheduler, the worker server and the nannies start; the nannies pass HOUSEKEEPING to their
     # workers. (A nanny's later restart of a killed worker: ForkingNanny.)
     with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
-        _start_worker_server()
+        start_worker_server()
         cluster = LocalCluster(
             n_workers=workers,
             threads_per_worker=1,
