@@ -11,7 +11,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client
 from test_trainers import assert_bit_identical, force_split_exchanges, keep_all_plan, make_dataset, small_config
 
 from dlrmflow.engine.coding import group as group_module
@@ -24,7 +24,7 @@ from dlrmflow.engine.coding.verify import verify_run_dir
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.row_files import chunk_stripes
 from dlrmflow.engine.run_state import STATE_DIR, load_state, read_summary
-from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.cluster import RestartSafeLocalCluster, cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
 from dlrmflow.engine.training.config import TrainConfigError
@@ -35,8 +35,8 @@ from dlrmflow.engine.training.job import prepare_run, train
 @pytest.fixture(scope="module")
 def client():
     # One worker per member (K = 2 data + R <= 2 parity): separate fault domains.
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      silence_logs=logging.ERROR) as cluster, Client(cluster) as c:
+    with RestartSafeLocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                 silence_logs=logging.ERROR) as cluster, Client(cluster) as c:
         yield c
 
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client
 from test_trainers import assert_bit_identical, force_split_exchanges, keep_all_plan, make_dataset, small_config
 
 from dlrmflow.engine.coding import group as group_module
@@ -27,7 +27,7 @@ from dlrmflow.engine.coding.members import CodedShard, shard_row_counts
 from dlrmflow.engine.coding.verify import verify_run_dir
 from dlrmflow.engine.run_state import STATE_DIR, SUMMARY_FILE, load_state
 from dlrmflow.engine.serving import shards as shards_module
-from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.cluster import RestartSafeLocalCluster, cluster_workers
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.placement import place
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all
@@ -54,8 +54,8 @@ class Cluster:
                 return self.client
             except (TimeoutError, OSError):  # WorkerStartTimeoutError is a TimeoutError; a dead worker's comm, OSError
                 self.close()
-        self.cluster = LocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
-                                    dashboard_address=":0", silence_logs=logging.CRITICAL)
+        self.cluster = RestartSafeLocalCluster(n_workers=WORKERS, threads_per_worker=1, processes=True,
+                                               dashboard_address=":0", silence_logs=logging.CRITICAL)
         self.client = Client(self.cluster)
         return self.client
 

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import Client, LocalCluster
+from distributed import Client
 from test_trainers import assert_bit_identical, make_dataset, small_config
 
 from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
+from dlrmflow.engine.serving.cluster import RestartSafeLocalCluster
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint_format import checkpoint_iteration
 from dlrmflow.engine.training.config import replace
@@ -36,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      silence_logs=logging.CRITICAL) as c, Client(c) as client:
+    with RestartSafeLocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                 silence_logs=logging.CRITICAL) as c, Client(c) as client:
         yield client
 
 
@@ -174,8 +175,8 @@ def test_oracle_reloads_its_checkpoint_after_a_lost_shard_and_replays(tmp_path, 
     common = dict(iterations=n, seed=seed, embedding_lr=0.05)
     local = train(small_config(dataset, tmp_path / "local", "local", **common))
     # A cluster of its own: the killed worker's restart (slow on a busy machine) delays no other test.
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                      silence_logs=logging.CRITICAL) as c, Client(c) as client:
+    with RestartSafeLocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                 silence_logs=logging.CRITICAL) as c, Client(c) as client:
         run = train(small_config(dataset, tmp_path / "run", "oracle", plan_dir=str(tmp_path / "plan"), num_shards=2,
                                  checkpoint_every=every, kills=(f"shard:{int(rng.integers(0, 2))}@{at}",), **common),
                     client=client)

@@ -40,6 +40,7 @@ from typing import Any
 import dask
 from distributed import Client, LocalCluster, Nanny
 from distributed.core import Status
+from distributed.deploy.cluster import Cluster
 from distributed.utils import get_mp_context
 
 from dlrmflow.engine.phases import phase_reported, say
@@ -104,6 +105,22 @@ class ForkingNanny(Nanny):
             return await super().instantiate()
 
 
+class RestartSafeLocalCluster(LocalCluster):
+    """A LocalCluster that leaves its workers' lives to their nannies: a worker that leaves (killed, or
+    restarted by ``Client.restart_workers``) is started again by its nanny, and the cluster never closes that
+    nanny.
+
+    Dask's SpecCluster, on each worker's removal, checks ``distributed.deploy.lost-worker-timeout`` (15 s) later
+    whether a worker of that name is connected, and if none is, closes its nanny for good. A nanny that is
+    restarting that worker at that moment (a second kill of the same worker, the restart of a trainer left
+    blocked by a failed run) is then closed mid-restart: the cluster stays one worker short and the restart
+    times out (seen in the suite; repeated restarts of one worker hit it within 30-63). Here the nanny restarts
+    its worker itself, so the check could only ever close a healthy nanny."""
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        Cluster._update_worker_status(self, op, msg)  # SpecCluster's bookkeeping without its lost-worker check
+
+
 def start_worker_server() -> None:
     """With :data:`WORKER_START` forkserver, start the server now (once per process) with :data:`WORKER_IMPORTS`
     and the environment a nanny gives the workers it spawns (Dask's ``pre-spawn-environ`` under
@@ -158,7 +175,7 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
     # workers. (A nanny's later restart of a killed worker: ForkingNanny.)
     with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
         start_worker_server()
-        cluster = LocalCluster(
+        cluster = RestartSafeLocalCluster(
             n_workers=workers,
             threads_per_worker=1,
             processes=True,
