@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import dask
 import pytest
 from cli_helpers import terabyte_run_block
 
@@ -107,30 +106,3 @@ def test_workers_fork_from_a_server_that_imported_the_engine_and_start_as_spawne
             assert worker["threads"] == 1
             assert worker["env"] == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
                                      "MALLOC_TRIM_THRESHOLD_": None}
-
-
-def test_a_worker_restarted_while_the_clusters_lost_worker_check_runs_comes_back():
-    """Dask's SpecCluster closes the nanny of a worker that no worker of its name has replaced
-    ``distributed.deploy.lost-worker-timeout`` after its removal: a nanny still restarting it then (a second
-    kill, a restart of a trainer left blocked) is closed for good, and the cluster stays a worker short. With
-    the timeout at 0 s every restart falls in that window: dlrmflow's cluster brings the worker back each time,
-    a plain LocalCluster does not (checked here, so that this test can fail)."""
-    from distributed import Client, LocalCluster
-
-    def restarts_survived(start_cluster, timeout: float) -> tuple[int, int]:
-        """Restarts of the cluster's one worker that brought it back (of 3), and the nannies left."""
-        with dask.config.set({"distributed.deploy.lost-worker-timeout": "0s"}), \
-                start_cluster() as cluster, Client(cluster) as client:
-            restarts = 0
-            while restarts < 3:
-                try:
-                    client.restart_workers(list(client.scheduler_info()["workers"]), timeout=timeout)
-                except TimeoutError:
-                    break
-                restarts += 1
-            return restarts, len(cluster.workers)
-
-    assert restarts_survived(lambda: local_cluster(1), timeout=30) == (3, 1)
-    plain = restarts_survived(lambda: LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None),
-                              timeout=5)
-    assert plain == (0, 0)  # the nanny closed during the first restart

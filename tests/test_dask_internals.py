@@ -8,10 +8,12 @@ import os
 import signal
 import time
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
 from dlrmflow.engine.serving import dask_internals
+from dlrmflow.engine.serving.cluster import local_cluster
 from dlrmflow.engine.serving.shards import (
     DeadCall,
     LostMembersError,
@@ -161,3 +163,28 @@ def test_embedding_servers_placed_on_a_worker_that_left_are_placed_again_without
         assert sorted(dask_internals.actor_address(a) for a in group.actors) == workers and len(calls) > 1
     finally:
         group.close()
+
+
+def test_a_worker_restarted_while_the_clusters_lost_worker_check_runs_comes_back():
+    """Dask's SpecCluster closes the nanny of a worker that no worker of its name has replaced
+    ``distributed.deploy.lost-worker-timeout`` after its removal: a nanny still restarting it then (a second
+    kill, a restart of a trainer left blocked) is closed for good, and the cluster stays a worker short. With
+    the timeout at 0 s every restart falls in that window: dlrmflow's cluster brings the worker back each time,
+    a plain LocalCluster does not (checked here, so that this test can fail)."""
+    def restarts_survived(start_cluster, timeout: float) -> tuple[int, int]:
+        """Restarts of the cluster's one worker that brought it back (of 3), and the nannies left."""
+        with dask.config.set({"distributed.deploy.lost-worker-timeout": "0s"}), \
+                start_cluster() as cluster, Client(cluster) as client:
+            restarts = 0
+            while restarts < 3:
+                try:
+                    client.restart_workers(list(client.scheduler_info()["workers"]), timeout=timeout)
+                except TimeoutError:
+                    break
+                restarts += 1
+            return restarts, len(cluster.workers)
+
+    assert restarts_survived(lambda: local_cluster(1), timeout=30) == (3, 1)
+    plain = restarts_survived(lambda: LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None),
+                              timeout=5)
+    assert plain == (0, 0)  # the nanny closed during the first restart

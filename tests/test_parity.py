@@ -24,7 +24,8 @@ from dlrmflow.engine.coding.verify import verify_run_dir
 from dlrmflow.engine.errors import UserInputError
 from dlrmflow.engine.row_files import chunk_stripes
 from dlrmflow.engine.run_state import STATE_DIR, load_state, read_summary
-from dlrmflow.engine.serving.cluster import RestartSafeLocalCluster, cluster_workers
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.dask_internals import RestartSafeLocalCluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup
 from dlrmflow.engine.training.config import TrainConfigError

@@ -27,7 +27,8 @@ from dlrmflow.engine.coding.members import CodedShard, shard_row_counts
 from dlrmflow.engine.coding.verify import verify_run_dir
 from dlrmflow.engine.run_state import STATE_DIR, SUMMARY_FILE, load_state
 from dlrmflow.engine.serving import shards as shards_module
-from dlrmflow.engine.serving.cluster import RestartSafeLocalCluster, cluster_workers
+from dlrmflow.engine.serving.cluster import cluster_workers
+from dlrmflow.engine.serving.dask_internals import RestartSafeLocalCluster
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.placement import place
 from dlrmflow.engine.serving.shards import EmbeddingShard, remote, wait_all

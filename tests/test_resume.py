@@ -25,7 +25,7 @@ from distributed import Client
 from test_trainers import assert_bit_identical, make_dataset, small_config
 
 from dlrmflow.engine.run_state import SUMMARY_FILE, load_state, read_summary
-from dlrmflow.engine.serving.cluster import RestartSafeLocalCluster
+from dlrmflow.engine.serving.dask_internals import RestartSafeLocalCluster
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.checkpoint_format import checkpoint_iteration
 from dlrmflow.engine.training.config import replace

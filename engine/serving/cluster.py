@@ -40,10 +40,10 @@ from typing import Any
 import dask
 from distributed import Client, LocalCluster, Nanny
 from distributed.core import Status
-from distributed.deploy.cluster import Cluster
 from distributed.utils import get_mp_context
 
 from dlrmflow.engine.phases import phase_reported, say
+from dlrmflow.engine.serving.dask_internals import RestartSafeLocalCluster
 from dlrmflow.engine.serving.placement import RESOURCE as SERVER_RESOURCE
 from dlrmflow.engine.serving.placement import TRAINER_RESOURCE
 from dlrmflow.engine.serving.shaped_link import ShapedLink, shaped_link
@@ -103,22 +103,6 @@ class ForkingNanny(Nanny):
         # are) may fork too, which only makes it start faster.
         with dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START}):
             return await super().instantiate()
-
-
-class RestartSafeLocalCluster(LocalCluster):
-    """A LocalCluster that leaves its workers' lives to their nannies: a worker that leaves (killed, or
-    restarted by ``Client.restart_workers``) is started again by its nanny, and the cluster never closes that
-    nanny.
-
-    Dask's SpecCluster, on each worker's removal, checks ``distributed.deploy.lost-worker-timeout`` (15 s) later
-    whether a worker of that name is connected, and if none is, closes its nanny for good. A nanny that is
-    restarting that worker at that moment (a second kill of the same worker, the restart of a trainer left
-    blocked by a failed run) is then closed mid-restart: the cluster stays one worker short and the restart
-    times out (seen in the suite; repeated restarts of one worker hit it within 30-63). Here the nanny restarts
-    its worker itself, so the check could only ever close a healthy nanny."""
-
-    def _update_worker_status(self, op: str, msg: Any) -> None:
-        Cluster._update_worker_status(self, op, msg)  # SpecCluster's bookkeeping without its lost-worker check
 
 
 def start_worker_server() -> None:

@@ -2,7 +2,8 @@
 
 Dask's public API has no way to ask an actor handle where it lives, to read a finished actor call
 without a trip through the client's event loop, to find the object behind an actor hosted by the
-current worker, or to tell "the actor's worker is gone" from another error. These functions do it
+current worker, or to tell "the actor's worker is gone" from another error, and a LocalCluster's
+workers cannot opt out of its check that closes a restarting worker's nanny. These functions do it
 through ``distributed`` internals, named in each docstring; ``tests/test_dask_internals.py`` runs
 each against a real cluster, so a Dask upgrade that changes one fails there, not in a kill run.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from distributed import Actor, Client
+from distributed import Actor, Client, LocalCluster
+from distributed.deploy.cluster import Cluster
 
 LOST_ACTOR_MESSAGE = "Worker holding Actor was lost"  # distributed.actor.Actor.__getattr__'s RuntimeError
 
@@ -75,3 +77,20 @@ def release_actor(actor: Any) -> None:
     future = getattr(actor, "_future", None) if isinstance(actor, Actor) else None
     if future is not None:
         future.release()
+
+
+class RestartSafeLocalCluster(LocalCluster):
+    """A LocalCluster that leaves its workers' lives to their nannies: a worker that leaves (killed, or
+    restarted by ``Client.restart_workers``) is started again by its nanny, and the cluster never closes that
+    nanny.
+
+    Dask's SpecCluster, on each worker's removal, checks ``distributed.deploy.lost-worker-timeout`` (15 s) later
+    whether a worker of that name is connected, and if none is, closes its nanny for good. A nanny that is
+    restarting that worker at that moment (a second kill of the same worker, the restart of a trainer left
+    blocked by a failed run) is then closed mid-restart: the cluster stays one worker short and the restart
+    times out. Here the nanny restarts
+    its worker itself, so the check could only ever close a healthy nanny. Relies on
+    ``SpecCluster._update_worker_status`` (distributed.deploy.spec) and its base's in ``Cluster``."""
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        Cluster._update_worker_status(self, op, msg)  # SpecCluster's bookkeeping without its lost-worker check
