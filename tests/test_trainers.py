@@ -636,3 +636,25 @@ def test_loss_decreases_and_auc_beats_chance_on_the_real_criteo_sample(tmp_path)
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
     assert np.mean(losses[-20:]) < np.mean(losses[:20])
     assert summary["eval_auc"] > 0.5
+
+
+@pytest.mark.parametrize("model", ["dlrm", "wide-deep", "deepfm", "dcn-v2"])
+def test_a_runs_bits_do_not_depend_on_its_processs_torch_threads(tmp_path, model):
+    """A trainer takes its Dask worker's thread count and a local run its process's, so machines and settings
+    differ in torch's intra-op threads: the run's state must not. (Batches here are below torch's one-thread
+    reduction size, 32,768 values; above it, a sum to one output is split between threads.)"""
+    dataset = make_dataset(tmp_path / "data", 7, rows=2400, cards=(400, 30, 1200, 90), n_dense=13)
+    before = torch.get_num_threads()
+    try:
+        summaries = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.get_num_threads() == threads
+            summaries[threads] = train(TrainConfig(
+                dataset_dir=str(dataset), mode="local", output_dir=str(tmp_path / f"t{threads}"), model=model,
+                batch_size=1024, iterations=2, embedding_dim=16, dense_optimizer="adam", eval_fraction=0.1))
+    finally:
+        torch.set_num_threads(before)
+    assert_bit_identical(load_state(tmp_path / "t1"), load_state(tmp_path / "t2"), f"{model}: 1 thread against 2")
+    assert summaries[1]["state_sha256"] == summaries[2]["state_sha256"]
+    assert summaries[1]["first_train_loss"] == summaries[2]["first_train_loss"]
