@@ -30,23 +30,6 @@ DATA = Path(__file__).parent / "data"
 os.environ.update(housekeeping_environment())
 dask.config.refresh()
 
-# One torch thread in every test process and the processes it starts (the CLI's, Prefect's flow runs, the hosts'
-# workers), as dlrmflow's Dask workers have: the suite runs 3 pytest workers on CI's 2 cores, where a second
-# intra-op thread per process only contends (measured: 21% less CPU for test_models, test_trainers and
-# test_sharded_state together, and less wall time). That a run's bits do not depend on the thread count is a
-# test of its own (tests/test_trainers.py).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="session", autouse=True)
 def forked_dask_workers() -> Iterator[None]:
