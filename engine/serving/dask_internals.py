@@ -88,8 +88,7 @@ class RestartSafeLocalCluster(LocalCluster):
     whether a worker of that name is connected, and if none is, closes its nanny for good. A nanny that is
     restarting that worker at that moment (a second kill of the same worker, the restart of a trainer left
     blocked by a failed run) is then closed mid-restart: the cluster stays one worker short and the restart
-    times out. Here the nanny restarts
-    its worker itself, so the check could only ever close a healthy nanny. Relies on
+    times out. Here the nanny restarts its worker itself, so the check is left out. Relies on
     ``SpecCluster._update_worker_status`` (distributed.deploy.spec) and its base's in ``Cluster``."""
 
     def _update_worker_status(self, op: str, msg: Any) -> None:
