@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import os
 import socket
 import subprocess
@@ -17,13 +18,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
-import prefect
-from prefect.context import TaskRunContext
-from prefect.utilities.annotations import quote
-
 from dlrmflow.engine.errors import UserInputError
+
+# Prefect loads in each function that uses it, not here: a command launches its temporary API (TemporaryApi) before
+# Prefect's 1.2 s of imports in its own process.
 
 T = TypeVar("T")
 
@@ -60,6 +61,8 @@ def flow_runs_end_without_waiting_for_heartbeats() -> None:
 def flow(*args: Any, **kwargs: Any) -> Any:
     """``prefect.flow`` (same arguments, bare or called), its runs ending as soon as their function does
     (:func:`flow_runs_end_without_waiting_for_heartbeats`). Every flow of ``dlrmflow.flows`` is made with it."""
+    import prefect
+
     flow_runs_end_without_waiting_for_heartbeats()
     return prefect.flow(*args, **kwargs)
 
@@ -71,6 +74,8 @@ def untraced(*values: Any) -> tuple[Any, ...]:
     task's argument that is one of those values, or a new object that reuses a freed one's address,
     becomes a ``flow_run`` input of that task, which the UI's task run pages reject. Quoted arguments are
     not traced (nor hashed into a cache key)."""
+    from prefect.utilities.annotations import quote
+
     return tuple(quote(value) for value in values)
 
 
@@ -103,6 +108,8 @@ def outside_task_run() -> Iterator[None]:
     not as that task run. Relies on: ``TaskRunContext.__var__``, the private ``ContextVar`` behind
     ``TaskRunContext.get()``; Prefect has no public way to leave a task run's context.
     """
+    from prefect.context import TaskRunContext
+
     token = TaskRunContext.__var__.set(None)
     try:
         yield
@@ -163,17 +170,26 @@ class TemporaryApi:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
-    def start(self) -> None:
+    def start(self, *, pass_settings: bool = True) -> None:
         """Launch the server on a free port; returns at once. Its environment is the command's, with this
-        process's Prefect settings (a profile's database, for one) as Prefect passes them to its own."""
-        from prefect.settings import get_current_settings
+        process's Prefect settings (a profile's database, for one) as Prefect passes them to its own.
 
+        ``pass_settings=False``: launched without loading Prefect here (a command's first step, 1.2 s before
+        Prefect's imports would end); the server then reads its settings from the same sources as this process
+        (the environment, the profile, ``prefect.toml`` in the same directory), so only settings changed
+        within this process (``temporary_settings``) would not reach it: for a process that has not loaded
+        Prefect yet."""
         self.port = _free_port()
+        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # prefect.__module_path__
+        settings: dict[str, str] = {}
+        if pass_settings:
+            from prefect.settings import get_current_settings
+
+            settings = get_current_settings().to_environment_variables(exclude_unset=True)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dlrmflow.exit_with_parent", str(os.getpid()), *SERVER_MODULE_ARGS,
-             "--app-dir", str(prefect.__module_path__.parent), "--host", "127.0.0.1", "--port", str(self.port)],
-            env={**os.environ, **SERVER_ENV, **get_current_settings().to_environment_variables(exclude_unset=True),
-                 **SERVER_ENV_ADDED},
+             "--app-dir", str(prefect_dir.parent), "--host", "127.0.0.1", "--port", str(self.port)],
+            env={**os.environ, **SERVER_ENV, **settings, **SERVER_ENV_ADDED},
             stdout=subprocess.DEVNULL)  # stdout is the command's (--json: one object); errors go to stderr
 
     def wait_until_answering(self) -> None:

@@ -195,3 +195,86 @@ def test_a_killed_command_takes_its_temporary_api_along(tmp_path):
         except ProcessLookupError:
             pass
         proc.wait(timeout=10)
+
+
+# A ``dlrmflow generate`` in a fresh process whose temporary API records what it is asked to do (on stderr, in
+# order with the command's own lines) and whose flow does nothing.
+RECORDED_COMMAND = """
+import sys
+from dlrmflow import cli
+from dlrmflow.commands import generate
+from dlrmflow.flows import prefect_internals
+
+class Recording(prefect_internals.TemporaryApi):
+    def start(self, *, pass_settings=True):
+        print(f"launched: Prefect loaded {'prefect' in sys.modules}, settings passed {pass_settings}",
+              file=sys.stderr, flush=True)
+
+    def wait_until_answering(self):
+        print("waited", file=sys.stderr, flush=True)
+
+    def stop(self):
+        print("stopped", file=sys.stderr, flush=True)
+
+prefect_internals.TemporaryApi = Recording
+generate.run = lambda args: {}
+generate.summarize = lambda result: "ran"
+sys.exit(cli.main(["generate", "--rows", "10", "--output", "g.tsv"]))
+"""
+
+
+def _fresh_command(home: Path, profile_api_url: str | None = None) -> list[str]:
+    """RECORDED_COMMAND's stderr lines, run with a Prefect home of its own (whose profile may name an API) and no
+    Prefect setting in its environment."""
+    home.mkdir()
+    if profile_api_url is not None:
+        (home / "profiles.toml").write_text(
+            f'active = "team"\n\n[profiles.team]\nPREFECT_API_URL = "{profile_api_url}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "DLRMFLOW_DASK_ADDRESS"}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run([sys.executable, "-c", RECORDED_COMMAND], cwd=home, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ran\n"
+    return done.stderr.splitlines()
+
+
+def test_a_fresh_command_launches_its_api_and_says_so_before_prefect_loads(tmp_path):
+    """The command's first line comes before Prefect's 1.2 s of imports: the server is launched first, without
+    this process's settings (it reads the same ones), then waited for before the flow, then stopped."""
+    assert _fresh_command(tmp_path / "home") == [
+        "launched: Prefect loaded False, settings passed False",
+        "dlrmflow generate: starting a temporary local Prefect API (PREFECT_API_URL is not set) ...",
+        "waited", "stopped"]
+
+
+def test_a_profile_that_names_an_api_stops_the_server_launched_first_and_says_which_api(tmp_path):
+    assert _fresh_command(tmp_path / "home", "http://127.0.0.1:1/api") == [
+        "launched: Prefect loaded False, settings passed False",
+        "dlrmflow generate: starting a temporary local Prefect API (PREFECT_API_URL is not set) ...",
+        "stopped",
+        "dlrmflow generate: using the Prefect API at http://127.0.0.1:1/api (PREFECT_API_URL of the Prefect profile)"]
+
+
+@pytest.mark.parametrize(("argv", "starts"), [
+    (["generate", "--rows", "10", "--output", "g.tsv"], True),
+    (["train", "ds", "--mode", "remote", "--output", "r"], True),
+    (["train", "ds", "--mode", "oracle", "--plan", "p", "--output", "r"], True),
+    (["train", "ds", "--mode", "local", "--output", "r"], False),  # no servers: no cluster
+    (["train", "ds", "--mode", "remote", "--output", "r", "--dask-address", "tcp://10.0.0.1:8786"], False),
+    (["verify", "r"], False),
+])
+def test_the_worker_server_starts_early_only_for_a_command_that_starts_a_local_cluster(monkeypatch, argv, starts):
+    """The server a LocalCluster's workers fork from starts with the command (its imports overlap the command's),
+    only where the command will start a LocalCluster: not for a local run, one on the user's own cluster
+    (--dask-address, or $DLRMFLOW_DASK_ADDRESS), or a command without a cluster."""
+    started = []
+    monkeypatch.setattr("dlrmflow.engine.serving.cluster.start_worker_server", lambda: started.append(True))
+    monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
+    args = cli.build_parser().parse_args(argv)
+    cli.start_local_cluster_workers_early(args._module, args)
+    assert started == ([True] if starts else [])
+    if starts:
+        monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", "tcp://10.0.0.1:8786")
+        cli.start_local_cluster_workers_early(args._module, args)
+        assert started == [True]

@@ -36,6 +36,12 @@ def config_from_args(args: argparse.Namespace):
                        **{name: getattr(args, name) for name in OPTIONS})
 
 
+
+def starts_local_cluster(args: argparse.Namespace) -> bool:
+    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
+    return True
+
+
 def check(args: argparse.Namespace) -> None:
     """The parameters and the landing, before Prefect, torch or Dask load."""
     args.config = config_from_args(args)

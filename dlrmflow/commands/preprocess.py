@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dask_argument(parser)
 
 
+
+def starts_local_cluster(args: argparse.Namespace) -> bool:
+    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
+    return True
+
+
 def check(args: argparse.Namespace) -> None:
     """The options' checks, before Prefect or Dask load (PreprocessConfigError names a bad field; a
     --vocabulary that cannot serve is a DatasetError naming why)."""

@@ -40,6 +40,13 @@ def check(args: argparse.Namespace) -> None:
     args.config = resumed_config(args.run_dir)
 
 
+def starts_local_cluster(args: argparse.Namespace) -> bool:
+    """As the run it resumes (:func:`dlrmflow.commands.train.starts_local_cluster`)."""
+    from dlrmflow.engine.training.modes import MODES
+
+    return MODES[args.config.mode].servers
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = getattr(args, "config", None) or resumed_config(args.run_dir)  # main() made it in check()
     return train.run_training(config, args.dask_address)

@@ -44,6 +44,14 @@ def config_from_args(args: argparse.Namespace):
     return options.checked_config(args, TrainConfig)
 
 
+def starts_local_cluster(args: argparse.Namespace) -> bool:
+    """Whether the run starts a LocalCluster (without a Dask address): a mode with embedding servers
+    (cli.start_local_cluster_workers_early)."""
+    from dlrmflow.engine.training.modes import MODES
+
+    return MODES[args.mode].servers
+
+
 def check(args: argparse.Namespace) -> None:
     """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module); with
     --init-from, that the directory holds a finished run (the rest is checked against the dataset later)."""
