@@ -84,12 +84,14 @@ def temporary_prefect_api(say: Callable[[str], None] = lambda line: None) -> Tem
     the command waits for it before its flow runs
     (:meth:`~dlrmflow.flows.prefect_internals.TemporaryApi.wait_until_answering`: on busy cores up to
     :data:`API_STARTUP_TIMEOUT_S`, and a server that does not answer is one line naming ``PREFECT_API_URL``).
-    With ``PREFECT_API_URL`` set (the environment, a profile): None, and no server.
+    With ``PREFECT_API_URL`` set (the environment, a profile): None, no server, and ``say`` names that API (a
+    command's first line, within a second of its launch, as with a temporary API).
 
     In a process that has not loaded Prefect yet (the ``dlrmflow`` command), the server is launched, and said,
     before Prefect's settings load here: they take 1.2 s, and the server reads the same ones itself. When a
-    profile names an API after all, that server is stopped (it ran for that second) and ``say`` names the API."""
+    profile names an API after all, that server is stopped (it ran for that second)."""
     if os.environ.get("PREFECT_API_URL"):
+        say(f"using the Prefect API at {os.environ['PREFECT_API_URL']} (PREFECT_API_URL)")
         return None  # without loading Prefect's settings
     from dlrmflow.flows.prefect_internals import SERVER_WAY_OUT, TemporaryApi
 
@@ -104,7 +106,7 @@ def temporary_prefect_api(say: Callable[[str], None] = lambda line: None) -> Tem
     if settings.api.url:
         if launched_first:
             api.stop()
-            say(f"using the Prefect API at {settings.api.url} (PREFECT_API_URL of the Prefect profile)")
+        say(f"using the Prefect API at {settings.api.url} (PREFECT_API_URL)")
         return None
     if not settings.server.ephemeral.enabled:
         raise UserInputError(f"no Prefect API: PREFECT_API_URL is not set and PREFECT_SERVER_ALLOW_EPHEMERAL_MODE "

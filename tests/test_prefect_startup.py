@@ -253,7 +253,7 @@ def test_a_profile_that_names_an_api_stops_the_server_launched_first_and_says_wh
         "launched: Prefect loaded False, settings passed False",
         "dlrmflow generate: starting a temporary local Prefect API (PREFECT_API_URL is not set) ...",
         "stopped",
-        "dlrmflow generate: using the Prefect API at http://127.0.0.1:1/api (PREFECT_API_URL of the Prefect profile)"]
+        "dlrmflow generate: using the Prefect API at http://127.0.0.1:1/api (PREFECT_API_URL)"]
 
 
 @pytest.mark.parametrize(("argv", "starts"), [
