@@ -35,8 +35,10 @@ dask.config.refresh()
 def forked_dask_workers() -> Iterator[None]:
     """The tests' own LocalClusters start their workers as dlrmflow's do: forked from this process's one server
     that imported torch and the engine (engine/serving/cluster.py), with its environment. Spawned, each of the
-    suite's 40-odd such workers imported them anew: about 3 CPU seconds each, 136 in all (measured on 2 cores)."""
-    start_worker_server()
+    suite's 40-odd such workers imported them anew: about 3 CPU seconds each, 136 in all (measured on 2 cores).
+    With what a trainer imports (``trainers=True``): the suite's many trainer and scoring workers then do not
+    import torch's compiler after each fork (about 10% less CPU over its data-parallel and scoring modules)."""
+    start_worker_server(trainers=True)
     with dask.config.set({"distributed.worker.multiprocessing-method": WORKER_START}):
         yield
 

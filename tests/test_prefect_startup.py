@@ -256,25 +256,27 @@ def test_a_profile_that_names_an_api_stops_the_server_launched_first_and_says_wh
         "dlrmflow generate: using the Prefect API at http://127.0.0.1:1/api (PREFECT_API_URL)"]
 
 
-@pytest.mark.parametrize(("argv", "starts"), [
-    (["generate", "--rows", "10", "--output", "g.tsv"], True),
-    (["train", "ds", "--mode", "remote", "--output", "r"], True),
-    (["train", "ds", "--mode", "oracle", "--plan", "p", "--output", "r"], True),
-    (["train", "ds", "--mode", "local", "--output", "r"], False),  # no servers: no cluster
-    (["train", "ds", "--mode", "remote", "--output", "r", "--dask-address", "tcp://10.0.0.1:8786"], False),
-    (["verify", "r"], False),
+@pytest.mark.parametrize(("argv", "started"), [
+    (["generate", "--rows", "10", "--output", "g.tsv"], [False]),
+    (["train", "ds", "--mode", "remote", "--output", "r"], [False]),
+    (["train", "ds", "--mode", "oracle", "--plan", "p", "--output", "r"], [False]),
+    (["train", "ds", "--mode", "remote", "--trainers", "2", "--output", "r"], [True]),  # with a trainer's imports
+    (["train", "ds", "--mode", "local", "--output", "r"], []),  # no servers: no cluster
+    (["train", "ds", "--mode", "remote", "--output", "r", "--dask-address", "tcp://10.0.0.1:8786"], []),
+    (["verify", "r"], []),
 ])
-def test_the_worker_server_starts_early_only_for_a_command_that_starts_a_local_cluster(monkeypatch, argv, starts):
+def test_the_worker_server_starts_early_only_for_a_command_that_starts_a_local_cluster(monkeypatch, argv, started):
     """The server a LocalCluster's workers fork from starts with the command (its imports overlap the command's),
     only where the command will start a LocalCluster: not for a local run, one on the user's own cluster
-    (--dask-address, or $DLRMFLOW_DASK_ADDRESS), or a command without a cluster."""
-    started = []
-    monkeypatch.setattr("dlrmflow.engine.serving.cluster.start_worker_server", lambda: started.append(True))
+    (--dask-address, or $DLRMFLOW_DASK_ADDRESS), or a command without a cluster. It imports what a trainer
+    imports only where trainers run on the workers."""
+    calls = []
+    monkeypatch.setattr("dlrmflow.engine.serving.cluster.start_worker_server",
+                        lambda trainers: calls.append(trainers))
     monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
     args = cli.build_parser().parse_args(argv)
     cli.start_local_cluster_workers_early(args._module, args)
-    assert started == ([True] if starts else [])
-    if starts:
-        monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", "tcp://10.0.0.1:8786")
-        cli.start_local_cluster_workers_early(args._module, args)
-        assert started == [True]
+    assert calls == started
+    monkeypatch.setenv("DLRMFLOW_DASK_ADDRESS", "tcp://10.0.0.1:8786")
+    cli.start_local_cluster_workers_early(args._module, args)
+    assert calls == started

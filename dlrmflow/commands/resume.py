@@ -47,6 +47,10 @@ def starts_local_cluster(args: argparse.Namespace) -> bool:
     return MODES[args.config.mode].servers
 
 
+def trains_on_cluster(args: argparse.Namespace) -> bool:
+    return args.config.trainers > 1
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = getattr(args, "config", None) or resumed_config(args.run_dir)  # main() made it in check()
     return train.run_training(config, args.dask_address)

@@ -52,6 +52,11 @@ def starts_local_cluster(args: argparse.Namespace) -> bool:
     return MODES[args.mode].servers
 
 
+def trains_on_cluster(args: argparse.Namespace) -> bool:
+    """Whether trainers run on the cluster's workers (``--trainers`` 2 or more)."""
+    return args.trainers > 1
+
+
 def check(args: argparse.Namespace) -> None:
     """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module); with
     --init-from, that the directory holds a finished run (the rest is checked against the dataset later)."""

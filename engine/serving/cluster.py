@@ -87,6 +87,11 @@ WORKER_IMPORTS = ("dlrmflow", "distributed", "numpy", "pyarrow.parquet", "torch"
                   "dlrmflow.engine.serving.shards", "dlrmflow.engine.coding.group", "dlrmflow.engine.training.launch",
                   "dlrmflow.engine.planning.planner", "dlrmflow.engine.planning.profile",
                   "dlrmflow.datasets.preprocess", "dlrmflow.datasets.synthetic")
+# What a worker that trains or scores imports besides: torch.optim's first optimizer and
+# torch.use_deterministic_algorithms import torch's compiler (torch._dynamo), 1.2 CPU s after each fork. Preloaded
+# only where trainer workers will fork (start_worker_server's ``trainers``): a server-only cluster's start would pay
+# it for nothing (launch to exit of a one-iteration remote run 1.8 s longer on 2 cores).
+TRAINER_IMPORTS = ("torch._inductor.config",)
 WORKER_START = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
@@ -105,17 +110,19 @@ class ForkingNanny(Nanny):
             return await super().instantiate()
 
 
-def start_worker_server() -> None:
+def start_worker_server(*, trainers: bool = False) -> None:
     """With :data:`WORKER_START` forkserver, start the server now (once per process) with :data:`WORKER_IMPORTS`
-    and the environment a nanny gives the workers it spawns (Dask's ``pre-spawn-environ`` under
-    :data:`HOUSEKEEPING`: one OpenMP thread, no malloc trim threshold), whatever this process's environment
-    holds by then: a LocalCluster started here without dlrmflow's settings leaves Dask's in it."""
+    (and :data:`TRAINER_IMPORTS` with ``trainers``: its workers will train) and the environment a nanny gives
+    the workers it spawns (Dask's ``pre-spawn-environ`` under :data:`HOUSEKEEPING`: one OpenMP thread, no malloc
+    trim threshold), whatever this process's environment holds by then: a LocalCluster started here without
+    dlrmflow's settings leaves Dask's in it."""
     if WORKER_START != "forkserver":
         return
     # Dask's start method and the nannies' environment as a LocalCluster of dlrmflow's reads them.
     with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
         get_mp_context()  # Dask sets its preload list once per process: ours replaces it
-        multiprocessing.get_context(WORKER_START).set_forkserver_preload(list(WORKER_IMPORTS))
+        multiprocessing.get_context(WORKER_START).set_forkserver_preload(
+            [*WORKER_IMPORTS, *(TRAINER_IMPORTS if trainers else ())])
         spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
         saved = {key: os.environ.get(key) for key in spawn_env}
         try:
@@ -158,7 +165,7 @@ def local_cluster(n_workers: int | None = None, memory_limit: str = "auto", *, h
     # Read when the scheduler, the worker server and the nannies start; the nannies pass HOUSEKEEPING to their
     # workers. (A nanny's later restart of a killed worker: ForkingNanny.)
     with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
-        start_worker_server()
+        start_worker_server(trainers=trainers > 1)  # no-op once the server runs (the CLI starts it first)
         cluster = RestartSafeLocalCluster(
             n_workers=workers,
             threads_per_worker=1,
