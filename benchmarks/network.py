@@ -181,6 +181,10 @@ def run_config(data: dict[str, Any], rates: list[float | None], modes: list[str]
             cluster = stack.enter_context(shaped_cluster(None, n_servers=args.shards))
             client = stack.enter_context(Client(cluster.address, direct_to_workers=True))
             link = cluster.link
+            if args.pin:
+                for pid in client.run(os.getpid, workers=list(cluster.servers)).values():
+                    pin_process(pid, args.pin[1])
+                log(f"[{key}] pinned: this process on CPUs {sorted(args.pin[0])}, the servers on {sorted(args.pin[1])}")
             log(f"[{key}] {args.shards} embedding servers at {', '.join(cluster.servers)} behind "
                 f"{link.root_veth} <-> {link.namespace}")
         servers = list(cluster.servers) if remote_modes else []
@@ -328,6 +332,27 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def parse_pin(text: str) -> tuple[set[int], set[int]]:
+    """``1:0`` -> ({1}, {0}): the trainer's CPUs, then the servers' (``taskset`` lists: ``0-3``, ``0,2``)."""
+    def cpus(part: str) -> set[int]:
+        out: set[int] = set()
+        for piece in part.split(","):
+            low, _, high = piece.partition("-")
+            out.update(range(int(low), int(high or low) + 1))
+        return out
+
+    trainer, sep, servers = text.partition(":")
+    if not sep or not trainer or not servers:
+        raise SystemExit(f"--pin: expected TRAINER_CPUS:SERVER_CPUS (for example 1:0), got {text!r}")
+    return cpus(trainer), cpus(servers)
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` on ``cpus`` (threads and processes it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -351,7 +376,14 @@ def main() -> int:
     parser.add_argument("--work-dir", default="/tmp/dlrmflow-bench-network")
     parser.add_argument("--plot", help="the PNG to write (default WORK_DIR/network.png)")
     parser.add_argument("--json", action="store_true", help="print the tables as one JSON object instead")
+    parser.add_argument("--pin", metavar="TRAINER_CPUS:SERVER_CPUS",
+                        help="pin this process (the trainer, its client and scheduler; torch's threads then one per "
+                             "CPU) and the embedding servers to separate CPUs, for example 1:0 (default: unpinned)")
     args = parser.parse_args()
+    if args.pin:
+        args.pin = parse_pin(args.pin)
+        pin_process(os.getpid(), args.pin[0])
+        torch.set_num_threads(len(args.pin[0]))
     rates = parse_rates(args.rates)
     modes = [m.strip() for m in args.modes.split(",")]
     if unknown := set(modes) - set(MODES):
