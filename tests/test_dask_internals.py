@@ -3,17 +3,28 @@ upgrade that changes one fails here, loudly, rather than as a slow or stuck kill
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import socket
+import threading
 import time
 
 import dask
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster
+from distributed.comm import tcp
+from tornado.iostream import StreamClosedError
 
 from dlrmflow.engine.serving import dask_internals
 from dlrmflow.engine.serving.cluster import local_cluster
+from dlrmflow.engine.serving.dask_internals import (
+    MARKED_READ_MAX_BYTES,
+    MARKED_READ_MIN_BYTES,
+    read_frame_by_the_mark,
+)
 from dlrmflow.engine.serving.shards import (
     DeadCall,
     LostMembersError,
@@ -188,3 +199,87 @@ def test_a_worker_restarted_while_the_clusters_lost_worker_check_runs_comes_back
     plain = restarts_survived(lambda: LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None),
                               timeout=5)
     assert plain == (0, 0)  # the nanny closed during the first restart
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a loopback TCP connection (AF_UNIX sockets ignore SO_RCVLOWAT)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    return sender, receiver
+
+
+def _read_trickled(payload: bytes, chunk: int, close_after: int | None = None) -> tuple[bytes | Exception, int, int]:
+    """``read_frame_by_the_mark`` of ``len(payload)`` bytes that arrive ``chunk`` bytes at a time (a slow
+    link's packets; the sender stops and closes after ``close_after`` bytes): (what it returned or raised,
+    how many reads it asked tornado for, the socket's SO_RCVLOWAT afterwards)."""
+    from tornado.iostream import IOStream
+
+    sender, receiver = _tcp_pair()
+
+    def trickle() -> None:
+        end = len(payload) if close_after is None else close_after
+        for i in range(0, end, chunk):
+            sender.sendall(payload[i:min(i + chunk, end)])
+            time.sleep(0.0002)
+        if close_after is not None:
+            sender.close()
+
+    async def read() -> tuple[bytes | Exception, int, int]:
+        stream = IOStream(receiver)
+        reads = 0
+        plain = stream.read_into
+
+        def counted(buf, partial=False):
+            nonlocal reads
+            reads += 1
+            return plain(buf, partial=partial)
+
+        stream.read_into = counted
+        writer = threading.Thread(target=trickle)
+        writer.start()
+        try:
+            got: bytes | Exception = bytes(await asyncio.wait_for(read_frame_by_the_mark(stream, len(payload)), 30))
+        except Exception as exc:  # noqa: BLE001  (the test inspects it)
+            got = exc
+        writer.join()
+        mark = receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) if stream.socket is not None else None
+        stream.close()
+        return got, reads, mark
+
+    try:
+        return asyncio.run(read())
+    finally:
+        sender.close()
+
+
+def test_a_frame_that_trickles_in_packet_by_packet_is_read_whole_in_a_few_wakes():
+    """1 MB arriving 1,448 bytes at a time (a TCP packet's payload): the bytes intact, in far fewer reads than the
+    724 packets (each wait ends once 256 KB, or the frame's rest, has arrived), and the mark back to 1."""
+    payload = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    got, reads, mark = _read_trickled(payload, 1448)
+    assert got == payload
+    assert reads < 40, reads
+    assert mark == 1
+
+
+def test_a_frame_shorter_than_the_mark_and_one_below_the_minimum_are_read_whole():
+    for size in (MARKED_READ_MIN_BYTES - 1, MARKED_READ_MIN_BYTES + 1000, MARKED_READ_MAX_BYTES + 7):
+        payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+        got, _, _ = _read_trickled(payload, 60_000)
+        assert got == payload, size
+
+
+def test_a_connection_closed_mid_frame_ends_the_read_with_an_error_not_a_wait():
+    payload = b"y" * (1 << 20)
+    started = time.monotonic()
+    got, _, _ = _read_trickled(payload, 1448, close_after=300_000)
+    assert isinstance(got, StreamClosedError), got
+    assert time.monotonic() - started < 10
+
+
+def test_the_serving_layer_reads_dask_frames_by_the_mark():
+    """Loading the serving layer installs it (the trainer's process; workers forked from its server)."""
+    import dlrmflow.engine.serving.cluster  # noqa: F401
+
+    assert tcp.read_bytes_rw is read_frame_by_the_mark

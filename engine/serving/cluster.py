@@ -43,7 +43,7 @@ from distributed.core import Status
 from distributed.utils import get_mp_context
 
 from dlrmflow.engine.phases import phase_reported, say
-from dlrmflow.engine.serving.dask_internals import RestartSafeLocalCluster
+from dlrmflow.engine.serving.dask_internals import RestartSafeLocalCluster, read_frames_by_the_mark
 from dlrmflow.engine.serving.placement import RESOURCE as SERVER_RESOURCE
 from dlrmflow.engine.serving.placement import TRAINER_RESOURCE
 from dlrmflow.engine.serving.shaped_link import ShapedLink, shaped_link
@@ -72,6 +72,10 @@ HOUSEKEEPING = {
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,  # None: unset (Dask's convention)
 }
 
+
+# Every process that loads the serving layer (the trainer's, the workers forked from its server, a worker that
+# hosts an embedding server) reads Dask's large frames once per 256 KB arrived, not once per packet.
+read_frames_by_the_mark()
 
 WORKER_LOGGING = "dlrmflow.engine.serving.worker_logging"
 
