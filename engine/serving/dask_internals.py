@@ -2,8 +2,9 @@
 
 Dask's public API has no way to ask an actor handle where it lives, to read a finished actor call
 without a trip through the client's event loop, to find the object behind an actor hosted by the
-current worker, or to tell "the actor's worker is gone" from another error, and a LocalCluster's
-workers cannot opt out of its check that closes a restarting worker's nanny. These functions do it
+current worker, or to tell "the actor's worker is gone" from another error, a LocalCluster's
+workers cannot opt out of its check that closes a restarting worker's nanny, and its TCP comm wakes for every
+packet of a frame that trickles in over a slow link. These functions do it
 through ``distributed`` internals, named in each docstring; ``tests/test_dask_internals.py`` runs
 each against a real cluster, so a Dask upgrade that changes one fails there, not in a kill run.
 """
