@@ -283,3 +283,4 @@ def test_the_serving_layer_reads_dask_frames_by_the_mark():
     import dlrmflow.engine.serving.cluster  # noqa: F401
 
     assert tcp.read_bytes_rw is read_frame_by_the_mark
+    assert "read_bytes_rw" in tcp.TCP.read.__code__.co_names, "Dask's TCP comm no longer reads frames through it"
