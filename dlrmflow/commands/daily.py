@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
+
 NAME = "daily"
 HELP = ("each day file of LANDING not yet processed: preprocess with the previous day's vocabulary, plan, "
         "evaluate the latest model on it, train from it (oracle, parity); the day-by-day table")
@@ -34,12 +36,6 @@ def config_from_args(args: argparse.Namespace):
 
     return DailyConfig(landing=args.landing, state_dir=args.state_dir, dask_address=args.dask_address,
                        **{name: getattr(args, name) for name in OPTIONS})
-
-
-
-def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
-    return True
 
 
 def check(args: argparse.Namespace) -> None:

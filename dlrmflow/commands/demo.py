@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
+
 NAME = "demo"
 HELP = "run the whole pipeline: generate, preprocess, profile, plan, compare caches, train (LocalCluster)"
 FLOWS = ("dlrmflow.flows.pipeline", "torch._inductor.config", "matplotlib.pyplot")  # cli.import_flows
@@ -34,12 +36,6 @@ def config_from_args(args: argparse.Namespace):
     values = {name: getattr(args, name) for name in PipelineConfig.model_fields if hasattr(args, name)}
     values["kills"] = args.kill
     return PipelineConfig(**values)
-
-
-
-def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
-    return True
 
 
 def check(args: argparse.Namespace) -> None:

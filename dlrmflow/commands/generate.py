@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
 from dlrmflow.engine.errors import UserInputError
 
 NAME = "generate"
@@ -21,12 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply the 26 Criteo Kaggle table cardinalities by this (default 1.0)")
     add_dask_argument(parser)
-
-
-
-def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
-    return True
 
 
 def check(args: argparse.Namespace) -> None:

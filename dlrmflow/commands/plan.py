@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
 from dlrmflow.commands.options import add_config_options, checked_config
 from dlrmflow.engine.planning.planner import PlanJobConfig
 
@@ -22,12 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_config_options(parser, PlanJobConfig, METAVARS)
     add_dask_argument(parser)
-
-
-
-def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
-    return True
 
 
 def check(args: argparse.Namespace) -> None:

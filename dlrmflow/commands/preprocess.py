@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
 from dlrmflow.commands.options import add_config_options, checked_config
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 
@@ -23,12 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_options(parser, PreprocessConfig, METAVARS)
     parser.add_argument("--force", action="store_true", help="redo the work even if the output is up to date")
     add_dask_argument(parser)
-
-
-
-def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """Whether the command starts a LocalCluster (without a Dask address): cli.start_local_cluster_workers_early."""
-    return True
 
 
 def check(args: argparse.Namespace) -> None:

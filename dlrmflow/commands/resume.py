@@ -41,14 +41,12 @@ def check(args: argparse.Namespace) -> None:
 
 
 def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """As the run it resumes (:func:`dlrmflow.commands.train.starts_local_cluster`)."""
-    from dlrmflow.engine.training.modes import MODES
-
-    return MODES[args.config.mode].servers
+    """As the run it resumes (its TrainConfig has the options' names)."""
+    return train.starts_local_cluster(args.config)
 
 
 def trains_on_cluster(args: argparse.Namespace) -> bool:
-    return args.config.trainers > 1
+    return train.trains_on_cluster(args.config)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -45,8 +45,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def starts_local_cluster(args: argparse.Namespace) -> bool:
-    """Whether the run starts a LocalCluster (without a Dask address): a mode with embedding servers
-    (cli.start_local_cluster_workers_early)."""
+    """Whether the run starts a LocalCluster (without a Dask address): a mode with embedding servers. ``args``: the
+    options, or a TrainConfig (resume's)."""
     from dlrmflow.engine.training.modes import MODES
 
     return MODES[args.mode].servers

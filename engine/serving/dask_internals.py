@@ -12,10 +12,14 @@ each against a real cluster, so a Dask upgrade that changes one fails there, not
 from __future__ import annotations
 
 import contextlib
+import socket
 from typing import Any
 
 from distributed import Actor, Client, LocalCluster
+from distributed.comm import tcp
 from distributed.deploy.cluster import Cluster
+from distributed.protocol.utils import host_array
+from tornado.iostream import IOStream
 
 LOST_ACTOR_MESSAGE = "Worker holding Actor was lost"  # distributed.actor.Actor.__getattr__'s RuntimeError
 
@@ -97,6 +101,8 @@ class RestartSafeLocalCluster(LocalCluster):
         Cluster._update_worker_status(self, op, msg)  # SpecCluster's bookkeeping without its lost-worker check
 
 
+# Dask's own frame read, as this module found it (read_frames_by_the_mark replaces it afterwards).
+_DASK_READ_BYTES_RW = tcp.read_bytes_rw
 # A frame of at least this many bytes is read by the mark (below: one read is all it takes).
 MARKED_READ_MIN_BYTES = 64 * 1024
 # The most bytes a read waits for: epoll wakes once this much has arrived (or the frame's rest, if less).
@@ -117,22 +123,15 @@ async def read_frame_by_the_mark(stream: Any, n: int) -> memoryview:
     Relies on: ``distributed.comm.tcp.read_bytes_rw(stream, n)``, the function ``TCP.read`` calls for each frame
     (looked up as that module's global), ``distributed.protocol.utils.host_array``, tornado's
     ``IOStream.read_into(buf, partial=True)`` and ``IOStream.socket``."""
-    from distributed.protocol.utils import host_array
-    from tornado.iostream import IOStream
-
     sock = getattr(stream, "socket", None)
     if n < MARKED_READ_MIN_BYTES or sock is None or type(stream) is not IOStream:
-        return await _dask_read_bytes_rw(stream, n)
-    import socket
-
+        return await _DASK_READ_BYTES_RW(stream, n)
     buf = host_array(n)
     got = 0
     try:
         while got < n:
-            try:
+            with contextlib.suppress(OSError):  # a socket that refuses it: the plain wait, per packet
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(n - got, MARKED_READ_MAX_BYTES))
-            except OSError:  # a socket that refuses it: the plain wait, per packet
-                pass
             got += await stream.read_into(buf[got:], partial=True)
     finally:
         if stream.socket is not None:
@@ -141,18 +140,9 @@ async def read_frame_by_the_mark(stream: Any, n: int) -> memoryview:
     return buf
 
 
-_dask_read_bytes_rw: Any = None
-
-
 def read_frames_by_the_mark() -> None:
     """Every Dask TCP frame this process reads from now on is read by :func:`read_frame_by_the_mark`
     (idempotent). Called where the engine's serving layer loads, so the trainer's process, its LocalCluster's
     workers (forked from a server that loaded it) and any worker that hosts an embedding server read this way.
     Relies on what :func:`read_frame_by_the_mark` names."""
-    global _dask_read_bytes_rw
-    from distributed.comm import tcp
-
-    if tcp.read_bytes_rw is read_frame_by_the_mark:
-        return
-    _dask_read_bytes_rw = tcp.read_bytes_rw
     tcp.read_bytes_rw = read_frame_by_the_mark
