@@ -7,7 +7,9 @@ Data: each ``--sources`` entry (benchmarks/quality_data.py) or ``--dataset DIR``
 
     generator      ``--rows`` rows of the project's generator (dlrmflow.datasets.synthetic, tables at ``--scale``)
     first-order    ``--rows`` rows of another generator whose click depends on a few ids of two tables alone
-    pairwise       the same generator, the click a product of two tables' per-id effects
+    pairwise       the same generator, the click a product of two tables' per-id effects (at 400,000 rows one
+                   epoch is too short: whether a model learns the product depends on its seed; at 2,000,000
+                   every DeepFM seed of either library does, RESULTS.md)
     criteo-sample  the 200 real Criteo Kaggle rows the tests ship (use a small ``--batch-size``, e.g. 16)
 
 The last ``--eval-fraction`` of the rows are held out. Both libraries train one epoch over the same training
