@@ -35,12 +35,7 @@ from dlrmflow.engine.planning import planner
 from dlrmflow.engine.planning.holders import holder_counts, slice_masks
 from dlrmflow.engine.run_state import bit_equal, load_state
 from dlrmflow.engine.serving.cluster import cluster_workers, local_cluster
-from dlrmflow.engine.serving.embedding_rows import (
-    RowSpec,
-    apply_update,
-    apply_update_rowwise,
-    rowwise_adagrad_update,
-)
+from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.placement import NoWorkersError, place_trainers
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
@@ -48,6 +43,7 @@ from dlrmflow.engine.training.collectives import sum_in_rank_order, sum_over_use
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.job import train
 from dlrmflow.engine.training.launch import TrainerLostError, trainer_device
+from dlrmflow.engine.training.row_updates import apply_update, apply_update_rowwise, rowwise_adagrad_update
 from dlrmflow.engine.training.run_setup import prepare_run
 from dlrmflow.engine.training.trainer_slices import BatchSlices, SliceWriter
 

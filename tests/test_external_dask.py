@@ -197,6 +197,9 @@ def test_embedding_servers_and_parity_run_only_on_the_workers_with_the_resource(
     assert len(members) == 3 and set(members.values()) == {address_of[n] for n in SERVER_WORKERS}, members
     assert summary["parity"]["members_share_workers"] is True
     assert summary["parity"]["verify"]["ok"] is True
+    # The servers store, code and rebuild rows; the trainers update them: no server process loads torch.
+    loaded = external_cluster.run(lambda: "torch" in sys.modules)
+    assert {n: loaded[address_of[n]] for n in SERVER_WORKERS} == dict.fromkeys(SERVER_WORKERS, False), loaded
 
 
 def test_trainers_run_on_the_trainer_workers_and_their_logs_say_so(external_cluster, cluster_home, tmp_path, capsys,

@@ -33,15 +33,10 @@ from dlrmflow.engine.models.dcn_v2 import DCNv2Config
 from dlrmflow.engine.models.deepfm import DeepFMConfig
 from dlrmflow.engine.models.wide_deep import WideDeepConfig
 from dlrmflow.engine.run_state import bit_equal, load_state
-from dlrmflow.engine.serving.embedding_rows import (
-    RowSpec,
-    apply_update,
-    apply_update_rowwise,
-    correctly_rounded_sqrt,
-    init_rows,
-)
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.training.config import DENSE_OPTIMIZERS, MODELS, TrainConfig, replace
 from dlrmflow.engine.training.job import prepare_run, train
+from dlrmflow.engine.training.row_updates import apply_update, apply_update_rowwise, correctly_rounded_sqrt
 from dlrmflow.engine.training.run_directory import RUN_CONFIG_FILE, config_sha256
 
 DATA = Path(__file__).parent / "data"

@@ -17,9 +17,10 @@ import torch
 from distributed import Client, LocalCluster
 from test_trainers import EMPTY, FakePlanConfig, ListPlan, Step, _spec, lru_simulation
 
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, init_rows
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.checkpoint_format import checkpoint_rows, load_checkpoint, save_checkpoint
+from dlrmflow.engine.training.row_updates import apply_update
 from dlrmflow.engine.training.shard_restore import restore_checkpoint, start_placed_shards
 from dlrmflow.engine.training.stores.base import RowStore
 from dlrmflow.engine.training.stores.local import LocalRows

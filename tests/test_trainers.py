@@ -26,12 +26,13 @@ from dlrmflow.engine.models import build_model
 from dlrmflow.engine.planning.planner import CapacityError
 from dlrmflow.engine.run_state import bit_equal, load_state, read_summary, state_differences
 from dlrmflow.engine.serving import shards as shards_module
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, init_rows
+from dlrmflow.engine.serving.embedding_rows import RowSpec, init_rows
 from dlrmflow.engine.serving.shards import EmbeddingShard, ShardGroup, answer, start_shards
 from dlrmflow.engine.training import loop as loop_module
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
 from dlrmflow.engine.training.job import prepare_run, train
 from dlrmflow.engine.training.prefetch import PlanViolation, PrefetchError, PrefetchWorker
+from dlrmflow.engine.training.row_updates import apply_update
 from dlrmflow.engine.training.shard_restore import RestoredShard
 
 DATA = Path(__file__).parent / "data"

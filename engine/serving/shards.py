@@ -529,7 +529,7 @@ def _import(module: str) -> None:
 
 def warm_up_workers(client: Client, module: str = "dlrmflow.engine.serving.shards",
                     workers: list[str] | None = None) -> None:
-    """Import the server code (torch included) on every worker (or on ``workers``) now: a spare that
+    """Import the server code on every worker (or on ``workers``) now: a spare that
     later hosts a rebuilt or restored shard then starts it at once instead of importing while
     training waits. Every worker means every worker that answers a probe: the scheduler lists a machine
     that failed outright until Dask's TCP timeout, and a call to it would wait that long, then fail."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update
+from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import TrainerGroup
+from dlrmflow.engine.training.row_updates import apply_update
 from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at
 from dlrmflow.engine.training.stores.homes import TableHome

@@ -34,12 +34,13 @@ import numpy as np
 import torch
 
 from dlrmflow.engine.planning.holders import LifetimeHolders, load_lifetime_holders
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise
+from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import PendingSends, TrainerGroup, sum_over_users
 from dlrmflow.engine.training.prefetch import EMPTY_IDS, Done, PartitionedPrefetchWorker, PlanViolation, PrefetchWorker
 from dlrmflow.engine.training.prefetch_state import HeldStep
+from dlrmflow.engine.training.row_updates import apply_update, apply_update_rowwise
 from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.slot_directory import SlotDirectory
 from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at

@@ -8,10 +8,11 @@ import time
 import numpy as np
 import torch
 
-from dlrmflow.engine.serving.embedding_rows import RowSpec, apply_update, apply_update_rowwise
+from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.serving.shards import ShardGroup
 from dlrmflow.engine.training.batch_split import BatchSplit
 from dlrmflow.engine.training.collectives import TrainerGroup, sum_over_users
+from dlrmflow.engine.training.row_updates import apply_update, apply_update_rowwise
 from dlrmflow.engine.training.run_setup import RunSetup
 from dlrmflow.engine.training.stores.base import IterationRows, RowStore, rule_at
 from dlrmflow.engine.training.stores.homes import ShardHome
