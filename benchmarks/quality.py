@@ -28,8 +28,8 @@ seeds and their range.
 Settings mirrored on the DeepCTR-Torch side: embedding dim 16 (dlrmflow's default), no L2 regularisation,
 no dropout or batch norm (dlrmflow has none), the mean log loss per batch (DeepCTR-Torch's ``fit`` sums
 it: a custom loss keeps the gradient's scale), and the optimizers' families: the embeddings by Adagrad
-(dlrmflow: row-wise, one accumulator per row for the embedding and one for a first-order weight;
-DeepCTR-Torch: torch.optim.Adagrad, one per value) at ``--embedding-lr``, the dense parameters by
+(dlrmflow: ``--embedding-optimizer``, by default one accumulator per value for these three models, or
+row-wise; DeepCTR-Torch: torch.optim.Adagrad, one per value) at ``--embedding-lr``, the dense parameters by
 ``--dense-optimizer`` (SGD or Adam) at ``--lr``. DeepCTR-Torch initialises itself (``init_std`` 1e-4, its DNN
 weights N(0, 1e-4)); dlrmflow's hidden layers start as ``--hidden-init`` says (default auto: DeepCTR-Torch's
 rule under Adam, Glorot's under SGD; docs/models.md).
@@ -42,7 +42,7 @@ by more than the seeds' spread (the larger range of the two), and its mean AUC a
 0.001; the ``goal`` column says whether both hold.
 
 A second table checks the first goal of issue 31 (first seed, sources with enough rows): each model trained
-by dlrmflow with every default but the model (batch 128, SGD 0.01 for the dense part, row-wise Adagrad 0.01
+by dlrmflow with every default but the model (batch 128, SGD 0.01 for the dense part, the model's Adagrad 0.01
 for the rows) and ``--eval-every 10`` for 50 iterations; it shows the first evaluation whose held-out log
 loss is below the constant prediction's.
 
@@ -311,9 +311,9 @@ def main() -> None:
     parser.add_argument("--dense-optimizer", choices=("sgd", "adam"), default="adam")
     parser.add_argument("--lr", type=float, default=1e-3, help="dense learning rate (default 1e-3, BARS's Adam)")
     parser.add_argument("--embedding-lr", type=float, default=0.01, help="Adagrad's rate for the embeddings")
-    parser.add_argument("--embedding-optimizer", choices=("adagrad", "adagrad-per-value"), default="adagrad",
-                        help="dlrmflow's row update: row-wise Adagrad (default) or an accumulator per value, as "
-                             "DeepCTR-Torch's Adagrad")
+    parser.add_argument("--embedding-optimizer", choices=("auto", "adagrad", "adagrad-per-value"), default="auto",
+                        help="dlrmflow's row update: auto (dlrmflow's default: row-wise for dlrm, per value for the "
+                             "others), adagrad (row-wise) or adagrad-per-value (as DeepCTR-Torch's Adagrad)")
     parser.add_argument("--hidden-init", choices=HIDDEN_INIT_SETTINGS, default="auto",
                         help="dlrmflow's hidden layers (wide-deep, deepfm, dcn-v2; default auto)")
     parser.add_argument("--eval-fraction", type=float, default=0.1)

@@ -158,12 +158,29 @@ def test_init_from_refuses_what_it_cannot_continue(days, tmp_path):
     assert "kept no final state" in _refusal(days, tmp_path, init_from=str(stateless))
 
 
+def test_auto_continues_with_the_finished_runs_row_update(days, tmp_path):
+    """--embedding-optimizer auto (the default) continues a run with the optimizer that run trained with, whatever
+    the model's own default: a DeepFM run trained row-wise continues row-wise, and its rows' state fits. Naming
+    another optimizer is refused, naming both."""
+    finished = tmp_path / "day0"
+    train(config(days["ds0"], finished, "local", model="deepfm", embedding_optimizer="adagrad"))
+    assert read_summary(finished)["embedding_optimizer"] == "adagrad"
+    setup = prepare_run(config(days["ds1"], tmp_path / "day1", "local", model="deepfm", init_from=str(finished)))
+    assert setup.embedding_optimizer == "adagrad" and setup.spec.own_accumulator_columns == 1
+    fresh = prepare_run(config(days["ds1"], tmp_path / "fresh", "local", model="deepfm"))
+    assert fresh.embedding_optimizer == "adagrad-per-value" and fresh.spec.width == 2 * setup.spec.dim
+    assert _refusal(days, tmp_path, init_from=str(finished), model="deepfm",
+                    embedding_optimizer="adagrad-per-value") == (
+        f"embedding_optimizer: --init-from {finished} trained with --embedding-optimizer adagrad, this run "
+        "adagrad-per-value (the optimizer state would not fit)")
+
+
 def test_a_final_state_with_the_shared_accumulator_layout_is_refused_and_still_scores(days, tmp_path):
     """A Wide & Deep final state whose first-order weight shares the row's accumulator (rows of D + 2 values,
     no own_accumulator_columns recorded): --init-from names both layouts instead of misreading the optimizer
     state; dlrmflow evaluate reads its weights, which sit where they sit in the layout of today."""
     run = tmp_path / "day0"
-    train(config(days["ds0"], run, "local", model="wide-deep"))
+    train(config(days["ds0"], run, "local", model="wide-deep", embedding_optimizer="adagrad"))
     scored = evaluate_run(run, days["ds1"])
     state = load_state(run)
     assert state["embedding"]["rows"].shape[1] == 4 + 1 + 2 and state["embedding"]["own_accumulator_columns"] == 1
@@ -171,7 +188,7 @@ def test_a_final_state_with_the_shared_accumulator_layout_is_refused_and_still_s
     state["embedding"]["state_width"] = 1
     del state["embedding"]["own_accumulator_columns"]
     save_sharded_state(run, state)
-    message = _refusal(days, tmp_path, init_from=str(run), model="wide-deep")
+    message = _refusal(days, tmp_path, init_from=str(run), model="wide-deep", embedding_optimizer="adagrad")
     assert message == (
         f"embedding_optimizer: --init-from {run} stores rows of 6 values (5 weights, then 1 optimizer value), this "
         "version 7 (5 weights, then one Adagrad accumulator shared by the first 4 and one for each of the last 1): "

@@ -476,12 +476,13 @@ def clusters():
 
 
 @pytest.mark.parametrize(("name", "dense"), [(name, {}) for name in MODELS]
-                         + [("deepfm", {"dense_optimizer": "adam", "embedding_optimizer": "adagrad-per-value"}),
+                         + [("deepfm", {"dense_optimizer": "adam", "embedding_optimizer": "adagrad"}),
                             ("dcn-v2", {"dense_optimizer": "adam"})])
 def test_every_mode_ends_bit_identical_to_local(name, dense, clusters, tmp_path, monkeypatch):
     """remote, lru, oracle; oracle with a parity shard and a killed data shard; lru with checkpoints, a
     trainer crash and a resume: each run's final state equals local's, bit for bit (under Adam too, whose
-    hidden layers start DeepCTR-Torch's way, and with an Adagrad accumulator per value)."""
+    hidden layers start DeepCTR-Torch's way; each model's default rows, and DeepFM's row-wise ones: one accumulator
+    for the embedding, one for the first-order weight)."""
     dataset = make_dataset(tmp_path / "data", 3)
     plan = keep_all_plan(dataset, 16, 12, 2)
 

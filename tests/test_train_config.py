@@ -12,6 +12,7 @@ from test_trainers import make_dataset
 
 from dlrmflow.cli import build_parser, main
 from dlrmflow.engine.errors import UserInputError
+from dlrmflow.engine.models import MODELS
 from dlrmflow.engine.serving.embedding_rows import EMBEDDING_OPTIMIZERS
 from dlrmflow.engine.training import job as trainer_module
 from dlrmflow.engine.training.config import TrainConfig, TrainConfigError, cli_option, replace
@@ -80,14 +81,30 @@ def test_the_pipeline_derives_its_training_fields():
 
 
 def test_the_optimizer_choices_are_the_engines():
-    """Each --embedding-optimizer is one of the engine's row updates, with its accumulator columns; every engine
-    update is offered."""
+    """Each --embedding-optimizer but auto is one of the engine's row updates, with its accumulator columns; every
+    engine update is offered."""
     from dlrmflow.engine.training.run_setup import row_optimizer
 
     choices = TrainConfig.model_fields["embedding_optimizer"].annotation.__args__
-    assert {row_optimizer(choice, 5, 1)[0] for choice in choices} == set(EMBEDDING_OPTIMIZERS)
+    assert choices[0] == "auto" == TrainConfig.model_fields["embedding_optimizer"].default
+    assert {row_optimizer(choice, 5, 1)[0] for choice in choices[1:]} == set(EMBEDDING_OPTIMIZERS)
     assert row_optimizer("adagrad", 5, 1) == ("adagrad", 1) and row_optimizer("sgd", 5, 1) == ("sgd", 1)
     assert row_optimizer("adagrad-per-value", 5, 1) == ("adagrad", 4)  # every value but the first its own
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_auto_trains_each_models_rows_as_its_reference_does(model, tmp_path):
+    """The default --embedding-optimizer auto: DLRM's rows row-wise (one accumulator per row, as TorchRec's
+    ROWWISE_ADAGRAD), Wide & Deep's, DeepFM's and DCN-v2's with an accumulator per value (as DeepCTR-Torch)."""
+    from dlrmflow.engine.training.run_setup import prepare_run
+
+    layers = dict(bottom_mlp=(8, 4), top_mlp=(8, 1)) if model == "dlrm" else dict(dnn=(8,))
+    config = TrainConfig(dataset_dir=str(make_dataset(tmp_path / "data", 0)), mode="local", model=model,
+                         output_dir=str(tmp_path / "run"), batch_size=16, embedding_dim=4, **layers)
+    setup = prepare_run(config)
+    expected = "adagrad" if model == "dlrm" else "adagrad-per-value"
+    assert config.embedding_optimizer == "auto" and setup.embedding_optimizer == expected
+    assert setup.spec.state_width == (1 if model == "dlrm" else setup.spec.dim)
 
 
 # ---- validation names the field ----------------------------------------------------------------------

@@ -29,6 +29,13 @@ from dlrmflow.engine.training.modes import MODE_NAMES, MODES, SERVER_MODES
 # first-order weight its own), SGD, and Adagrad with an accumulator per value (as torch's Adagrad and DeepCTR-Torch:
 # a row of D values carries D accumulators instead of one; run_setup.row_optimizer).
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "adagrad-per-value")
+# --embedding-optimizer auto: each model's rows as its reference library trains them when no run is continued.
+# DLRM row-wise (TorchRec's ROWWISE_ADAGRAD: the smaller rows); Wide & Deep, DeepFM and DCN-v2 per value
+# (DeepCTR-Torch's torch.optim.Adagrad), the only setting that matched DeepCTR-Torch on every data source
+# (benchmarks/RESULTS.md, issue 47), at about twice the bytes per row on the servers and the link.
+AUTO_EMBEDDING_OPTIMIZER = {"dlrm": "adagrad", "wide-deep": "adagrad-per-value", "deepfm": "adagrad-per-value",
+                            "dcn-v2": "adagrad-per-value"}
+EMBEDDING_OPTIMIZER_SETTINGS = ("auto", *EMBEDDING_OPTIMIZERS)
 DENSE_OPTIMIZERS = ("sgd", "adam")
 DEFAULT_BOTTOM_HIDDEN = (512, 256, 64)  # the bottom MLP without bottom_mlp: these, then embedding_dim
 DEFAULT_TOP_MLP = (512, 256, 1)
@@ -47,6 +54,14 @@ def _modes(has: str, lacks: str | None = None) -> str:
 
 class TrainConfigError(UserInputError):
     """The training configuration is invalid, or does not fit the data, the plan or the machine."""
+
+
+def embedding_optimizer_for(setting: str, model: str, continued: str | None = None) -> str:
+    """The row update ``--embedding-optimizer setting`` names for ``model``: ``auto`` is the optimizer of the run
+    being continued (``continued``: its optimizer state must fit), else :data:`AUTO_EMBEDDING_OPTIMIZER`'s."""
+    if setting != "auto":
+        return setting
+    return continued if continued is not None else AUTO_EMBEDDING_OPTIMIZER[model]
 
 
 def cli_option(field: str) -> str | None:
@@ -102,8 +117,11 @@ class TrainConfig(ConfigModel):
                             "N(0, 1e-4), biases uniform in +-1/sqrt(inputs)); auto: "
                             + ", ".join(f"{init} under --dense-optimizer {opt}"
                                         for opt, init in AUTO_HIDDEN_INIT.items()))
-    embedding_optimizer: Literal[EMBEDDING_OPTIMIZERS] = Field(
-        "adagrad", description="row-wise Adagrad, SGD, or Adagrad with an accumulator per value")
+    embedding_optimizer: Literal[EMBEDDING_OPTIMIZER_SETTINGS] = Field(
+        "auto", description="the embedding rows' update: adagrad (row-wise: one accumulator per row), sgd, or "
+                            "adagrad-per-value (an accumulator per value: about twice the bytes per row); auto: "
+                            "the optimizer of the run --init-from continues, else "
+                            + ", ".join(f"{o} for --model {m}" for m, o in AUTO_EMBEDDING_OPTIMIZER.items()))
     dense_optimizer: Literal[DENSE_OPTIMIZERS] = Field("sgd", description="optimizer of the dense parameters")
     lr: float = Field(0.01, gt=0, description="dense learning rate")
     embedding_lr: float | None = Field(None, gt=0, description="embedding learning rate (default: --lr)")

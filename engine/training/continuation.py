@@ -111,13 +111,13 @@ def parent_cardinalities(run: FinishedRun, meta: Any, where: str) -> list[int]:
     return cards
 
 
-def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, architecture: dict[str, Any],
-                    row_width: int, width: int, layout: str) -> tuple[FinishedRun, Any]:
-    """The finished run ``config.init_from`` names, checked against this run's model (``architecture``, as a
-    summary records it), row layout (``row_width`` weights, ``width`` values with the optimizer state, ``layout``
-    in words: RowSpec.describe_layout) and dataset (``meta``); the rows it starts from."""
-    run = read_finished_run(run_dir)
-    where = f"--init-from {run_dir}"
+def check_init_from(run: FinishedRun, *, config: Any, embedding_optimizer: str, meta: Any,
+                    architecture: dict[str, Any], row_width: int, width: int, layout: str) -> Any:
+    """The finished run ``config.init_from`` names (``run``), checked against this run's model (``architecture``,
+    as a summary records it), optimizers (``embedding_optimizer``: ``config``'s resolved), row layout
+    (``row_width`` weights, ``width`` values with the optimizer state, ``layout`` in words:
+    RowSpec.describe_layout) and dataset (``meta``); the rows it starts from."""
+    where = f"--init-from {config.init_from}"
     summary = run.summary
     if summary["model"] != config.model:
         raise InitFromError(f"model: {where} trained --model {summary['model']}, this run is --model {config.model}")
@@ -129,10 +129,10 @@ def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, archi
     for key in sorted(set(theirs) | set(architecture)):
         if theirs.get(key) != architecture.get(key):
             raise InitFromError(f"{key}: {where} has {key} {theirs.get(key)}, this run {architecture.get(key)}")
-    for key in ("embedding_optimizer", "dense_optimizer"):
-        if summary[key] != getattr(config, key):
+    for key, ours in (("embedding_optimizer", embedding_optimizer), ("dense_optimizer", config.dense_optimizer)):
+        if summary[key] != ours:
             raise InitFromError(f"{key}: {where} trained with --{key.replace('_', '-')} {summary[key]}, this run "
-                                f"{getattr(config, key)} (the optimizer state would not fit)")
+                                f"{ours} (the optimizer state would not fit)")
     theirs_width = int(run.manifest["width"])
     if theirs_width != width:
         # Same model, weights and optimizer: the optimizer state is laid out otherwise (a final state written
@@ -143,7 +143,7 @@ def check_init_from(run_dir: str | os.PathLike, *, config: Any, meta: Any, archi
                             f"{width} ({layout}): the run was trained by a dlrmflow with another row layout; "
                             "continue it with that version, or train it again with this one")
     cards = parent_cardinalities(run, meta, where)
-    return run, run.starting_rows(cards)
+    return run.starting_rows(cards)
 
 
 def init_from_record(run: FinishedRun) -> dict[str, Any]:

@@ -190,7 +190,7 @@ def _summary(setup: RunSetup, traffic: dict[str, int], log: dict, metrics: dict,
         "embedding_dim": config.embedding_dim,
         "row_width": setup.spec.dim,  # values per id the model reads (embedding_dim + its per-id weights)
         "dense_parameters": dense_parameters,
-        "embedding_optimizer": config.embedding_optimizer,
+        "embedding_optimizer": setup.embedding_optimizer,
         "dense_optimizer": config.dense_optimizer,
         "lr": config.lr,
         "embedding_lr": setup.spec.lr,

@@ -18,8 +18,8 @@ from dlrmflow.engine.models import architecture, first_order_columns, model_conf
 from dlrmflow.engine.planning.planner import CapacityError, Plan, load_plan
 from dlrmflow.engine.serving.embedding_rows import RowSpec
 from dlrmflow.engine.training.checkpoint_format import check_row_layout, load_checkpoint
-from dlrmflow.engine.training.config import TrainConfig, TrainConfigError
-from dlrmflow.engine.training.continuation import FinishedRun, check_init_from
+from dlrmflow.engine.training.config import TrainConfig, TrainConfigError, embedding_optimizer_for
+from dlrmflow.engine.training.continuation import FinishedRun, check_init_from, read_finished_run
 from dlrmflow.engine.training.faults import Kill, check_kills
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.run_directory import CHECKPOINT_FILE
@@ -40,6 +40,7 @@ class RunSetup:
     eval_start: int  # held-out rows [eval_start, meta.rows)
     model_config: Any  # the model's checked architecture (a model module's frozen config dataclass)
     spec: RowSpec
+    embedding_optimizer: str  # config.embedding_optimizer resolved (never auto): the row update spec carries out
     plan: Plan | None = None
     checks: dict[str, Any] = field(default_factory=dict)
     kills: list[Kill] = field(default_factory=list)  # the parsed kills
@@ -137,8 +138,12 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         raise TrainConfigError(
             f"iterations: the last of the {iterations} batches has {last_rows} rows, which do not split into "
             f"{config.trainers} equal slices (--trainers {config.trainers}); use --iterations {iterations - 1}")
+    # InitFromError: not a finished run. Checked against this run once its rows' layout is known (below).
+    finished = None if config.init_from is None else read_finished_run(config.init_from)
+    embedding_optimizer = embedding_optimizer_for(
+        config.embedding_optimizer, config.model, None if finished is None else finished.summary["embedding_optimizer"])
     width = row_width(config.model, config.embedding_dim)
-    optimizer, own_accumulators = row_optimizer(config.embedding_optimizer, width, first_order_columns(config.model))
+    optimizer, own_accumulators = row_optimizer(embedding_optimizer, width, first_order_columns(config.model))
     spec = RowSpec(
         dim=width,
         optimizer=optimizer,
@@ -150,11 +155,10 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         earlier_cardinalities=meta.earlier_cardinalities,
         own_accumulator_columns=own_accumulators,
     )
-    init_from = None
-    if config.init_from is not None:  # InitFromError: not a finished run, another model, unrelated data
-        init_from, start = check_init_from(config.init_from, config=config, meta=meta,
-                                           architecture=architecture(architecture_config), row_width=spec.dim,
-                                           width=spec.width, layout=spec.describe_layout())
+    if finished is not None:  # InitFromError: another model or optimizer, unrelated data
+        start = check_init_from(finished, config=config, embedding_optimizer=embedding_optimizer, meta=meta,
+                                architecture=architecture(architecture_config), row_width=spec.dim,
+                                width=spec.width, layout=spec.describe_layout())
         spec = dataclasses.replace(spec, start=start)
     checks: dict[str, Any] = {}
     if plan is not None:
@@ -181,8 +185,8 @@ def prepare_run(config: TrainConfig, *, plan=None) -> RunSetup:
         check_row_layout(checkpoint, load_checkpoint(checkpoint, mmap=True), spec)  # before any worker starts
     else:
         refuse_unfinished_run(config.output_dir)  # names `dlrmflow resume RUN_DIR`
-    return RunSetup(config, meta, stream, iterations, eval_start, architecture_config, spec, plan, checks, kills,
-                    plan_fp, resume_at, init_from)
+    return RunSetup(config, meta, stream, iterations, eval_start, architecture_config, spec, embedding_optimizer, plan,
+                    checks, kills, plan_fp, resume_at, finished)
 
 
 def plan_fingerprint(plan) -> str | None:
