@@ -96,11 +96,11 @@ def test_the_optimizer_choices_are_the_engines():
 def test_auto_trains_each_models_rows_as_its_reference_does(model, tmp_path):
     """The default --embedding-optimizer auto: DLRM's rows row-wise (one accumulator per row, as TorchRec's
     ROWWISE_ADAGRAD), Wide & Deep's, DeepFM's and DCN-v2's with an accumulator per value (as DeepCTR-Torch)."""
+    from test_models import run_config
+
     from dlrmflow.engine.training.run_setup import prepare_run
 
-    layers = dict(bottom_mlp=(8, 4), top_mlp=(8, 1)) if model == "dlrm" else dict(dnn=(8,))
-    config = TrainConfig(dataset_dir=str(make_dataset(tmp_path / "data", 0)), mode="local", model=model,
-                         output_dir=str(tmp_path / "run"), batch_size=16, embedding_dim=4, **layers)
+    config = run_config(make_dataset(tmp_path / "data", 0), tmp_path / "run", "local", model)
     setup = prepare_run(config)
     expected = "adagrad" if model == "dlrm" else "adagrad-per-value"
     assert config.embedding_optimizer == "auto" and setup.embedding_optimizer == expected
