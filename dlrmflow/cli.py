@@ -120,15 +120,17 @@ def temporary_prefect_api(say: Callable[[str], None] = lambda line: None) -> Tem
 
 def start_local_cluster_workers_early(module: ModuleType, args: argparse.Namespace) -> None:
     """For a command that will start a LocalCluster (its module's ``starts_local_cluster(args)``, and no Dask
-    address given): the server its workers fork from, started now. It imports torch and the engine (2.3 s on
-    a quiet core) while the command imports its flows and its temporary Prefect API starts, instead of
-    when the flow starts the cluster (which then takes 0.2 s instead of 2.5). Where the command's workers will
-    train (the module's ``trains_on_cluster(args)``: ``--trainers`` 2 or more), with what a trainer imports."""
+    address given): the server its workers fork from, started now. It imports the engine (and torch: 2.3 s on a
+    quiet core) while the command imports its flows and its temporary Prefect API starts, instead of when the flow
+    starts the cluster (which then takes 0.2 s instead of 2.5). Without torch where the module's
+    ``workers_use_torch(args)`` says no worker trains or scores; with what a trainer imports where its workers
+    will train (``trains_on_cluster(args)``: ``--trainers`` 2 or more)."""
     from dlrmflow.engine.serving.cluster import resolve_address, start_worker_server
 
     if getattr(module, "starts_local_cluster", lambda _: False)(args) and \
             resolve_address(getattr(args, "dask_address", None)) is None:
-        start_worker_server(trainers=getattr(module, "trains_on_cluster", lambda _: False)(args))
+        start_worker_server(torch=getattr(module, "workers_use_torch", lambda _: True)(args),
+                            trainers=getattr(module, "trains_on_cluster", lambda _: False)(args))
 
 
 def import_flows(module: ModuleType) -> None:

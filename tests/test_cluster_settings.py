@@ -62,9 +62,9 @@ def _worker_start() -> dict:
     import os
     import sys
 
-    from dlrmflow.engine.serving.cluster import WORKER_IMPORTS
+    from dlrmflow.engine.serving.cluster import worker_imports
 
-    return {"parent": os.getppid(), "imported": [m for m in WORKER_IMPORTS if m in sys.modules],
+    return {"parent": os.getppid(), "imported": [m for m in worker_imports(trainers=True) if m in sys.modules],
             "threads": __import__("torch").get_num_threads(), "cwd": os.getcwd(),
             "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MALLOC_TRIM_THRESHOLD_")}}
 
@@ -77,7 +77,7 @@ def test_workers_fork_from_a_server_that_imported_the_engine_and_start_as_spawne
     directory of the cluster's start (a later cluster's, after a chdir)."""
     from distributed import Client
 
-    from dlrmflow.engine.serving.cluster import WORKER_IMPORTS, WORKER_START
+    from dlrmflow.engine.serving.cluster import WORKER_START, worker_imports
 
     if WORKER_START != "forkserver":
         pytest.skip("this platform has no forkserver: workers are spawned")
@@ -102,7 +102,38 @@ def test_workers_fork_from_a_server_that_imported_the_engine_and_start_as_spawne
     assert len(parents) == 1 and os.getpid() not in parents  # one server, for every cluster and the replacement
     for where, workers in seen:
         for worker in workers:
-            assert worker["imported"] == list(WORKER_IMPORTS) and worker["cwd"] == str(where)
+            assert worker["imported"] == list(worker_imports(trainers=True)) and worker["cwd"] == str(where)
             assert worker["threads"] == 1
             assert worker["env"] == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
                                      "MALLOC_TRIM_THRESHOLD_": None}
+
+
+TORCH_ON_THE_WORKERS = """
+import json, sys
+from distributed import Client
+from dlrmflow import cli
+from dlrmflow.engine.serving.cluster import local_cluster
+args = cli.build_parser().parse_args(sys.argv[1:])
+cli.start_local_cluster_workers_early(args._module, args)
+with local_cluster(1) as cluster, Client(cluster) as client:
+    [seen] = client.run(lambda: sorted(m for m in ("torch", "torch._inductor.config") if m in sys.modules)).values()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("argv", "imported"), [
+    (["generate", "--rows", "10", "--output", "g.tsv"], []),
+    (["train", "ds", "--mode", "oracle", "--plan", "p", "--output", "r"], []),
+    (["train", "ds", "--mode", "remote", "--trainers", "2", "--output", "r"], ["torch", "torch._inductor.config"]),
+])
+def test_a_commands_workers_import_torch_only_where_they_train(argv, imported):
+    """A data command's and a one-trainer run's LocalCluster workers fork from a server that never imported torch
+    (1.4 CPU s less at each such command's start, on the cores its own imports use); trainers' do, with torch's
+    compiler settings."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", TORCH_ON_THE_WORKERS, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == imported

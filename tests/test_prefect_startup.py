@@ -256,11 +256,16 @@ def test_a_profile_that_names_an_api_stops_the_server_launched_first_and_says_wh
         "dlrmflow generate: using the Prefect API at http://127.0.0.1:1/api (PREFECT_API_URL)"]
 
 
-@pytest.mark.parametrize(("argv", "started"), [
-    (["generate", "--rows", "10", "--output", "g.tsv"], [False]),
-    (["train", "ds", "--mode", "remote", "--output", "r"], [False]),
-    (["train", "ds", "--mode", "oracle", "--plan", "p", "--output", "r"], [False]),
-    (["train", "ds", "--mode", "remote", "--trainers", "2", "--output", "r"], [True]),  # with a trainer's imports
+@pytest.mark.parametrize(("argv", "started"), [  # (torch, trainers) of each start
+    (["generate", "--rows", "10", "--output", "g.tsv"], [(False, False)]),  # data only: no torch on the workers
+    (["preprocess", "raw.tsv", "--output", "ds"], [(False, False)]),
+    (["profile", "ds"], [(False, False)]),
+    (["plan", "ds", "--batch-size", "8", "--output", "p"], [(False, False)]),
+    (["train", "ds", "--mode", "remote", "--output", "r"], [(False, False)]),  # embedding servers only
+    (["train", "ds", "--mode", "oracle", "--plan", "p", "--output", "r"], [(False, False)]),
+    (["train", "ds", "--mode", "remote", "--trainers", "2", "--output", "r"], [(True, True)]),  # trainers there
+    (["daily", "landing", "--state-dir", "s"], [(True, False)]),  # scores and trains on the cluster
+    (["demo"], [(True, False)]),
     (["train", "ds", "--mode", "local", "--output", "r"], []),  # no servers: no cluster
     (["train", "ds", "--mode", "remote", "--output", "r", "--dask-address", "tcp://10.0.0.1:8786"], []),
     (["verify", "r"], []),
@@ -268,11 +273,11 @@ def test_a_profile_that_names_an_api_stops_the_server_launched_first_and_says_wh
 def test_the_worker_server_starts_early_only_for_a_command_that_starts_a_local_cluster(monkeypatch, argv, started):
     """The server a LocalCluster's workers fork from starts with the command (its imports overlap the command's),
     only where the command will start a LocalCluster: not for a local run, one on the user's own cluster
-    (--dask-address, or $DLRMFLOW_DASK_ADDRESS), or a command without a cluster. It imports what a trainer
-    imports only where trainers run on the workers."""
+    (--dask-address, or $DLRMFLOW_DASK_ADDRESS), or a command without a cluster. It imports torch only where a
+    worker may train or score, and what a trainer imports besides only where trainers run on the workers."""
     calls = []
     monkeypatch.setattr("dlrmflow.engine.serving.cluster.start_worker_server",
-                        lambda trainers: calls.append(trainers))
+                        lambda torch, trainers: calls.append((torch, trainers)))
     monkeypatch.delenv("DLRMFLOW_DASK_ADDRESS", raising=False)
     args = cli.build_parser().parse_args(argv)
     cli.start_local_cluster_workers_early(args._module, args)

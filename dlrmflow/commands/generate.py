@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
+from dlrmflow.commands import (  # noqa: F401  (cli: the flow always starts a LocalCluster; no torch there)
+    starts_local_cluster,
+    workers_use_torch,
+)
 from dlrmflow.engine.errors import UserInputError
 
 NAME = "generate"

@@ -6,7 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dlrmflow.commands import starts_local_cluster  # noqa: F401  (cli: the flow always starts a LocalCluster)
+from dlrmflow.commands import (  # noqa: F401  (cli: the flow always starts a LocalCluster; no torch there)
+    starts_local_cluster,
+    workers_use_torch,
+)
 from dlrmflow.commands.options import add_config_options, checked_config
 from dlrmflow.datasets.preprocess_config import PreprocessConfig
 

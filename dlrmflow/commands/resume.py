@@ -49,6 +49,10 @@ def trains_on_cluster(args: argparse.Namespace) -> bool:
     return train.trains_on_cluster(args.config)
 
 
+def workers_use_torch(args: argparse.Namespace) -> bool:
+    return train.workers_use_torch(args.config)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = getattr(args, "config", None) or resumed_config(args.run_dir)  # main() made it in check()
     return train.run_training(config, args.dask_address)

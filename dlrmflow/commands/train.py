@@ -57,6 +57,13 @@ def trains_on_cluster(args: argparse.Namespace) -> bool:
     return args.trainers > 1
 
 
+def workers_use_torch(args: argparse.Namespace) -> bool:
+    """Whether the workers' server imports torch for them: where trainers run there. The embedding servers, their
+    parity and rebuilds import none; a worker that scores a large held-out set (at least
+    ``cluster_scoring.CLUSTER_MIN_ROWS`` rows, on a worker no member holds) imports it then, once."""
+    return trains_on_cluster(args)
+
+
 def check(args: argparse.Namespace) -> None:
     """The options' checks, before Prefect, torch or Dask load (TrainConfig is a light module); with
     --init-from, that the directory holds a finished run (the rest is checked against the dataset later)."""

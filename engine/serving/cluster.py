@@ -87,10 +87,16 @@ WORKER_LOGGING = "dlrmflow.engine.serving.worker_logging"
 # starter, but its environment (and glibc's malloc settings) from the server's start, which is given what a
 # nanny gives a spawned worker: an environment variable set later in this process does not reach it (nothing
 # dlrmflow's workers run reads one). Imports that fail are skipped there and done by the worker that needs them.
-WORKER_IMPORTS = ("dlrmflow", "distributed", "numpy", "pyarrow.parquet", "torch", WORKER_LOGGING,
-                  "dlrmflow.engine.serving.shards", "dlrmflow.engine.coding.group", "dlrmflow.engine.training.launch",
+WORKER_IMPORTS = ("dlrmflow", "distributed", "numpy", "pyarrow.parquet", WORKER_LOGGING,
+                  "dlrmflow.engine.serving.shards", "dlrmflow.engine.coding.group",
                   "dlrmflow.engine.planning.planner", "dlrmflow.engine.planning.profile",
                   "dlrmflow.datasets.preprocess", "dlrmflow.datasets.synthetic")
+# What a worker that trains or scores imports besides WORKER_IMPORTS: torch (1.4 CPU s). Preloaded unless the
+# command says its workers never use it (start_worker_server's ``torch``): generating, preprocessing, profiling and
+# planning data, and serving rows (the server code imports no torch), which a one-trainer run's cluster only does.
+# There the server's start costs 0.6 CPU s instead of 2.0, on the cores the command's own imports and its
+# temporary Prefect API start on.
+TORCH_IMPORTS = ("torch", "dlrmflow.engine.training.launch")
 # What a worker that trains or scores imports besides: torch.optim's first optimizer and
 # torch.use_deterministic_algorithms import torch's compiler (torch._dynamo), 1.2 CPU s after each fork. Preloaded
 # only where trainer workers will fork (start_worker_server's ``trainers``): a server-only cluster's start would pay
@@ -114,9 +120,10 @@ class ForkingNanny(Nanny):
             return await super().instantiate()
 
 
-def start_worker_server(*, trainers: bool = False) -> None:
-    """With :data:`WORKER_START` forkserver, start the server now (once per process) with :data:`WORKER_IMPORTS`
-    (and :data:`TRAINER_IMPORTS` with ``trainers``: its workers will train) and the environment a nanny gives
+def start_worker_server(*, torch: bool = True, trainers: bool = False) -> None:
+    """With :data:`WORKER_START` forkserver, start the server now (once per process) with :data:`WORKER_IMPORTS`,
+    :data:`TORCH_IMPORTS` with ``torch`` (its workers may train or score: False only where none will), and
+    :data:`TRAINER_IMPORTS` with ``trainers`` (its workers will train); and with the environment a nanny gives
     the workers it spawns (Dask's ``pre-spawn-environ`` under :data:`HOUSEKEEPING`: one OpenMP thread, no malloc
     trim threshold), whatever this process's environment holds by then: a LocalCluster started here without
     dlrmflow's settings leaves Dask's in it."""
@@ -126,7 +133,7 @@ def start_worker_server(*, trainers: bool = False) -> None:
     with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
         get_mp_context()  # Dask sets its preload list once per process: ours replaces it
         multiprocessing.get_context(WORKER_START).set_forkserver_preload(
-            [*WORKER_IMPORTS, *(TRAINER_IMPORTS if trainers else ())])
+            [*worker_imports(torch=torch or trainers, trainers=trainers)])
         spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
         saved = {key: os.environ.get(key) for key in spawn_env}
         try:
@@ -142,6 +149,11 @@ def start_worker_server(*, trainers: bool = False) -> None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+
+def worker_imports(*, torch: bool = True, trainers: bool = False) -> tuple[str, ...]:
+    """What the workers' server imports before it forks them (:func:`start_worker_server`)."""
+    return (*WORKER_IMPORTS, *(TORCH_IMPORTS if torch else ()), *(TRAINER_IMPORTS if trainers else ()))
 
 
 def coded_cluster_workers(num_shards: int, parity: int) -> int | None:
