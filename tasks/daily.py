@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
+from dlrmflow.tasks import task
 from dlrmflow.tasks.reporting import artifact_key, publish_markdown, publish_plot, run_dir_label
 
 PLOTS_DIR = "plots"  # STATE/plots/next_day_auc-<night>.png: one file per night, so every version keeps its plot

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
 from dlrmflow.datasets import synthetic
 from dlrmflow.datasets.preprocess import run_preprocess
@@ -15,6 +15,7 @@ from dlrmflow.engine.planning import profile as skew
 from dlrmflow.engine.planning.profile import ProfileConfig, ProfileResult
 from dlrmflow.engine.serving.cluster import dask_client
 from dlrmflow.engine.up_to_date import saved_result
+from dlrmflow.tasks import task
 from dlrmflow.tasks.reporting import (
     Column,
     FlowProgress,

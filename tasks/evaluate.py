@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
+from dlrmflow.tasks import task
 from dlrmflow.tasks.reporting import (
     PHASES_LOGGER,
     artifact_key,

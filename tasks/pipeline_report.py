@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 from uuid import UUID
 
-from prefect import get_client, task
+from prefect import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
@@ -23,6 +23,7 @@ from prefect.client.schemas.sorting import FlowRunSort
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
+from dlrmflow.tasks import task
 from dlrmflow.tasks.reporting import publish_markdown
 
 

@@ -7,11 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-
 from dlrmflow.engine.planning import cache_policies
 from dlrmflow.engine.planning.planner import PlanJobConfig, PlanResult, make_plan
 from dlrmflow.engine.serving.cluster import cluster_workers, dask_client
+from dlrmflow.tasks import task
 from dlrmflow.tasks.reporting import (
     Column,
     FlowProgress,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
+from dlrmflow.tasks import task
 from dlrmflow.tasks.evaluate import model_label
 from dlrmflow.tasks.reporting import (
     PHASES_LOGGER,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-
 from dlrmflow.engine.coding.record import recovery_figures
+from dlrmflow.tasks import task
 from dlrmflow.tasks.reporting import artifact_key, metric_table, publish_table
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.cache_policies import NO_CACHE
 
 from dlrmflow.engine.coding.record import recovery_figures
@@ -17,7 +17,7 @@ from dlrmflow.engine.training.job import train
 from dlrmflow.engine.training.modes import MODES
 from dlrmflow.engine.training.run_setup import RunSetup, prepare_run
 from dlrmflow.engine.training.summary import TrainSummary, train_summary
-from dlrmflow.tasks import plots
+from dlrmflow.tasks import plots, task
 from dlrmflow.tasks.reporting import (
     Column,
     FlowProgress,

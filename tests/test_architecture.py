@@ -179,6 +179,25 @@ def test_every_flow_is_made_with_the_prefect_internals_flow_decorator():
     assert train_flow.name == "train"  # a Prefect Flow all the same
 
 
+def test_every_task_is_made_with_the_tasks_packages_decorator():
+    """Its runs carry only their own tags (dlrmflow.tasks.task): no tag concurrency request before each task."""
+    import dlrmflow.tasks
+
+    found = []
+    for module in modules_of("dlrmflow.tasks", Path(dlrmflow.tasks.__file__).parent):
+        if module.name == "dlrmflow.tasks":
+            continue
+        found += [f"{module.path.name}:{imp.line} imports prefect.task" for imp in imports_of(module)
+                  if (imp.module, imp.name) == ("prefect", "task")]
+        found += [f"{module.path.name}:{node.lineno} uses prefect.task" for node in ast.walk(module.tree())
+                  if isinstance(node, ast.Attribute) and node.attr == "task" and isinstance(node.value, ast.Name)
+                  and node.value.id == "prefect"]
+    assert not found, "tasks made with prefect.task, not dlrmflow.tasks.task:\n" + "\n".join(found)
+    from dlrmflow.tasks.train import train_task
+
+    assert train_task.name == "train-dlrm"  # a Prefect Task all the same
+
+
 # --------------------------------------------------------------------------------------------
 # (c) no import cycle in the engine
 

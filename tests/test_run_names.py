@@ -170,3 +170,32 @@ def test_two_nights_of_the_daily_loop_never_share_a_name_or_tags():
     assert night_label(first, []) == "2026-11-28T0200Z-nothing-new" and night_label(first, None) == "2026-11-28T0200Z"
     paris = datetime(2026, 11, 28, 3, 0, tzinfo=timezone(timedelta(hours=1)))
     assert night_label(paris, ["day 7/b"]) == "2026-11-28T0200Z-day-7-b"  # UTC, and safe as a file name
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_task_run_carries_none_of_the_tags_its_flow_run_gets_from_the_context():
+    """Tags describe flow runs (the pipeline's `dataset:...`, `link:...` on each step's run); a task run inside one
+    carries none (dlrmflow.tasks.task), so Prefect asks the API for no tag concurrency limits before it starts."""
+    from prefect import flow, get_client, tags
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.context import FlowRunContext
+
+    from dlrmflow.tasks import task
+
+    @task(name="a-step")
+    def step(x: int) -> int:
+        return x + 1
+
+    @flow
+    def steps() -> object:
+        assert step(1) == 2
+        return FlowRunContext.get().flow_run.id
+
+    with tags("dataset:steps", "link:20mbit"):
+        run_id = steps()
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+        [task_run] = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
+            any_=[run_id])))
+    assert {"dataset:steps", "link:20mbit"} <= set(run.tags)
+    assert task_run.name.startswith("a-step") and task_run.tags == []
