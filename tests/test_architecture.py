@@ -161,18 +161,25 @@ def test_no_task_module_imports_a_flow_module():
     assert not found, "tasks/ must not import flows/ (the flow hands tasks what they need):\n" + "\n".join(found)
 
 
-def test_every_flow_is_made_with_the_prefect_internals_flow_decorator():
-    import dlrmflow.flows
+def uses_of_prefects_own(package: str, decorator: str, wrapper: str) -> list[str]:
+    """Where a module of ``package`` (other than ``wrapper``, the module that wraps it) imports or uses
+    ``prefect.<decorator>``."""
+    import importlib
 
     found = []
-    for module in modules_of("dlrmflow.flows", Path(dlrmflow.flows.__file__).parent):
-        if module.name == "dlrmflow.flows.prefect_internals":
+    for module in modules_of(package, Path(importlib.import_module(package).__file__).parent):
+        if module.name == wrapper:
             continue
-        found += [f"{module.path.name}:{imp.line} imports prefect.flow" for imp in imports_of(module)
-                  if (imp.module, imp.name) == ("prefect", "flow")]
-        found += [f"{module.path.name}:{node.lineno} uses prefect.flow" for node in ast.walk(module.tree())
-                  if isinstance(node, ast.Attribute) and node.attr == "flow" and isinstance(node.value, ast.Name)
+        found += [f"{module.path.name}:{imp.line} imports prefect.{decorator}" for imp in imports_of(module)
+                  if (imp.module, imp.name) == ("prefect", decorator)]
+        found += [f"{module.path.name}:{node.lineno} uses prefect.{decorator}" for node in ast.walk(module.tree())
+                  if isinstance(node, ast.Attribute) and node.attr == decorator and isinstance(node.value, ast.Name)
                   and node.value.id == "prefect"]
+    return found
+
+
+def test_every_flow_is_made_with_the_prefect_internals_flow_decorator():
+    found = uses_of_prefects_own("dlrmflow.flows", "flow", "dlrmflow.flows.prefect_internals")
     assert not found, "flows made with prefect.flow, not prefect_internals.flow:\n" + "\n".join(found)
     from dlrmflow.flows.train import train_flow
 
@@ -181,17 +188,7 @@ def test_every_flow_is_made_with_the_prefect_internals_flow_decorator():
 
 def test_every_task_is_made_with_the_tasks_packages_decorator():
     """Its runs carry only their own tags (dlrmflow.tasks.task): no tag concurrency request before each task."""
-    import dlrmflow.tasks
-
-    found = []
-    for module in modules_of("dlrmflow.tasks", Path(dlrmflow.tasks.__file__).parent):
-        if module.name == "dlrmflow.tasks":
-            continue
-        found += [f"{module.path.name}:{imp.line} imports prefect.task" for imp in imports_of(module)
-                  if (imp.module, imp.name) == ("prefect", "task")]
-        found += [f"{module.path.name}:{node.lineno} uses prefect.task" for node in ast.walk(module.tree())
-                  if isinstance(node, ast.Attribute) and node.attr == "task" and isinstance(node.value, ast.Name)
-                  and node.value.id == "prefect"]
+    found = uses_of_prefects_own("dlrmflow.tasks", "task", "dlrmflow.tasks")
     assert not found, "tasks made with prefect.task, not dlrmflow.tasks.task:\n" + "\n".join(found)
     from dlrmflow.tasks.train import train_task
 
