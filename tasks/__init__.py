@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -21,6 +22,17 @@ def task(**options: Any) -> Callable[[Callable[..., T]], Any]:
 
     ``TagsContext`` (``prefect.context``) is what ``prefect.tags`` enters and the task engine reads when it
     creates a task run in the calling thread."""
+
+    def make(fn: Callable[..., T]) -> Any:
+        return _own_tags_only_task()(fn=fn, **options)
+
+    return make
+
+
+@cache
+def _own_tags_only_task() -> type:
+    """The Task class :func:`task` makes: its calls leave the caller's tags out (made once, when the first task
+    is: this package's import stays free of Prefect)."""
     import prefect
     from prefect.context import TagsContext
 
@@ -29,7 +41,4 @@ def task(**options: Any) -> Callable[[Callable[..., T]], Any]:
             with TagsContext(current_tags=set()):
                 return super().__call__(*args, **kwargs)
 
-    def make(fn: Callable[..., T]) -> Any:
-        return OwnTagsOnly(fn=fn, **options)
-
-    return make
+    return OwnTagsOnly

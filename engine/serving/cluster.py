@@ -133,7 +133,7 @@ def start_worker_server(*, torch: bool = True, trainers: bool = False) -> None:
     with dask.config.set({**HOUSEKEEPING, "distributed.worker.multiprocessing-method": WORKER_START}):
         get_mp_context()  # Dask sets its preload list once per process: ours replaces it
         multiprocessing.get_context(WORKER_START).set_forkserver_preload(
-            [*worker_imports(torch=torch or trainers, trainers=trainers)])
+            [*worker_imports(torch=torch, trainers=trainers)])
         spawn_env = dask.config.get("distributed.nanny.pre-spawn-environ", {})
         saved = {key: os.environ.get(key) for key in spawn_env}
         try:
@@ -152,8 +152,9 @@ def start_worker_server(*, torch: bool = True, trainers: bool = False) -> None:
 
 
 def worker_imports(*, torch: bool = True, trainers: bool = False) -> tuple[str, ...]:
-    """What the workers' server imports before it forks them (:func:`start_worker_server`)."""
-    return (*WORKER_IMPORTS, *(TORCH_IMPORTS if torch else ()), *(TRAINER_IMPORTS if trainers else ()))
+    """What the workers' server imports before it forks them (:func:`start_worker_server`): trainers use torch
+    whatever ``torch`` says."""
+    return (*WORKER_IMPORTS, *(TORCH_IMPORTS if torch or trainers else ()), *(TRAINER_IMPORTS if trainers else ()))
 
 
 def coded_cluster_workers(num_shards: int, parity: int) -> int | None:
